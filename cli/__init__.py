@@ -1,0 +1,1 @@
+"""Command-line apps (typer): `mooncaked` and `mooncake`."""

@@ -1,0 +1,151 @@
+"""Torch references of the paged-attention kernels (the CPU path of the engine).
+
+The paged KV layout, shared by the engine, the store and the transfer engine:
+
+    kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]
+
+so one block (every layer's K and V for `block_size` tokens) is one contiguous
+run of bytes. The attention functions take one layer's K and V as views
+
+    k_cache = kv_cache[:, layer, 0]   # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache = kv_cache[:, layer, 1]
+
+whose block stride is num_layers * 2 * block_size * num_kv_heads * head_dim
+elements; token, head and dim strides are contiguous. A slot is
+`block_id * block_size + offset`.
+
+The Triton kernels in this package have the same signatures.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Writes new keys and values into their pages.
+
+    Args:
+        k, v: [num_tokens, num_kv_heads, head_dim], the cache's dtype.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim] views (see module doc).
+        slot_mapping: int64 [num_tokens]; slot = block_id * block_size + offset; -1 skips a token.
+    """
+    block_size = k_cache.shape[1]
+    keep = slot_mapping >= 0
+    if not bool(keep.all()):
+        k, v, slot_mapping = k[keep], v[keep], slot_mapping[keep]
+    blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
+    offsets = slot_mapping - blocks * block_size
+    k_cache[blocks, offsets] = k
+    v_cache[blocks, offsets] = v
+
+
+def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """[length, num_kv_heads, head_dim]: one sequence's first `length` tokens from its pages."""
+    block_size = cache.shape[1]
+    n_blocks = (length + block_size - 1) // block_size
+    pages = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, H, D]
+    return pages.reshape(-1, *cache.shape[2:])[:length]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged context.
+
+    Args:
+        q: [num_seqs, num_heads, head_dim]; num_heads a multiple of num_kv_heads (GQA).
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim].
+        block_tables: int32 [num_seqs, max_blocks_per_seq]; entries past a sequence's
+            blocks are ignored.
+        context_lens: int32 [num_seqs], tokens in the cache per sequence (including the
+            query token's own K/V, already written), each >= 1.
+        scale: softmax scale, usually head_dim ** -0.5.
+    Returns: [num_seqs, num_heads, head_dim], q's dtype (computed in fp32).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    lens = context_lens.tolist()
+    max_len = max(lens)
+    n_blocks = (max_len + block_size - 1) // block_size
+    table = block_tables[:, :n_blocks].long()
+    # [S, n_blocks*block_size, H_kv, D] -> [S, H_kv, L, D]
+    k = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    v = v_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]
+    k = k.transpose(1, 2).float()
+    v = v.transpose(1, 2).float()
+    qf = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qf, k.transpose(-1, -2)) * scale  # [S, H_kv, group, L]
+    pos = torch.arange(max_len, device=q.device)
+    mask = pos[None, :] >= context_lens.to(q.device).long()[:, None]  # [S, L]
+    scores.masked_fill_(mask[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v)  # [S, H_kv, group, D]
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                            context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention of a variable-length batch of new tokens over cached + new KV.
+
+    Sequence s contributes q_len_s = cu_seqlens_q[s+1] - cu_seqlens_q[s] new tokens,
+    which sit at positions context_lens[s] - q_len_s ... context_lens[s] - 1; the
+    earlier positions are a cached prefix. Query i attends to every position <= its own.
+
+    Args:
+        q: [total_new_tokens, num_heads, head_dim].
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]; the new
+            tokens' K/V are already written.
+        block_tables: int32 [num_seqs, max_blocks_per_seq].
+        cu_seqlens_q: int32 [num_seqs + 1], prefix sums of new tokens per sequence.
+        context_lens: int32 [num_seqs], cached + new tokens per sequence.
+        scale: softmax scale.
+    Returns: [total_new_tokens, num_heads, head_dim], q's dtype.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    starts = cu_seqlens_q.tolist()
+    lens = context_lens.tolist()
+    for s, ctx in enumerate(lens):
+        q_s = q[starts[s]:starts[s + 1]]
+        n_new = q_s.shape[0]
+        if n_new == 0:
+            continue
+        k = _gather(k_cache, block_tables[s], ctx)  # [ctx, H_kv, D]
+        v = _gather(v_cache, block_tables[s], ctx)
+        # SDPA wants [H, L, D]; expand KV heads for GQA.
+        qh = q_s.transpose(0, 1)
+        kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
+        vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
+        prefix = ctx - n_new
+        if prefix == 0:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        else:
+            qpos = torch.arange(prefix, ctx, device=q.device)[:, None]
+            kpos = torch.arange(ctx, device=q.device)[None, :]
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=kpos <= qpos, scale=scale)
+        out[starts[s]:starts[s + 1]] = o.transpose(0, 1)
+    return out
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """Copies whole blocks out of the pages into one contiguous buffer.
+
+    Args:
+        kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim].
+        block_ids: int64 [n].
+    Returns: [n, num_layers, 2, block_size, num_kv_heads, head_dim], contiguous: the
+        byte layout the store and the transfer engine use for a block.
+    """
+    return kv_cache[block_ids.long()].contiguous()
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Copies contiguous blocks (as from gather_blocks) into the pages `block_ids`."""
+    kv_cache[block_ids.long()] = blocks.to(kv_cache.dtype)

