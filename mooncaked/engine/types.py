@@ -1,0 +1,117 @@
+"""Request-level types shared by the engine and the API: sampling parameters and outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequest(ValueError):
+    """A request the engine cannot run as asked (bad parameter, prompt too long).
+
+    `param` names the offending parameter (OpenAI's error `param`), or None.
+    """
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token, and when to stop (OpenAI/vLLM semantics).
+
+    temperature 0 means greedy. top_k <= 0 and top_p = 1 and min_p = 0 disable their
+    filters. Penalties follow vLLM: repetition_penalty divides positive logits (and
+    multiplies negative ones) of tokens seen in prompt or output; presence_penalty and
+    frequency_penalty subtract from logits of tokens already generated. `seed` makes
+    sampling reproducible per request. `max_tokens` None means up to the context
+    length. `logprobs` None returns no logprobs; k >= 0 returns the sampled token's
+    logprob and the top k alternatives (from the model's raw distribution).
+    """
+
+    max_tokens: int | None = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    include_stop_str_in_output: bool = False
+
+    def validate(self, max_logprobs: int = 20) -> None:
+        """Raises InvalidRequest naming the parameter if a value is out of range."""
+        checks = [
+            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens", "must be at least 1"),
+            (0.0 <= self.temperature <= 2.0, "temperature", "must be in [0, 2]"),
+            (0.0 < self.top_p <= 1.0, "top_p", "must be in (0, 1]"),
+            (self.top_k >= -1, "top_k", "must be -1, 0 (disabled) or positive"),
+            (0.0 <= self.min_p <= 1.0, "min_p", "must be in [0, 1]"),
+            (0.0 < self.repetition_penalty <= 2.0, "repetition_penalty", "must be in (0, 2]"),
+            (-2.0 <= self.presence_penalty <= 2.0, "presence_penalty", "must be in [-2, 2]"),
+            (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
+            (self.logprobs is None or 0 <= self.logprobs <= max_logprobs, "logprobs",
+             f"must be in [0, {max_logprobs}]"),
+            (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
+            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+        ]
+        for ok, param, why in checks:
+            if not ok:
+                raise InvalidRequest(f"{param} {why}", param)
+
+    @property
+    def greedy(self) -> bool:
+        """True when sampling reduces to argmax."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class TokenLogprob:
+    """Logprob of one generated token and its top alternatives (natural log)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    """What one request produced since its previous output (a streaming delta).
+
+    `new_text` is detokenized text that is safe to send: text that might be the start
+    of a stop string is held back until it is known not to be, and a matched stop
+    string is never included (unless include_stop_str_in_output).
+    finish_reason: None while running, else "stop" (EOS, stop string or stop token),
+    "length" (max_tokens or context full) or "abort". `stop_reason` is the matched
+    stop string or stop token id, if any.
+    """
+
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[TokenLogprob] | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_output_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine for metrics and inspection (counts, tokens, blocks)."""
+
+    num_running: int
+    num_waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    prompt_tokens_total: int
+    prefix_hit_tokens_total: int
+    num_preemptions_total: int
