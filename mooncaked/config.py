@@ -103,6 +103,38 @@ class LogSettings:
 
 
 @dataclass
+class ClusterSettings:
+    """Coordination (membership, leases, conductor election) and node-to-node control RPC."""
+
+    backend: str = opt("local", "local (one host: shared state in a directory, file locks) or "
+                                "etcd (etcd v3 cluster at etcd_endpoints).", choices=("local", "etcd"))
+    state_dir: str = opt("", "Directory shared by every node of a local-backend cluster; empty "
+                             "means $XDG_RUNTIME_DIR/mooncaked-cluster or "
+                             "<tmp>/mooncaked-cluster-<uid>.")
+    etcd_endpoints: list[str] = opt(["http://127.0.0.1:2379"], "etcd client URLs (etcd backend), "
+                                    "tried in order.")
+    key_prefix: str = opt("/mooncaked/", "Prefix of every coordination key: members/, election/ "
+                                         "and metadata keys live under it.")
+    lease_ttl_s: float = opt(5.0, "Lease time-to-live, seconds: a node that stops heartbeating "
+                                  "leaves the view, and a dead leader is replaced, within about "
+                                  "this time (etcd rounds up to whole seconds).", min=2.0, max=3600.0)
+    heartbeat_interval_s: float = opt(1.0, "Seconds between lease keep-alives; must be below "
+                                           "lease_ttl_s / 2.", min=0.05, max=600.0)
+    poll_interval_s: float = opt(0.2, "Seconds between polls of the local backend's state "
+                                      "(watches, campaigns).", min=0.01, max=60.0)
+    op_timeout_s: float = opt(5.0, "Timeout of one call to the coordination store, seconds.",
+                              min=0.1, max=600.0)
+    rpc_timeout_s: float = opt(5.0, "Default timeout of one node-to-node control call, seconds.",
+                               min=0.01, max=3600.0)
+    rpc_host: str = opt("127.0.0.1", "Address the control RPC listens on when it has its own port "
+                                     "(loopback by default).")
+    rpc_port: int = opt(0, "Control RPC port; 0 means mounted on the API server's port under "
+                           "/control/.", min=0, max=65535)
+    rpc_max_body_bytes: int = opt(64 * 1024 * 1024, "Largest control request or reply body, "
+                                                    "bytes.", min=1024)
+
+
+@dataclass
 class Settings:
     """All settings of one mooncaked process."""
 
@@ -111,6 +143,7 @@ class Settings:
     model: ModelSettings = field(default_factory=ModelSettings)
     engine: EngineSettings = field(default_factory=EngineSettings)
     log: LogSettings = field(default_factory=LogSettings)
+    cluster: ClusterSettings = field(default_factory=ClusterSettings)
 
 
 # ---------------------------------------------------------------------------- loading
