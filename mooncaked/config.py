@@ -135,6 +135,38 @@ class ClusterSettings:
 
 
 @dataclass
+class TransferSettings:
+    """Transfer engine: segments and batched READ/WRITE between nodes over TCP or RDMA."""
+
+    host: str = opt("127.0.0.1", "Address the data server listens on (loopback by default).")
+    port: int = opt(0, "Data server port; 0 means chosen by the OS (published in segment "
+                       "descriptors).", min=0, max=65535)
+    advertise_host: str = opt("", "Address peers dial, as written into segment descriptors; empty "
+                                  "means `host` (required when `host` is a wildcard address).")
+    backend: str = opt("auto", "auto (RDMA when a device exists, else TCP), tcp, or rdma (RDMA "
+                               "preferred; TCP with a warning when no device exists).",
+                       choices=("auto", "tcp", "rdma"))
+    require_rdma: bool = opt(False, "Refuse to start when no RDMA device is usable.")
+    connections_per_peer: int = opt(4, "TCP connections (paths) per peer; slices of one request "
+                                       "spread over them.", min=1, max=64)
+    slice_size_bytes: int = opt(1024 * 1024, "Largest slice of a request on a TCP path, bytes.",
+                                min=4096)
+    rdma_slice_size_bytes: int = opt(256 * 1024, "Largest slice (one work request) on an RDMA "
+                                                 "path, bytes (the paper uses 16 KiB; Python's "
+                                                 "per-post cost favours larger ones).", min=4096)
+    max_endpoints: int = opt(256, "Most pooled endpoints (TCP connections and RDMA queue pairs); "
+                                  "SIEVE evicts beyond it.", min=1)
+    request_timeout_s: float = opt(30.0, "A request (all its slices and retries) not completed "
+                                         "this many seconds after submission fails.",
+                                   min=0.05, max=86400.0)
+    rdma_gid_index: int = opt(-1, "GID table index used on RDMA ports; -1 picks a RoCE v2 "
+                                  "IPv4 GID, else index 0.", min=-1, max=255)
+    nic_topology: dict[str, list] = opt({}, "Override of the detected topology matrix: memory "
+                                            "location -> [[preferred NICs], [secondary NICs]], "
+                                            "e.g. {\"cpu:0\" = [[\"mlx5_0\"], [\"mlx5_1\"]]}.")
+
+
+@dataclass
 class Settings:
     """All settings of one mooncaked process."""
 
@@ -144,6 +176,7 @@ class Settings:
     engine: EngineSettings = field(default_factory=EngineSettings)
     log: LogSettings = field(default_factory=LogSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
+    transfer: TransferSettings = field(default_factory=TransferSettings)
 
 
 # ---------------------------------------------------------------------------- loading
