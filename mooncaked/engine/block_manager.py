@@ -1,0 +1,157 @@
+"""Device page allocator with automatic prefix caching.
+
+Pages are fixed-size blocks of `block_size` tokens. A full block whose tokens
+are known gets a block key (mooncaked.store.keys: chained over the prefix and
+salted per model and tenant); a later request whose prompt starts with the
+same keys reuses those blocks instead of recomputing them. Blocks that no
+running request references but that still hold keyed KV stay cached and are
+evicted least-recently-freed first, only when a free block is needed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+
+from mooncaked.store.keys import block_keys
+
+from .sequence import Sequence
+
+
+class BlockManager:
+    """Reference-counted pages, a key -> block map and an LRU of cached free blocks.
+
+    Args:
+        num_blocks: pages in the KV cache.
+        block_size: tokens per page.
+        enable_prefix_caching: when False, blocks are never shared or kept.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_count = [0] * num_blocks
+        self.block_key: list[bytes | None] = [None] * num_blocks
+        self.free: deque[int] = deque(range(num_blocks))           # no key, no refs
+        self.cached_free: OrderedDict[bytes, int] = OrderedDict()  # keyed, no refs; LRU first
+        self.key_to_block: dict[bytes, int] = {}
+        self.evicted_keys: list[bytes] = []                        # for store events
+
+    # -- accounting
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free + evictable cached)."""
+        return len(self.free) + len(self.cached_free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks referenced by at least one request."""
+        return self.num_blocks - self.num_free_blocks
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Extra pages `seq` needs to hold `num_new_tokens` more tokens of K/V."""
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    # -- prefix caching
+
+    def _ensure_keys(self, seq: Sequence) -> None:
+        n_full = seq.num_tokens // self.block_size
+        if len(seq.block_keys) < n_full:
+            parent = seq.block_keys[-1] if seq.block_keys else b""
+            start = len(seq.block_keys) * self.block_size
+            seq.block_keys += block_keys(seq.token_ids[start:n_full * self.block_size],
+                                         self.block_size, seq.salt, parent)
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Number of leading blocks of `seq` whose K/V is cached in pages.
+
+        At most (num_tokens - 1) // block_size blocks: the last token is always
+        computed, since its logits are needed.
+        """
+        if not self.enable_prefix_caching:
+            return 0
+        self._ensure_keys(seq)
+        limit = (seq.num_tokens - 1) // self.block_size
+        n = 0
+        while n < limit and seq.block_keys[n] in self.key_to_block:
+            n += 1
+        return n
+
+    def allocate_prefix(self, seq: Sequence, num_blocks: int) -> None:
+        """Gives `seq` the first `num_blocks` cached blocks of its prefix (from match_prefix)."""
+        assert not seq.block_table
+        for key in seq.block_keys[:num_blocks]:
+            b = self.key_to_block[key]
+            if self.ref_count[b] == 0:
+                del self.cached_free[key]
+            self.ref_count[b] += 1
+            seq.block_table.append(b)
+        seq.num_computed_tokens = num_blocks * self.block_size
+        seq.num_committed_blocks = num_blocks
+
+    # -- allocation
+
+    def _take_block(self) -> int:
+        if self.free:
+            b = self.free.popleft()
+        else:
+            key, b = self.cached_free.popitem(last=False)  # least recently freed
+            del self.key_to_block[key]
+            self.block_key[b] = None
+            self.evicted_keys.append(key)
+        self.ref_count[b] = 1
+        return b
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        """True if `num_blocks` pages can be handed out now."""
+        return num_blocks <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Adds pages so `seq` can hold `num_new_tokens` more tokens; False if not enough."""
+        need = self.blocks_needed(seq, num_new_tokens)
+        if need > self.num_free_blocks:
+            return False
+        for _ in range(need):
+            seq.block_table.append(self._take_block())
+        return True
+
+    def commit_full_blocks(self, seq: Sequence) -> list[tuple[bytes, int]]:
+        """Publishes keys of `seq`'s blocks that became full with computed K/V.
+
+        Returns: (key, block_id) of the newly keyed blocks (for offloading to the store).
+        """
+        if not self.enable_prefix_caching:
+            return []
+        n_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        if n_full <= seq.num_committed_blocks:
+            return []
+        self._ensure_keys(seq)
+        new = []
+        for i in range(seq.num_committed_blocks, n_full):
+            b = seq.block_table[i]
+            if self.block_key[b] is not None:
+                continue
+            key = seq.block_keys[i]
+            if key in self.key_to_block:
+                continue  # computed twice concurrently: keep the first copy shared
+            self.block_key[b] = key
+            self.key_to_block[key] = b
+            new.append((key, b))
+        seq.num_committed_blocks = n_full
+        return new
+
+    def free_seq(self, seq: Sequence) -> None:
+        """Drops `seq`'s references; keyed blocks stay cached, last block evicted first."""
+        for b in reversed(seq.block_table):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                key = self.block_key[b]
+                if key is not None:
+                    self.cached_free[key] = b
+                else:
+                    self.free.append(b)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.num_committed_blocks = 0

@@ -1,0 +1,211 @@
+"""The synchronous engine core: requests in, one model step at a time, outputs out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from mooncaked.config import Settings
+from mooncaked.kernels import attention_ops
+from mooncaked.log import get_logger
+from mooncaked.model.llama import LlamaModel
+from mooncaked.model.tokenizer import Tokenizer
+from mooncaked.model.weights import ModelConfig, load_weights, resolve_model_path
+from mooncaked.store.keys import make_salt
+
+from .block_manager import BlockManager
+from .detokenizer import IncrementalDetokenizer
+from .model_runner import ModelRunner, block_bytes
+from .scheduler import Scheduler
+from .sequence import Sequence, SeqStatus
+from .types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
+
+log = get_logger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class StepTiming:
+    """Duration of the last step (seconds) and its token counts, for cost-model refits."""
+
+    seconds: float = 0.0
+    num_decode_seqs: int = 0
+    num_prefill_tokens: int = 0
+    context_tokens: int = 0
+
+
+class LLMEngine:
+    """Paged-KV Llama engine with continuous batching and automatic prefix caching.
+
+    `add_request` and `abort` may be called from any thread; `step` runs in one
+    thread at a time (the AsyncLLM's executor).
+
+    Raises (constructor): ModelLoadError for a bad model; ValueError when the KV budget
+    cannot hold one block.
+    """
+
+    def __init__(self, settings: Settings):
+        ms, es = settings.model, settings.engine
+        if ms.num_threads:
+            torch.set_num_threads(ms.num_threads)
+        self.settings = settings
+        path = resolve_model_path(ms.path)
+        t0 = time.monotonic()
+        cfg, tensors = load_weights(path)
+        self.cfg: ModelConfig = cfg
+        self.tokenizer = Tokenizer(path, cfg.eos_token_ids)
+        device = torch.device(ms.device)
+        self.dtype = DTYPES[ms.dtype]
+        ctx = cfg.max_position_embeddings if not ms.max_model_len else min(ms.max_model_len,
+                                                                             cfg.max_position_embeddings)
+        self.model = LlamaModel(cfg, tensors, self.dtype, device,
+                                attention_ops(device, es.attention_backend), max_positions=ctx)
+        del tensors
+        self.block_size = es.block_size
+        self.block_bytes = block_bytes(self.model, es.block_size)
+        num_blocks = es.kv_cache_bytes // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"engine.kv_cache_bytes = {es.kv_cache_bytes} cannot hold one KV block "
+                             f"of {self.block_bytes} bytes")
+        # A lone request must always fit in the pages, so preemption can always make progress.
+        self.max_model_len = min(ctx, num_blocks * es.block_size)
+        self.model_name = settings.server.served_model_name or path.stem
+        self.model_id = f"{path.name}:{path.stat().st_size if path.is_file() else 'dir'}"
+        self.runner = ModelRunner(self.model, num_blocks, es.block_size)
+        self.block_manager = BlockManager(num_blocks, es.block_size, es.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, es.max_num_seqs, es.max_num_batched_tokens)
+        self.max_logprobs = es.max_logprobs
+        self.seqs: dict[str, Sequence] = {}
+        self._pending_add: deque[Sequence] = deque()
+        self._pending_abort: deque[str] = deque()
+        self._lock = threading.Lock()
+        self.last_step = StepTiming()
+        log.info("engine_ready", model=str(path), dtype=ms.dtype, num_blocks=num_blocks,
+                 block_size=es.block_size, block_bytes=self.block_bytes, max_model_len=self.max_model_len,
+                 load_s=round(time.monotonic() - t0, 2))
+
+    # -- requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    cache_salt: str | None = None) -> None:
+        """Queues a request for the next step.
+
+        Args:
+            prompt_token_ids: the prompt, token ids in [0, vocab_size).
+            cache_salt: per-tenant salt; requests with different salts never share blocks.
+        Raises: InvalidRequest for an empty or too long prompt, an out-of-range token id or
+            a bad sampling parameter; ValueError for a duplicate request_id.
+        """
+        params.validate(self.max_logprobs)
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", "prompt")
+        if n >= self.max_model_len:
+            raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {self.max_model_len} "
+                                 f"tokens (prompt + at least one output token)", "prompt")
+        vocab = self.cfg.vocab_size
+        if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
+            raise InvalidRequest(f"token ids must be integers in [0, {vocab})", "prompt")
+        room = self.max_model_len - n
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        salt = make_salt(self.model_id, self.block_size, str(self.dtype), cache_salt)
+        detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        seq = Sequence(request_id, prompt_token_ids, params, salt, max_tokens, detok)
+        with self._lock:
+            if request_id in self.seqs:
+                raise ValueError(f"duplicate request id {request_id}")
+            self.seqs[request_id] = seq
+        self._pending_add.append(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Stops a request at the next step and frees its pages (no-op if unknown)."""
+        self._pending_abort.append(request_id)
+
+    def has_work(self) -> bool:
+        """True if a step would do something."""
+        return bool(self._pending_add or self._pending_abort or self.scheduler.has_work())
+
+    # -- stepping
+
+    def _drain(self) -> list[RequestOutput]:
+        while self._pending_add:
+            self.scheduler.add(self._pending_add.popleft())
+        outs = []
+        while self._pending_abort:
+            rid = self._pending_abort.popleft()
+            seq = self.seqs.get(rid)
+            if seq is None or seq.status == SeqStatus.FINISHED:
+                continue
+            seq.finish_reason = "abort"
+            outs.append(self._finish(seq, [], "", None))
+        return outs
+
+    def _finish(self, seq: Sequence, new_ids: list[int], text: str, logprobs) -> RequestOutput:
+        seq.status = SeqStatus.FINISHED
+        self.scheduler.remove(seq)
+        with self._lock:
+            self.seqs.pop(seq.request_id, None)
+        return self._output(seq, new_ids, text, logprobs, finished=True)
+
+    def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs, finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=new_ids, new_text=text, finished=finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=[logprobs] if logprobs is not None else None,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+            num_output_tokens=seq.num_output_tokens)
+
+    def _check_stop(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif seq.detokenizer.stopped is not None:
+            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stopped
+        elif seq.num_output_tokens >= seq.max_tokens:
+            seq.finish_reason = "length"
+        return seq.finish_reason is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduled step of the model. Returns the outputs it produced."""
+        outputs = self._drain()
+        batch = self.scheduler.schedule()
+        if not batch:
+            return outputs
+        t0 = time.perf_counter()
+        sampled = self.runner.run(batch)
+        self.last_step = StepTiming(
+            seconds=time.perf_counter() - t0,
+            num_decode_seqs=sum(1 for s in batch if s.num_new_tokens == 1),
+            num_prefill_tokens=sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1),
+            context_tokens=sum(s.seq.num_computed_tokens + s.num_new_tokens for s in batch))
+        for i, s in enumerate(batch):
+            seq = s.seq
+            seq.num_computed_tokens += s.num_new_tokens
+            if i not in sampled:
+                self.block_manager.commit_full_blocks(seq)
+                continue
+            token, logprob = sampled[i]
+            seq.token_ids.append(token)
+            text = seq.detokenizer.add(token)
+            self.block_manager.commit_full_blocks(seq)
+            if self._check_stop(seq, token):
+                outputs.append(self._finish(seq, [token], text + seq.detokenizer.flush(), logprob))
+            else:
+                outputs.append(self._output(seq, [token], text, logprob, finished=False))
+        return outputs
+
+    def stats(self) -> EngineStats:
+        """Counts for metrics (read without locking; values may be one step old)."""
+        sch, bm = self.scheduler, self.block_manager
+        return EngineStats(num_running=len(sch.running), num_waiting=len(sch.waiting) + len(self._pending_add),
+                           kv_blocks_used=bm.num_used_blocks, kv_blocks_total=bm.num_blocks,
+                           prompt_tokens_total=sch.prompt_tokens_total,
+                           prefix_hit_tokens_total=sch.prefix_hit_tokens_total,
+                           num_preemptions_total=sch.num_preemptions)

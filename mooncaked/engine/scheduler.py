@@ -1,0 +1,125 @@
+"""Continuous batching with chunked prefill and preemption by recompute.
+
+Each step gets a token budget. Running decodes go first (one token each), so
+a long prompt never stalls them; prefills (and recomputes) then take chunks
+of what budget is left, oldest request first; waiting requests join while
+budget, sequence slots and pages last. When pages run out, the newest running
+request is preempted: its pages are freed (their keyed blocks stay in the
+prefix cache) and it waits to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SeqStatus
+
+
+@dataclass
+class ScheduledSeq:
+    """A sequence and how many of its tokens this step computes."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the sequence's newest token (so a token is sampled)."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+class Scheduler:
+    """FCFS continuous-batching scheduler (see module doc).
+
+    Args:
+        block_manager: the page allocator.
+        max_num_seqs: most running sequences.
+        max_num_batched_tokens: token budget of one step.
+    """
+
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.budget = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self.prefix_hit_tokens_total = 0
+        self.prompt_tokens_total = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queues a new request."""
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Takes a finished or aborted sequence out and frees its pages."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.bm.free_seq(seq)
+
+    def has_work(self) -> bool:
+        """True if any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> list[ScheduledSeq]:
+        """Picks this step's work; decodes first, then prefill chunks. Mutates page tables."""
+        budget = self.budget
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        scheduled: set[int] = set()
+        # 1. Running sequences, oldest first; preempt the newest when pages run out.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            while not self.bm.allocate(seq, n):
+                victim = self.running[-1]
+                if id(victim) in scheduled or victim is seq:
+                    victim = seq
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                (prefills if seq.is_prefilling else decodes).append(ScheduledSeq(seq, n))
+                scheduled.add(id(seq))
+                budget -= n
+                i += 1
+                continue
+            # seq itself was preempted: the list shifted, stay at index i
+        # 2. Waiting sequences join while budget, slots and pages last.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            self.bm.allocate_prefix(seq, self.bm.match_prefix(seq))
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            ok = self.bm.allocate(seq, n)
+            if not ok and not self.running:
+                # Nothing left to preempt: prefill what fits now, the rest in later steps.
+                slack = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens
+                n = min(n, self.bm.num_free_blocks * self.bm.block_size + slack)
+                ok = n > 0 and self.bm.allocate(seq, n)
+            if not ok:
+                self.bm.free_seq(seq)  # hold no pages while waiting
+                break
+            self.waiting.popleft()
+            if not seq.prefix_hit_counted:
+                seq.num_cached_tokens = seq.num_computed_tokens
+                seq.prefix_hit_counted = True
+                self.prefix_hit_tokens_total += seq.num_cached_tokens
+                self.prompt_tokens_total += seq.num_prompt_tokens
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            (prefills if seq.is_prefilling else decodes).append(ScheduledSeq(seq, n))
+            budget -= n
+        return decodes + prefills

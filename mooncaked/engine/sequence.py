@@ -1,0 +1,68 @@
+"""One request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .types import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    """Where a sequence is in its life."""
+
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Tokens, pages and progress of one request.
+
+    token_ids holds prompt + generated tokens; `num_computed_tokens` of them have K/V
+    in the sequence's pages (`block_table`, block ids in order). `block_keys` are
+    the chained keys of its full blocks, extended as blocks fill.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 salt: bytes, max_tokens: int, detokenizer: IncrementalDetokenizer):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.salt = salt
+        self.max_tokens = max_tokens
+        self.detokenizer = detokenizer
+        self.status = SeqStatus.WAITING
+        self.block_table: list[int] = []
+        self.block_keys: list[bytes] = []
+        self.num_computed_tokens = 0
+        self.num_committed_blocks = 0       # leading blocks whose keys are published
+        self.num_cached_tokens = 0          # prefix hit of the first admission (reported in usage)
+        self.prefix_hit_counted = False
+        self.num_preemptions = 0
+        self.arrival_time = time.monotonic()
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.pending_logprobs: list = []
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + generated tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Generated tokens."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        """True while more than the newest token lacks K/V (prefill or recompute after preemption)."""
+        return self.num_tokens - self.num_computed_tokens > 1

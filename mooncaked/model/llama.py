@@ -1,0 +1,172 @@
+"""Our Llama forward pass over a paged KV cache (not transformers' modeling code).
+
+One call runs a flat batch of T tokens: the first `num_decode_tokens` are the
+single new tokens of decoding sequences, the rest are prefill chunks of
+variable length (each possibly after a cached prefix). Linear layers run on
+all T tokens at once; attention splits into the paged decode and paged
+prefill kernels (mooncaked.kernels).
+
+Architecture: embedding, pre-norm blocks of RMSNorm -> grouped-query
+attention with rotary embedding -> residual, RMSNorm -> SwiGLU MLP ->
+residual, final RMSNorm, LM head (tied or not). Q and K projections are in
+interleaved rotary layout (see weights.py), so rotary is a complex multiply.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from .weights import ModelConfig, ModelLoadError
+
+
+@dataclass
+class AttentionMetadata:
+    """Where each token of a step reads and writes KV (shapes for T tokens in the step).
+
+    slot_mapping: int64 [T], page slot (block_id * block_size + offset) of each token's K/V.
+    num_decode_tokens: the first this-many tokens are decodes, one per sequence.
+    decode_block_tables: int32 [num_decodes, max_blocks]; decode_context_lens: int32 [num_decodes].
+    prefill_block_tables: int32 [num_prefills, max_blocks]; prefill_cu_seqlens_q: int32
+        [num_prefills + 1]; prefill_context_lens: int32 [num_prefills] (cached + new tokens).
+    """
+
+    slot_mapping: torch.Tensor
+    num_decode_tokens: int
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
+    prefill_block_tables: torch.Tensor | None = None
+    prefill_cu_seqlens_q: torch.Tensor | None = None
+    prefill_context_lens: torch.Tensor | None = None
+
+
+def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> torch.Tensor:
+    """Rotary inverse frequencies, fp32 [head_dim / 2], with the config's rope scaling.
+
+    Supports no scaling, "linear", "llama3" (Llama 3.1; transformers'
+    `_compute_llama3_parameters`) and GGUF's precomputed `rope_freqs` factors.
+    Raises: ModelLoadError for other scaling types.
+    """
+    dim = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    if rope_freqs is not None:
+        return (inv / rope_freqs.double()).float()
+    sc = cfg.rope_scaling or {}
+    kind = sc.get("rope_type", sc.get("type", "default"))
+    if kind in (None, "default", "none"):
+        pass
+    elif kind == "linear":
+        inv = inv / float(sc["factor"])
+    elif kind == "llama3":
+        factor = float(sc["factor"])
+        low, high = float(sc.get("low_freq_factor", 1.0)), float(sc.get("high_freq_factor", 4.0))
+        old_ctx = float(sc["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv
+        low_wl, high_wl = old_ctx / low, old_ctx / high
+        scaled = torch.where(wavelen > low_wl, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen >= high_wl) & (wavelen <= low_wl)
+        inv = torch.where(is_mid, mid, scaled)
+    else:
+        raise ModelLoadError(f"rope scaling {kind!r} is not supported (default, linear, llama3)")
+    return inv.float()
+
+
+class LlamaModel:
+    """Weights and forward pass of a Llama-family decoder.
+
+    Weights live in `dtype` on `device`; q/k/v and gate/up projections are fused into
+    one matrix each so a layer runs four matmuls.
+    """
+
+    def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, ops: ModuleType, max_positions: int):
+        self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
+
+        def w(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device=device, dtype=dtype).contiguous()
+
+        self.embed = w(tensors["embed"])
+        self.norm = w(tensors["norm"])
+        self.lm_head = w(tensors["lm_head"]) if "lm_head" in tensors else self.embed
+        self.layers = []
+        for i in range(cfg.num_layers):
+            t = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
+            self.layers.append({
+                "attn_norm": w(t["attn_norm"]),
+                "wqkv": w(torch.cat([t["wq"], t["wk"], t["wv"]], 0)),
+                "wo": w(t["wo"]),
+                "mlp_norm": w(t["mlp_norm"]),
+                "w_gate_up": w(torch.cat([t["w_gate"], t["w_up"]], 0)),
+                "w_down": w(t["w_down"]),
+            })
+        inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
+        self.freqs_cis = torch.polar(torch.ones_like(angles), angles).to(device)  # complex64 [P, hd/2]
+        self.scale = cfg.head_dim ** -0.5
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+
+    def _rotary(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """qk: [T, heads, head_dim] interleaved pairs -> rotated copy, same dtype."""
+        t, h, d = qk.shape
+        x = torch.view_as_complex(qk.float().reshape(t, h, d // 2, 2))
+        x = x * self.freqs_cis[positions].unsqueeze(1)
+        return torch.view_as_real(x).reshape(t, h, d).to(qk.dtype)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: torch.Tensor) -> torch.Tensor:
+        """Runs all layers on a flat batch and writes its K/V into the pages.
+
+        Args:
+            input_ids: int64 [T]; positions: int64 [T] (index in its sequence).
+            meta: AttentionMetadata for the same T tokens.
+            kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], self.dtype.
+        Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype.
+        """
+        cfg, ops = self.cfg, self.ops
+        T = input_ids.shape[0]
+        nd = meta.num_decode_tokens
+        h = F.embedding(input_ids, self.embed)
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer["attn_norm"])
+            qkv = F.linear(x, layer["wqkv"])
+            qk = qkv[:, : self.q_size + self.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+            qk = self._rotary(qk, positions)
+            q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, self.q_size + self.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
+            k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
+            ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if nd == T:
+                attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
+                                                  meta.decode_context_lens, self.scale)
+            elif nd == 0:
+                attn = ops.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
+                                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                                   self.scale)
+            else:
+                attn = torch.cat([
+                    ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
+                                               meta.decode_context_lens, self.scale),
+                    ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
+                                                meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
+                                                self.scale)])
+            h = h + F.linear(attn.reshape(T, self.q_size), layer["wo"])
+            x = self._rms_norm(h, layer["mlp_norm"])
+            gate, up = F.linear(x, layer["w_gate_up"]).chunk(2, dim=-1)
+            h = h + F.linear(F.silu(gate) * up, layer["w_down"])
+        return h
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()

