@@ -167,6 +167,28 @@ class TransferSettings:
 
 
 @dataclass
+class StoreSettings:
+    """The KV store: this node's DRAM pool and SSD directory of KV blocks (paper 3.2)."""
+
+    dram_bytes: int = opt(1024 * 1024 * 1024, "DRAM lent to the cluster-wide KV block pool, bytes "
+                                               "(a whole number of blocks is used).", min=0)
+    ssd_bytes: int = opt(0, "Most bytes of block files in the SSD tier; 0 disables the tier.", min=0)
+    ssd_dir: str = opt("", "Directory of the SSD tier; empty means <node.state_dir>/kvstore.")
+    ssd_fsync: bool = opt(False, "fsync every block file before renaming it into place (durable "
+                                 "across power loss; slower). Corrupt files are misses either way.")
+    ssd_io_threads: int = opt(4, "Threads doing SSD tier file I/O.", min=1, max=64)
+    eviction: str = opt("lru", "Eviction order of both tiers (pinned or leased blocks are never "
+                               "evicted).", choices=("lru", "sieve", "fifo"))
+    promote_on_get: bool = opt(True, "Copy a block read from SSD into DRAM (when a slot is free or "
+                                     "a block already on SSD can make room).")
+    lease_ttl_s: float = opt(10.0, "Default lifetime of a lease on blocks being read, seconds; a "
+                                   "read that outlives its lease fails.", min=0.001)
+    event_interval_ms: float = opt(50.0, "Longest delay of a stored/evicted event before it is "
+                                         "delivered to the global index, milliseconds.", min=0.1)
+    event_max_keys: int = opt(1024, "Pending event keys that trigger an immediate delivery.", min=1)
+
+
+@dataclass
 class Settings:
     """All settings of one mooncaked process."""
 
@@ -177,6 +199,7 @@ class Settings:
     log: LogSettings = field(default_factory=LogSettings)
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     transfer: TransferSettings = field(default_factory=TransferSettings)
+    store: StoreSettings = field(default_factory=StoreSettings)
 
 
 # ---------------------------------------------------------------------------- loading
