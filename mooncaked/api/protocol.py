@@ -1,0 +1,420 @@
+"""OpenAI request parsing: JSON bodies -> validated, tokenized generation requests.
+
+Every check raises `ApiError` carrying the HTTP status and OpenAI's error fields
+(`message`, `type`, `param`, `code`), so the server answers bad input with the
+right 4xx and keeps serving. Follows the OpenAI API reference for
+/v1/completions and /v1/chat/completions, plus vLLM's extensions (top_k, min_p,
+repetition_penalty, stop_token_ids, ignore_eos, include_stop_str_in_output,
+cache_salt).
+
+What is supported: prompts as a string, a list of token ids, or a batch (a list
+of strings or of token-id lists); n >= 1 (each choice is its own engine
+request); echo without logprobs. What gets a 400 "not supported": echo with
+logprobs, suffix, logit_bias, best_of other than n, tools, non-text content
+parts, response_format other than text.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import orjson
+
+from mooncaked.engine.types import InvalidRequest, SamplingParams
+
+MAX_CHOICES = 64          # prompts x n per API request: bounds the engine requests one call makes
+MAX_SEED = 2**63 - 1
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+class ApiError(Exception):
+    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}.
+
+    `status` is the HTTP status (400 bad input, 404 unknown model or route, 413 body
+    too large, 500 engine failure, 503 shutting down).
+    """
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status, message, param, code, type)
+
+    def body(self) -> dict:
+        """The JSON error body (OpenAI API reference, "Error codes")."""
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """{"error": {"message", "type", "param", "code"}} as the OpenAI API answers errors."""
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class EngineInfo(Protocol):
+    """What parsing needs from the engine (AsyncLLM satisfies it)."""
+
+    tokenizer: Any
+    model_name: str
+    max_model_len: int
+    max_logprobs: int
+
+
+@dataclass
+class Prompt:
+    """One prompt of a request: its token ids and, for echo, its text."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclass
+class GenerationRequest:
+    """A parsed, validated /v1/completions or /v1/chat/completions request.
+
+    `prompts` holds one entry per prompt (chat: exactly one); each prompt runs `n`
+    engine requests, so the response has len(prompts) * n choices, choice index
+    prompt_index * n + i (as OpenAI orders them). `logprobs` is the number of top
+    alternatives asked for (None: no logprobs); `params.seed` is the seed of choice 0
+    (choice i uses seed + i, so choices differ but stay reproducible).
+    """
+
+    kind: str                      # "completion" | "chat"
+    model: str
+    prompts: list[Prompt]
+    params: SamplingParams
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None
+    cache_salt: str | None = None
+    user: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------- typed getters
+
+_MISSING = object()
+
+
+def _type_error(key: str, expected: str, value: Any) -> ApiError:
+    got = "null" if value is None else type(value).__name__
+    return ApiError(400, f"'{key}' must be {expected}, got {got}", param=key,
+                    code="invalid_type")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _int(body: dict, key: str, default: Any) -> Any:
+    v = body.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not _is_int(v):
+        raise _type_error(key, "an integer", v)
+    return v
+
+
+def _num(body: dict, key: str, default: Any) -> Any:
+    v = body.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not _is_num(v):
+        raise _type_error(key, "a number", v)
+    return float(v)
+
+
+def _bool(body: dict, key: str, default: bool) -> bool:
+    v = body.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _type_error(key, "a boolean", v)
+    return v
+
+
+def _str(body: dict, key: str, default: Any) -> Any:
+    v = body.get(key, _MISSING)
+    if v is _MISSING or v is None:
+        return default
+    if not isinstance(v, str):
+        raise _type_error(key, "a string", v)
+    return v
+
+
+def _stop(body: dict) -> list[str]:
+    v = body.get("stop")
+    if v is None:
+        return []
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and all(isinstance(s, str) for s in v):
+        return list(v)
+    raise _type_error("stop", "a string or a list of strings", v)
+
+
+def _token_ids(v: Any, key: str, vocab_size: int) -> list[int]:
+    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+        raise _type_error(key, "a list of integers", v)
+    bad = next((t for t in v if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ApiError(400, f"token id {bad} in '{key}' is outside the vocabulary "
+                            f"[0, {vocab_size})", param=key)
+    return list(v)
+
+
+# ---------------------------------------------------------------------------- parsing
+
+
+def parse_json(raw: bytes) -> dict:
+    """Decodes a request body (orjson). Raises ApiError 400 unless it is a JSON object."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def check_model(body: dict, engine: EngineInfo) -> str:
+    """The requested model name; a missing model means the served one.
+
+    Raises ApiError 404 model_not_found for another name (as OpenAI does), 400 for a
+    non-string.
+    """
+    model = _str(body, "model", engine.model_name)
+    if model != engine.model_name:
+        raise ApiError(404, f"The model '{model}' does not exist (this server serves "
+                            f"'{engine.model_name}')", param="model", code="model_not_found")
+    return model
+
+
+def _reject_unsupported(body: dict, kind: str) -> None:
+    if body.get("suffix"):
+        raise ApiError(400, "'suffix' is not supported", param="suffix", code="unsupported")
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported", param="logit_bias",
+                       code="unsupported")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise ApiError(400, "'best_of' other than n is not supported", param="best_of",
+                       code="unsupported")
+    if kind == "chat":
+        for key in ("tools", "functions"):
+            if body.get(key):
+                raise ApiError(400, f"'{key}' is not supported", param=key, code="unsupported")
+        fmt = body.get("response_format")
+        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
+            raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
+                           param="response_format", code="unsupported")
+
+
+def _sampling(body: dict, max_tokens_key: str, max_tokens: int | None) -> SamplingParams:
+    """SamplingParams from the body; types checked here, ranges by SamplingParams.validate."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"'{max_tokens_key}' must be at least 1, got {max_tokens}",
+                       param=max_tokens_key)
+    seed = _int(body, "seed", None)
+    if seed is not None and not -MAX_SEED - 1 <= seed <= MAX_SEED:
+        raise ApiError(400, "'seed' must fit in a signed 64-bit integer", param="seed")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=_num(body, "temperature", 1.0),
+        top_p=_num(body, "top_p", 1.0),
+        top_k=_int(body, "top_k", 0),
+        min_p=_num(body, "min_p", 0.0),
+        repetition_penalty=_num(body, "repetition_penalty", 1.0),
+        presence_penalty=_num(body, "presence_penalty", 0.0),
+        frequency_penalty=_num(body, "frequency_penalty", 0.0),
+        seed=seed,
+        stop=_stop(body),
+        ignore_eos=_bool(body, "ignore_eos", False),
+        include_stop_str_in_output=_bool(body, "include_stop_str_in_output", False),
+    )
+
+
+def _common(body: dict, kind: str, engine: EngineInfo, prompts: list[Prompt],
+            params: SamplingParams, logprobs: int | None, max_tokens_key: str) -> GenerationRequest:
+    """Fields shared by both endpoints, then whole-request checks (ranges, lengths)."""
+    vocab = engine.tokenizer.vocab_size
+    stop_ids = body.get("stop_token_ids")
+    params.stop_token_ids = [] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids",
+                                                                    vocab)
+    params.logprobs = logprobs
+    n = _int(body, "n", 1)
+    if n < 1:
+        raise ApiError(400, f"'n' must be at least 1, got {n}", param="n")
+    if n * len(prompts) > MAX_CHOICES:
+        raise ApiError(400, f"at most {MAX_CHOICES} choices (prompts x n) per request",
+                       param="n")
+    stream = _bool(body, "stream", False)
+    opts = body.get("stream_options")
+    include_usage = False
+    if opts is not None:
+        if not stream:
+            raise ApiError(400, "'stream_options' is only allowed when 'stream' is true",
+                           param="stream_options")
+        if not isinstance(opts, dict):
+            raise _type_error("stream_options", "an object", opts)
+        include_usage = _bool(opts, "include_usage", False)
+    cache_salt = _str(body, "cache_salt", None)
+    if cache_salt == "":
+        raise ApiError(400, "'cache_salt' must not be empty", param="cache_salt")
+    try:
+        params.validate(engine.max_logprobs)
+    except InvalidRequest as e:
+        param = max_tokens_key if e.param == "max_tokens" else e.param
+        if kind == "chat" and e.param == "logprobs":
+            param = "top_logprobs"
+        raise ApiError(400, str(e).replace(e.param or "", param or "", 1), param=param) from None
+    for p in prompts:
+        _check_length(p, params, engine, "messages" if kind == "chat" else "prompt",
+                      max_tokens_key)
+    return GenerationRequest(
+        kind=kind, model=engine.model_name, prompts=prompts, params=params, n=n, stream=stream,
+        include_usage=include_usage, logprobs=logprobs, cache_salt=cache_salt,
+        user=_str(body, "user", None))
+
+
+def _check_length(p: Prompt, params: SamplingParams, engine: EngineInfo, param: str,
+                  max_tokens_key: str) -> None:
+    """Prompt + max_tokens must fit in the context (vLLM and OpenAI answer 400)."""
+    limit = engine.max_model_len
+    n = len(p.token_ids)
+    if n == 0:
+        raise ApiError(400, "the prompt is empty", param=param)
+    if n >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; the "
+                            f"prompt has {n} tokens, leaving no room for output", param=param,
+                       code="context_length_exceeded")
+    if params.max_tokens is not None and n + params.max_tokens > limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens; you "
+                            f"requested {n + params.max_tokens} tokens ({n} in the prompt, "
+                            f"{params.max_tokens} for the output)", param=max_tokens_key,
+                       code="context_length_exceeded")
+
+
+def parse_completion(body: dict, engine: EngineInfo) -> GenerationRequest:
+    """A /v1/completions body -> GenerationRequest (prompts tokenized, defaults applied).
+
+    `prompt`: a string, a list of token ids, a list of strings, or a list of token-id
+    lists (a batch). `logprobs`: integer number of top alternatives (OpenAI: 0..5;
+    here up to the engine's max_logprobs). max_tokens defaults to 16 as in OpenAI.
+    Raises: ApiError (400 bad input, 404 unknown model).
+    """
+    check_model(body, engine)
+    _reject_unsupported(body, "completion")
+    prompts = _prompts(body.get("prompt", _MISSING), engine)
+    max_tokens = _int(body, "max_tokens", 16)
+    params = _sampling(body, "max_tokens", max_tokens)
+    logprobs = _int(body, "logprobs", None)
+    echo = _bool(body, "echo", False)
+    if echo and logprobs is not None:
+        raise ApiError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported",
+                       param="echo", code="unsupported")
+    req = _common(body, "completion", engine, prompts, params, logprobs, "max_tokens")
+    req.echo = echo
+    return req
+
+
+def _prompts(v: Any, engine: EngineInfo) -> list[Prompt]:
+    tok = engine.tokenizer
+    if v is _MISSING or v is None:
+        raise ApiError(400, "'prompt' is required", param="prompt", code="missing_required")
+    if isinstance(v, str):
+        return [Prompt(tok.encode(v), v)]
+    if isinstance(v, list) and v:
+        if all(_is_int(t) for t in v):
+            ids = _token_ids(v, "prompt", tok.vocab_size)
+            return [Prompt(ids, tok.decode(ids))]
+        if all(isinstance(s, str) for s in v):
+            return [Prompt(tok.encode(s), s) for s in v]
+        if all(isinstance(x, list) for x in v):
+            out = []
+            for x in v:
+                ids = _token_ids(x, "prompt", tok.vocab_size)
+                out.append(Prompt(ids, tok.decode(ids)))
+            return out
+    if isinstance(v, list) and not v:
+        raise ApiError(400, "'prompt' must not be empty", param="prompt")
+    raise _type_error("prompt", "a string, a list of token ids, or a list of either", v)
+
+
+def parse_chat(body: dict, engine: EngineInfo) -> GenerationRequest:
+    """A /v1/chat/completions body -> GenerationRequest (chat template applied).
+
+    `messages`: a non-empty list of {role, content} where content is a string or a
+    list of {"type": "text", "text": ...} parts (assistant content may be null).
+    `logprobs` is a boolean and `top_logprobs` the number of alternatives.
+    `max_completion_tokens` wins over the deprecated `max_tokens`; neither means up to
+    the context length.
+    Raises: ApiError (400 bad input, 404 unknown model).
+    """
+    check_model(body, engine)
+    _reject_unsupported(body, "chat")
+    messages = _messages(body.get("messages", _MISSING))
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    params = _sampling(body, key, _int(body, key, None))
+    want_logprobs = _bool(body, "logprobs", False)
+    top = _int(body, "top_logprobs", None)
+    if top is not None and not want_logprobs:
+        raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
+    logprobs = (top or 0) if want_logprobs else None
+    try:
+        ids = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+    except InvalidRequest as e:
+        raise ApiError(400, str(e), param=e.param or "messages") from None
+    return _common(body, "chat", engine, [Prompt(ids, "")], params, logprobs, key)
+
+
+def _messages(v: Any) -> list[dict]:
+    if v is _MISSING or v is None:
+        raise ApiError(400, "'messages' is required", param="messages", code="missing_required")
+    if not isinstance(v, list):
+        raise _type_error("messages", "a list of messages", v)
+    if not v:
+        raise ApiError(400, "'messages' must not be empty", param="messages")
+    out = []
+    for i, m in enumerate(v):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _type_error(where, "an object", m)
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise ApiError(400, f"'{where}.role' must be one of {', '.join(CHAT_ROLES)}, "
+                                f"got {role!r}", param=f"{where}.role")
+        msg = {"role": role, "content": _content(m.get("content", _MISSING), where, role)}
+        if isinstance(m.get("name"), str):
+            msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def _content(c: Any, where: str, role: str) -> str:
+    key = f"{where}.content"
+    if isinstance(c, str):
+        return c
+    if c is None and role == "assistant":
+        return ""
+    if isinstance(c, list):
+        texts = []
+        for j, part in enumerate(c):
+            if not isinstance(part, dict) or part.get("type") != "text":
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ApiError(400, f"'{key}[{j}]': only text content parts are supported, "
+                                    f"got {kind!r}", param=f"{key}[{j}]", code="unsupported")
+            if not isinstance(part.get("text"), str):
+                raise _type_error(f"{key}[{j}].text", "a string", part.get("text"))
+            texts.append(part["text"])
+        return "\n".join(texts)   # as vLLM joins text parts
+    if c is _MISSING:
+        raise ApiError(400, f"'{key}' is required", param=key, code="missing_required")
+    raise _type_error(key, "a string or a list of text parts", c)

@@ -1,0 +1,481 @@
+"""The OpenAI-compatible HTTP API (aiohttp) in front of an AsyncLLM.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE
+and not), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics.
+Response and chunk shapes follow the OpenAI API reference; `usage` carries
+`prompt_tokens_details.cached_tokens` (prompt tokens served from the prefix
+cache). Every error, including unknown routes (404), wrong methods (405) and
+oversized bodies (413), is answered with OpenAI's error body; an unexpected
+failure is a 500 with an error body and the server keeps serving.
+
+Each choice of a request is one engine request. When the client goes away the
+handler is cancelled (aiohttp's handler_cancellation, which the daemon turns
+on) or its next write fails; either way the engine generators are closed and
+the requests aborted, so their KV blocks are freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from mooncaked.engine.types import InvalidRequest, RequestOutput, TokenLogprob
+from mooncaked.log import get_logger
+
+from . import sse
+from .metrics import ApiMetrics
+from .protocol import (ApiError, GenerationRequest, Prompt, error_body, parse_chat,
+                       parse_completion, parse_json)
+
+log = get_logger(__name__)
+
+MAX_BODY_BYTES = 4 * 1024 * 1024   # a 128k-token prompt as a JSON id list is about 1 MB
+SERVER_KEY: web.AppKey["ApiServer"] = web.AppKey("mooncaked_api", object)  # type: ignore[arg-type]
+
+
+def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    """A JSON response encoded with orjson."""
+    return web.Response(body=orjson.dumps(obj), status=status, content_type="application/json",
+                        headers=headers)
+
+
+# ---------------------------------------------------------------------------- one choice
+
+
+@dataclasses.dataclass
+class _Choice:
+    """What one choice (one engine request) has produced so far."""
+
+    index: int
+    prompt: Prompt
+    request_id: str
+    params: Any
+    text: list[str] = dataclasses.field(default_factory=list)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)
+    counted_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+    def add(self, out: RequestOutput, now: float) -> None:
+        """Folds one engine delta in. A delta with k tokens (outputs coalesced while the
+        API was busy) spreads their arrival times evenly since the previous token, so
+        per-token latency is not skewed by zero gaps."""
+        k = len(out.new_token_ids)
+        if k:
+            prev = self.token_times[-1] if self.token_times else now
+            self.token_times.extend(prev + (now - prev) * (j + 1) / k for j in range(k))
+        self.text.append(out.new_text)
+        if out.logprobs:
+            self.logprobs.extend(out.logprobs)
+        self.counted_tokens += k
+        # the engine's running total when it gives one, else what the deltas carried
+        self.num_output_tokens = max(out.num_output_tokens, self.counted_tokens)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        if out.finished:
+            self.finished = True
+            self.finish_reason = out.finish_reason
+            self.stop_reason = out.stop_reason
+
+
+class _Run:
+    """The engine requests behind one API request, their outputs merged into one stream.
+
+    Each choice is pumped by its own task into one queue, so n > 1 and prompt batches
+    interleave as the engine produces them. `close()` must be awaited (finally): it
+    cancels the pumps (closing the engine generators, which aborts their requests),
+    aborts anything unfinished, and records metrics.
+    """
+
+    def __init__(self, engine: Any, req: GenerationRequest, request_id: str, arrival_s: float,
+                 metrics: ApiMetrics):
+        self.engine, self.req, self.arrival_s, self.metrics = engine, req, arrival_s, metrics
+        self.choices: list[_Choice] = []
+        for p_idx, prompt in enumerate(req.prompts):
+            for i in range(req.n):
+                params = dataclasses.replace(req.params, stop=list(req.params.stop),
+                                             stop_token_ids=list(req.params.stop_token_ids))
+                if params.seed is not None:
+                    params.seed += i          # n choices differ, yet stay reproducible
+                idx = p_idx * req.n + i
+                self.choices.append(_Choice(idx, prompt, f"{request_id}-{idx}", params))
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks = [asyncio.create_task(self._pump(c)) for c in self.choices]
+
+    async def _pump(self, c: _Choice) -> None:
+        gen = self.engine.generate(c.prompt.token_ids, c.params, c.request_id,
+                                   cache_salt=self.req.cache_salt)
+        try:
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    self._queue.put_nowait((c, out, None))
+                    if out.finished:
+                        return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which maps it
+            self._queue.put_nowait((c, None, e))
+
+    async def outputs(self) -> AsyncIterator[tuple[_Choice, RequestOutput]]:
+        """Yields (choice, delta) until every choice has finished.
+
+        Raises: InvalidRequest from the engine (before any output of that choice),
+            ApiError 500 for an engine failure.
+        """
+        pending = len(self.choices)
+        while pending:
+            c, out, err = await self._queue.get()
+            if err is not None:
+                c.finish_reason = "error"
+                if isinstance(err, (InvalidRequest, ApiError)):
+                    raise err
+                log.error("engine_error", request_id=c.request_id, error=repr(err))
+                raise ApiError(500, f"engine error: {err}", type="server_error") from err
+            if out.error:
+                c.finish_reason = "error"
+                log.error("engine_error", request_id=c.request_id, error=out.error)
+                raise ApiError(500, f"engine error: {out.error}", type="server_error")
+            c.add(out, time.monotonic())
+            yield c, out
+            if out.finished:
+                pending -= 1
+
+    async def close(self) -> None:
+        """Stops what still runs, aborts unfinished engine requests, records metrics."""
+        for t in self._tasks:
+            if not t.done():
+                t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for c in self.choices:
+            if not c.finished:
+                with contextlib.suppress(Exception):
+                    self.engine.abort(c.request_id)
+            self.metrics.observe_request(self.arrival_s, c.token_times,
+                                         c.finish_reason or "abort", c.num_output_tokens)
+
+    def usage(self) -> dict:
+        """OpenAI `usage`; the prompt counts once per prompt, not once per choice."""
+        n = self.req.n
+        prompt_tokens = sum(len(p.token_ids) for p in self.req.prompts)
+        cached = sum(self.choices[i * n].num_cached_tokens for i in range(len(self.req.prompts)))
+        completion = sum(c.num_output_tokens for c in self.choices)
+        return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+                "total_tokens": prompt_tokens + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+# ---------------------------------------------------------------------------- logprobs
+
+
+def _completion_logprobs(lps: list[TokenLogprob], tok: Any, offset: int) -> tuple[dict, int]:
+    """OpenAI completions logprobs {tokens, token_logprobs, top_logprobs, text_offset};
+    returns it and the text offset after these tokens."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        text = tok.token_text(lp.token_id)
+        top = {tok.token_text(t): v for t, v in lp.top}
+        top.setdefault(text, lp.logprob)      # as vLLM: the sampled token is always listed
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out, offset
+
+
+def _chat_logprobs(lps: list[TokenLogprob], tok: Any) -> dict:
+    """OpenAI chat logprobs {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text = tok.token_text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+
+# ---------------------------------------------------------------------------- the server
+
+
+class ApiServer:
+    """HTTP handlers over one engine.
+
+    Args:
+        engine: an AsyncLLM (tokenizer, model_name, max_model_len, max_logprobs,
+            generate, abort, stats).
+        request_timeout_s: upper bound on one request's generation, seconds.
+    """
+
+    def __init__(self, engine: Any, request_timeout_s: float = 600.0,
+                 client_max_size: int = MAX_BODY_BYTES):
+        self.engine = engine
+        self.client_max_size = client_max_size
+        self.request_timeout_s = request_timeout_s
+        self.metrics = ApiMetrics(engine.stats)
+        self.draining = False
+        self.created = int(time.time())
+
+    def begin_drain(self) -> None:
+        """Refuses new generation requests (503) and reports /health as 503."""
+        self.draining = True
+
+    # ------------------------------------------------------------------ small routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        """GET /health: 200 {"status": "ok"} while serving, 503 while shutting down."""
+        if self.draining:
+            return json_response({"status": "draining"}, status=503)
+        return json_response({"status": "ok"})
+
+    def _model_card(self) -> dict:
+        return {"id": self.engine.model_name, "object": "model", "created": self.created,
+                "owned_by": "mooncaked", "max_model_len": self.engine.max_model_len}
+
+    async def models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: the one served model."""
+        return json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{model}: the model card, or 404 model_not_found."""
+        name = request.match_info["model"]
+        if name != self.engine.model_name:
+            raise ApiError(404, f"The model '{name}' does not exist", param="model",
+                           code="model_not_found")
+        return json_response(self._model_card())
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        """GET /metrics: Prometheus text exposition."""
+        body, ctype = self.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": ctype})
+
+    # ------------------------------------------------------------------ generation
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/completions (OpenAI "Completions")."""
+        return await self._generate(request, "completion")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        """POST /v1/chat/completions (OpenAI "Chat Completions")."""
+        return await self._generate(request, "chat")
+
+    async def _generate(self, request: web.Request, kind: str) -> web.StreamResponse:
+        arrival = time.monotonic()
+        if self.draining:
+            raise ApiError(503, "the server is shutting down", type="server_error",
+                           code="service_unavailable")
+        body = parse_json(await request.read())
+        req = (parse_chat if kind == "chat" else parse_completion)(body, self.engine)
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        rid = f"{prefix}-{uuid.uuid4().hex}"
+        log.debug("request", request_id=rid, kind=kind, prompts=len(req.prompts), n=req.n,
+                  stream=req.stream, prompt_tokens=sum(len(p.token_ids) for p in req.prompts),
+                  user=req.user)
+        run = _Run(self.engine, req, rid, arrival, self.metrics)
+        try:
+            if req.stream:
+                return await self._stream(request, req, run, rid)
+            return await self._complete(req, run, rid)
+        finally:
+            await run.close()
+
+    def _base(self, req: GenerationRequest, rid: str, created: int, chunk: bool) -> dict:
+        if req.kind == "chat":
+            obj = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            obj = "text_completion"
+        return {"id": rid, "object": obj, "created": created, "model": req.model}
+
+    async def _complete(self, req: GenerationRequest, run: _Run, rid: str) -> web.Response:
+        created = int(time.time())
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                async for _ in run.outputs():
+                    pass
+        except TimeoutError:
+            raise ApiError(504, f"the request did not finish within {self.request_timeout_s} s",
+                           type="server_error", code="timeout") from None
+        tok = self.engine.tokenizer
+        choices = []
+        for c in run.choices:
+            text = "".join(c.text)
+            if req.kind == "chat":
+                lp = _chat_logprobs(c.logprobs, tok) if req.logprobs is not None else None
+                choices.append({"index": c.index,
+                                "message": {"role": "assistant", "content": text},
+                                "logprobs": lp, "finish_reason": c.finish_reason,
+                                "stop_reason": c.stop_reason})
+            else:
+                echo = c.prompt.text if req.echo else ""
+                lp = (_completion_logprobs(c.logprobs, tok, 0)[0]
+                      if req.logprobs is not None else None)
+                choices.append({"index": c.index, "text": echo + text, "logprobs": lp,
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+        body = {**self._base(req, rid, created, chunk=False), "choices": choices,
+                "usage": run.usage()}
+        return json_response(body, headers={"X-Request-Id": rid})
+
+    async def _stream(self, request: web.Request, req: GenerationRequest, run: _Run,
+                      rid: str) -> web.StreamResponse:
+        created = int(time.time())
+        outputs = run.outputs()
+        base = self._base(req, rid, created, chunk=True)
+        if req.include_usage:
+            base["usage"] = None        # OpenAI: every chunk has usage null but the last
+        tok = self.engine.tokenizer
+        offsets = {c.index: 0 for c in run.choices}
+        echo_pending = {c.index: req.echo for c in run.choices}
+
+        def chunk(c: _Choice, out: RequestOutput) -> bytes | None:
+            lps = out.logprobs if req.logprobs is not None and out.logprobs else None
+            done = out.finished
+            if not (out.new_text or lps or done or echo_pending[c.index]):
+                return None           # text held back (possible stop string): nothing to send
+            if req.kind == "chat":
+                delta = {"content": out.new_text} if out.new_text else {}
+                choice = {"index": c.index, "delta": delta,
+                          "logprobs": _chat_logprobs(lps, tok) if lps else None}
+            else:
+                text = out.new_text
+                if echo_pending[c.index]:
+                    text, echo_pending[c.index] = c.prompt.text + text, False
+                lp = None
+                if lps:
+                    lp, offsets[c.index] = _completion_logprobs(lps, tok, offsets[c.index])
+                choice = {"index": c.index, "text": text, "logprobs": lp}
+            choice["finish_reason"] = c.finish_reason if done else None
+            if done:
+                choice["stop_reason"] = c.stop_reason
+            return sse.event({**base, "choices": [choice]})
+
+        resp: web.StreamResponse | None = None
+        try:
+            async with asyncio.timeout(self.request_timeout_s):
+                # Wait for the first delta before sending headers, so a request the engine
+                # refuses (InvalidRequest) still gets its 4xx status.
+                first = await anext(outputs)
+                resp = await sse.open_stream(request, {"X-Request-Id": rid})
+                if req.kind == "chat":
+                    for c in run.choices:
+                        await resp.write(sse.event({**base, "choices": [{
+                            "index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None, "finish_reason": None}]}))
+                frame = chunk(*first)
+                if frame:
+                    await resp.write(frame)
+                async for c, out in outputs:
+                    frame = chunk(c, out)
+                    if frame:
+                        await resp.write(frame)
+                if req.include_usage:
+                    await resp.write(sse.event({**base, "choices": [], "usage": run.usage()}))
+                await resp.write(sse.DONE)
+        except ConnectionResetError:
+            log.info("client_disconnected", request_id=rid)
+            if resp is None:
+                resp = web.Response(status=499)    # nginx's "client closed request"
+        except Exception as e:
+            if resp is None:                       # headers not sent: a normal error reply
+                if isinstance(e, TimeoutError):
+                    raise ApiError(504, f"no output within {self.request_timeout_s} s",
+                                   type="server_error", code="timeout") from None
+                raise
+            # Headers are out: report the error in the stream, as vLLM does, then end it.
+            if isinstance(e, ApiError):
+                err = e.body()
+            elif isinstance(e, InvalidRequest):
+                err = error_body(str(e), param=e.param)
+            elif isinstance(e, TimeoutError):
+                err = error_body(f"the request did not finish within {self.request_timeout_s} s",
+                                 "server_error", code="timeout")
+            else:
+                log.error("stream_failed", exc_info=True, request_id=rid)
+                err = error_body(f"internal error: {type(e).__name__}", "server_error")
+            with contextlib.suppress(ConnectionResetError):
+                await resp.write(sse.event(err))
+                await resp.write(sse.DONE)
+        finally:
+            await outputs.aclose()
+        return resp
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def _route_label(request: web.Request) -> str:
+    info = request.match_info
+    route = getattr(info, "route", None)
+    if info.http_exception is not None or route is None:
+        return "unmatched"
+    return route.resource.canonical if route.resource is not None else "unmatched"
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
+    """Turns every failure into OpenAI's error body and counts requests by route/status."""
+    server: ApiServer = request.app[SERVER_KEY]
+    try:
+        resp = await handler(request)
+    except ApiError as e:
+        resp = json_response(e.body(), status=e.status)
+    except InvalidRequest as e:
+        resp = json_response(error_body(str(e), param=e.param), status=400)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        resp = _http_error(request, e)
+    except asyncio.CancelledError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a bug must not take the server down
+        log.error("request_failed", exc_info=True, path=request.path, error=repr(e))
+        resp = json_response(error_body(f"internal error: {type(e).__name__}", "server_error"),
+                             status=500)
+    server.metrics.http.labels(_route_label(request), str(resp.status)).inc()
+    return resp
+
+
+def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
+    if e.status == 404:
+        msg, code = f"Invalid URL ({request.method} {request.path})", "not_found"
+    elif e.status == 405:
+        msg, code = f"Method {request.method} is not allowed on {request.path}", \
+            "method_not_allowed"
+    elif e.status == 413:
+        msg, code = (f"request body is larger than {request.app[SERVER_KEY].client_max_size} bytes",
+                     "request_too_large")
+    else:
+        msg, code = e.reason, None
+    headers = {k: v for k, v in e.headers.items() if k.lower() == "allow"}
+    return json_response(error_body(msg, "invalid_request_error", None, code), status=e.status,
+                         headers=headers)
+
+
+def build_app(engine: Any, *, request_timeout_s: float = 600.0,
+              client_max_size: int = MAX_BODY_BYTES) -> web.Application:
+    """The aiohttp application serving the OpenAI API over `engine`.
+
+    Args:
+        engine: an AsyncLLM (already started, or started by the caller before serving).
+        request_timeout_s: upper bound on one request's generation, seconds.
+        client_max_size: largest request body accepted, bytes (larger: 413).
+    Returns: the app; `app[SERVER_KEY]` is its ApiServer (for begin_drain()).
+    """
+    server = ApiServer(engine, request_timeout_s, client_max_size)
+    app = web.Application(client_max_size=client_max_size, middlewares=[_errors])
+    app[SERVER_KEY] = server
+    app.router.add_post("/v1/completions", server.completions)
+    app.router.add_post("/v1/chat/completions", server.chat_completions)
+    app.router.add_get("/v1/models", server.models)
+    app.router.add_get("/v1/models/{model}", server.model)
+    app.router.add_get("/health", server.health)
+    app.router.add_get("/metrics", server.metrics_route)
+    return app
