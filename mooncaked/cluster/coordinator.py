@@ -1,0 +1,587 @@
+"""The coordination interface: metadata keys, leased membership and leader election.
+
+One `Coordinator` per process. Backends (`local`, `etcd`) supply a handful of
+primitives over a key-value store with leases (put/get/delete/list, create-if-
+absent, delete-if-value, lease grant/refresh/revoke, prefix snapshots); the
+membership and election logic is written once, here, on top of them, following
+etcd's own recipes (a member key and a leader key bound to the holder's lease,
+leader = whoever created the leader key; see etcd's `clientv3/concurrency`).
+
+Sessions: `start()` grants this process a lease of `lease_ttl_s` seconds and a
+heartbeat task refreshes it every `heartbeat_interval_s`. Keys written with
+`ephemeral=True`, member records and leader keys are bound to that lease, so a
+process that dies (kill -9 included) disappears from every view within about
+`lease_ttl_s`. If the lease is lost while the process lives (a pause longer than
+the TTL, a store outage), the heartbeat opens a new session, re-registers the
+node and re-writes its ephemeral keys; leadership is not re-taken silently: the
+`Leadership` object's `lost` event fires and the caller campaigns again.
+
+Values are JSON (anything orjson encodes); keys are '/'-separated strings
+relative to `key_prefix`. Layout under the prefix:
+  members/<node_id>         Member record (ephemeral)
+  election/<name>/leader    {"node_id", "incarnation", "since"} (ephemeral)
+  anything else             caller metadata (node and segment descriptions, ...)
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import contextlib
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+import orjson
+
+from ..config import ClusterSettings, ConfigError
+from ..log import get_logger
+from .errors import CoordinationError, SessionLost
+
+log = get_logger(__name__)
+
+DEFAULT_ELECTION = "conductor"
+
+
+@dataclass(frozen=True)
+class Member:
+    """One node in the membership view.
+
+    Attributes:
+        node_id: the node's configured id.
+        info: what the node registered (addresses, role, version, ...): a JSON object.
+        incarnation: id of the session that registered it; a node restarting with the
+            same id gets a new incarnation.
+        registered_at: unix time (seconds) of the registration.
+    """
+
+    node_id: str
+    info: dict
+    incarnation: str
+    registered_at: float
+
+
+@dataclass(frozen=True)
+class MemberEvent:
+    """A change in the membership view.
+
+    kind: "join" (new id), "leave" (lease expired or unregistered), "rejoin" (same id,
+    new incarnation: the node restarted) or "update" (same incarnation, new info).
+    For "leave", `member` is the last record seen.
+    """
+
+    kind: str
+    member: Member
+
+
+@dataclass(eq=False)
+class Leadership:
+    """Proof that this process won an election.
+
+    `lost` is set when leadership ends for any reason (resign, close, lease lost, the
+    leader key changed under us); `held` is False from then on, and also as soon as
+    the lease may have expired without a successful keep-alive (no split brain
+    through a stalled heartbeat).
+    """
+
+    election: str
+    node_id: str
+    incarnation: str
+    key: str
+    raw: bytes
+    _coord: "Coordinator"
+    lost: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def held(self) -> bool:
+        """True while this process is still the leader (lease alive and key ours)."""
+        return not self.lost.is_set() and self._coord.session_alive \
+            and self._coord.session_id == self.incarnation
+
+    async def wait_lost(self) -> None:
+        """Returns when leadership has ended."""
+        await self.lost.wait()
+
+
+def _dumps(value: Any) -> bytes:
+    try:
+        return orjson.dumps(value)
+    except TypeError as e:
+        raise ValueError(f"coordination values must be JSON-encodable: {e}") from e
+
+
+def _loads(raw: bytes) -> Any:
+    return orjson.loads(raw)
+
+
+def _member_from(raw: bytes) -> Member | None:
+    try:
+        d = _loads(raw)
+        return Member(d["node_id"], d.get("info") or {}, d["incarnation"], d["registered_at"])
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+
+
+def _check_name(kind: str, name: str) -> None:
+    if not name or "/" in name or name != name.strip():
+        raise ValueError(f"{kind} must be a non-empty string without '/' or surrounding spaces, "
+                         f"got {name!r}")
+
+
+class Coordinator(abc.ABC):
+    """Cluster coordination: metadata, leased membership, leader election.
+
+    Use as `async with make_coordinator(settings) as coord: ...` or call `start()` and
+    `close()`. Operations raise `CoordinationError` when the store fails or does not
+    answer within `op_timeout_s`, and `ValueError` for bad keys or values.
+    """
+
+    backend = "abstract"
+
+    def __init__(self, settings: ClusterSettings):
+        if settings.heartbeat_interval_s * 2 > settings.lease_ttl_s:
+            raise ConfigError("<settings>", "cluster.heartbeat_interval_s",
+                              f"{settings.heartbeat_interval_s} s must be at most half of "
+                              f"cluster.lease_ttl_s ({settings.lease_ttl_s} s)")
+        prefix = settings.key_prefix
+        if not prefix.endswith("/"):
+            prefix += "/"
+        self.settings = settings
+        self.prefix = prefix
+        # etcd leases have whole-second TTLs; use the same rounded TTL everywhere.
+        self.ttl_s = float(math.ceil(settings.lease_ttl_s))
+        self._lease: Any = None
+        self._session_id = ""
+        self._deadline = 0.0                          # monotonic time the lease surely ends
+        self._registered: dict[str, tuple[dict, float]] = {}   # node_id -> (info, registered_at)
+        self._ephemeral: dict[str, bytes] = {}        # full key -> raw value, re-put on new session
+        self._leading: dict[str, Leadership] = {}     # election -> leadership
+        self._heartbeat: asyncio.Task | None = None
+        self._session_lock = asyncio.Lock()
+        self._closed = False
+
+    # ------------------------------------------------------------------ backend primitives
+
+    @abc.abstractmethod
+    async def _open(self) -> None:
+        """Connects to the store."""
+
+    @abc.abstractmethod
+    async def _close(self) -> None:
+        """Releases the connection; must not raise."""
+
+    @abc.abstractmethod
+    async def _grant(self, ttl_s: float) -> Any:
+        """Creates a lease of ttl_s seconds; returns its handle."""
+
+    @abc.abstractmethod
+    async def _refresh(self, lease: Any) -> bool:
+        """Keeps the lease alive for another TTL; False if it has already expired."""
+
+    @abc.abstractmethod
+    async def _revoke(self, lease: Any) -> None:
+        """Ends the lease now, deleting its keys."""
+
+    @abc.abstractmethod
+    async def _put(self, key: str, raw: bytes, lease: Any) -> None:
+        """Writes key (bound to lease, or persistent when lease is None)."""
+
+    @abc.abstractmethod
+    async def _get(self, key: str) -> bytes | None:
+        """Reads key; None when absent or its lease expired."""
+
+    @abc.abstractmethod
+    async def _delete(self, key: str) -> bool:
+        """Deletes key; True if it existed."""
+
+    @abc.abstractmethod
+    async def _list(self, prefix: str) -> dict[str, bytes]:
+        """Every live key under prefix (full keys)."""
+
+    @abc.abstractmethod
+    async def _create(self, key: str, raw: bytes, lease: Any) -> bool:
+        """Writes key only if it does not exist (atomically); True if written."""
+
+    @abc.abstractmethod
+    async def _delete_if(self, key: str, raw: bytes) -> bool:
+        """Deletes key only if its value is raw (atomically); True if deleted."""
+
+    async def _snapshots(self, prefix: str) -> AsyncIterator[dict[str, bytes]]:
+        """Yields the live keys under prefix now, then again after every change.
+
+        Default: polls every `poll_interval_s` (the local backend); etcd overrides it with
+        a native watch. A failed poll is logged and retried, never ends the stream.
+        """
+        last: dict[str, bytes] | None = None
+        while True:
+            try:
+                snap = await self._list(prefix)
+            except CoordinationError as e:
+                log.warning("coord_watch_poll_failed", prefix=prefix, error=str(e))
+                snap = None
+            if snap is not None and snap != last:
+                last = snap
+                yield dict(snap)
+            await asyncio.sleep(self.settings.poll_interval_s)
+
+    def _describe(self) -> str:
+        """Backend and location, for error messages."""
+        return self.backend
+
+    # ------------------------------------------------------------------ helpers
+
+    def _key(self, key: str) -> str:
+        if not isinstance(key, str) or not key or key.startswith("/") or "//" in key:
+            raise ValueError(f"coordination key must be a non-empty relative path like "
+                             f"'segments/node1', got {key!r}")
+        return self.prefix + key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix):]
+
+    async def _op(self, coro, what: str):
+        """Runs one store call with the op timeout, mapping failures to CoordinationError.
+
+        The backends bound their own calls by op_timeout_s (gRPC deadline, lock wait) and
+        report why; this outer bound, a little longer, only catches what they miss.
+        """
+        try:
+            return await asyncio.wait_for(coro, self.settings.op_timeout_s + 0.5)
+        except CoordinationError:
+            raise
+        except asyncio.TimeoutError as e:
+            raise CoordinationError(f"{self._describe()}: {what} timed out after "
+                                    f"{self.settings.op_timeout_s} s") from e
+
+    def _require_session(self) -> Any:
+        if self._closed:
+            raise CoordinationError(f"{self._describe()}: coordinator is closed")
+        if self._lease is None:
+            raise SessionLost(f"{self._describe()}: no live session (call start(), or the lease "
+                              f"was lost and is being renewed)")
+        return self._lease
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def session_id(self) -> str:
+        """Id of the current session (lease); changes when a new session is opened."""
+        return self._session_id
+
+    @property
+    def session_alive(self) -> bool:
+        """True while the lease has surely not expired (a keep-alive succeeded < TTL ago)."""
+        return self._lease is not None and time.monotonic() < self._deadline
+
+    async def start(self) -> "Coordinator":
+        """Connects, opens a session (lease) and starts the heartbeat task.
+
+        Raises: CoordinationError if the store is unreachable within op_timeout_s.
+        """
+        await self._op(self._open(), "connect")
+        await self._new_session()
+        self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="coord-heartbeat")
+        log.info("coord_started", backend=self.backend, where=self._describe(),
+                 session=self._session_id, lease_ttl_s=self.ttl_s)
+        return self
+
+    async def close(self) -> None:
+        """Leaves the cluster: resigns, revokes the lease (member and ephemeral keys vanish
+        at once instead of after the TTL), stops the heartbeat, disconnects. Never raises."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._heartbeat
+        for lead in list(self._leading.values()):
+            lead.lost.set()
+        self._leading.clear()
+        if self._lease is not None:
+            try:
+                await asyncio.wait_for(self._revoke(self._lease), self.settings.op_timeout_s)
+            except Exception as e:  # the lease then simply expires
+                log.warning("coord_revoke_failed", error=str(e))
+            self._lease = None
+        await self._close()
+        log.info("coord_closed", backend=self.backend, session=self._session_id)
+
+    async def __aenter__(self) -> "Coordinator":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    async def _new_session(self) -> None:
+        async with self._session_lock:
+            t0 = time.monotonic()
+            lease = await self._op(self._grant(self.ttl_s), "lease grant")
+            self._lease, self._deadline = lease, t0 + self.ttl_s
+            self._session_id = uuid.uuid4().hex
+            # Bring back what the previous session published.
+            for node_id, (info, registered_at) in list(self._registered.items()):
+                await self._put_member(node_id, info, registered_at)
+            for key, raw in list(self._ephemeral.items()):
+                await self._op(self._put(key, raw, lease), f"put {key}")
+
+    def _drop_leaderships(self, why: str) -> None:
+        for name, lead in list(self._leading.items()):
+            log.warning("coord_leadership_lost", election=name, node=lead.node_id, reason=why)
+            lead.lost.set()
+        self._leading.clear()
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.settings.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            t0 = time.monotonic()
+            try:
+                ok = await self._op(self._refresh(self._lease), "lease keep-alive")
+            except CoordinationError as e:
+                log.warning("coord_heartbeat_failed", error=str(e))
+                ok = None                          # unknown: retry until the deadline
+            if ok:
+                self._deadline = t0 + self.ttl_s
+                await self._check_leaderships()
+                continue
+            if ok is None and time.monotonic() < self._deadline:
+                continue
+            log.warning("coord_session_lost", session=self._session_id)
+            self._drop_leaderships("lease expired")
+            self._lease = None
+            try:
+                await self._new_session()
+                log.info("coord_session_renewed", session=self._session_id,
+                         nodes=list(self._registered))
+            except CoordinationError as e:
+                log.warning("coord_session_renew_failed", error=str(e))
+
+    async def _check_leaderships(self) -> None:
+        # The leader key may vanish without our lease ending (an operator deleted it).
+        for name, lead in list(self._leading.items()):
+            try:
+                raw = await self._op(self._get(lead.key), f"get {lead.key}")
+            except CoordinationError:
+                continue
+            if raw != lead.raw:
+                self._leading.pop(name, None)
+                log.warning("coord_leadership_lost", election=name, node=lead.node_id,
+                            reason="leader key changed")
+                lead.lost.set()
+
+    # ------------------------------------------------------------------ metadata keys
+
+    async def put(self, key: str, value: Any, *, ephemeral: bool = False) -> None:
+        """Writes a JSON value under key (relative to key_prefix).
+
+        ephemeral=True binds it to this process's lease: it disappears when the process
+        dies or closes, and is re-written if the session is renewed.
+        Raises: ValueError (bad key, not JSON-encodable), CoordinationError, SessionLost.
+        """
+        full, raw = self._key(key), _dumps(value)
+        lease = self._require_session() if ephemeral else None
+        await self._op(self._put(full, raw, lease), f"put {key}")
+        if ephemeral:
+            self._ephemeral[full] = raw
+        else:
+            self._ephemeral.pop(full, None)
+
+    async def get(self, key: str) -> Any | None:
+        """The JSON value under key, or None when absent. Raises: CoordinationError."""
+        raw = await self._op(self._get(self._key(key)), f"get {key}")
+        return None if raw is None else _loads(raw)
+
+    async def delete(self, key: str) -> bool:
+        """Deletes key; True if it existed. Raises: CoordinationError."""
+        full = self._key(key)
+        self._ephemeral.pop(full, None)
+        return await self._op(self._delete(full), f"delete {key}")
+
+    async def list(self, prefix: str) -> dict[str, Any]:
+        """{relative key: value} of every key starting with prefix (e.g. "segments/").
+
+        Raises: CoordinationError.
+        """
+        full = self._key(prefix)
+        raws = await self._op(self._list(full), f"list {prefix}")
+        return {self._rel(k): _loads(v) for k, v in sorted(raws.items())}
+
+    async def watch(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
+        """Yields {relative key: value} under prefix now and after every change.
+
+        Changes that happen close together may be merged into one snapshot. Store
+        outages are logged and survived (the stream resumes with a fresh snapshot).
+        Stop it by breaking out of the loop or cancelling the task.
+        """
+        full = self._key(prefix)
+        async with contextlib.aclosing(self._snapshots(full)) as snaps:
+            async for snap in snaps:
+                yield {self._rel(k): _loads(v) for k, v in sorted(snap.items())}
+
+    # ------------------------------------------------------------------ membership
+
+    async def _put_member(self, node_id: str, info: dict, registered_at: float) -> None:
+        record = {"node_id": node_id, "info": info, "incarnation": self._session_id,
+                  "registered_at": registered_at}
+        await self._op(self._put(self._key(f"members/{node_id}"), _dumps(record), self._lease),
+                       f"register {node_id}")
+
+    async def register(self, node_id: str, info: dict) -> Member:
+        """Joins the membership view as node_id with info, bound to this session's lease.
+
+        Calling it again updates info. A node restarting with the same id simply
+        registers again: its new record (new incarnation) replaces the old one.
+        Raises: ValueError (bad id, info not a JSON object), CoordinationError, SessionLost.
+        """
+        _check_name("node_id", node_id)
+        if not isinstance(info, dict):
+            raise ValueError(f"member info must be a dict, got {type(info).__name__}")
+        _dumps(info)
+        self._require_session()
+        registered_at = self._registered.get(node_id, (None, time.time()))[1]
+        self._registered[node_id] = (info, registered_at)
+        await self._put_member(node_id, info, registered_at)
+        log.info("coord_registered", node=node_id, session=self._session_id)
+        return Member(node_id, info, self._session_id, registered_at)
+
+    async def unregister(self, node_id: str) -> None:
+        """Leaves the membership view now (instead of at lease expiry)."""
+        self._registered.pop(node_id, None)
+        key = self._key(f"members/{node_id}")
+        raw = await self._op(self._get(key), f"get {key}")
+        member = _member_from(raw) if raw is not None else None
+        # Only our own record: never evict a newer incarnation of the same id.
+        if member is not None and member.incarnation == self._session_id:
+            await self._op(self._delete_if(key, raw), f"unregister {node_id}")
+
+    async def members(self) -> dict[str, Member]:
+        """{node_id: Member} of every node whose lease is alive. Raises: CoordinationError."""
+        raws = await self._op(self._list(self._key("members/")), "list members")
+        out = {}
+        for raw in raws.values():
+            m = _member_from(raw)
+            if m is not None:
+                out[m.node_id] = m
+        return dict(sorted(out.items()))
+
+    async def watch_members(self) -> AsyncIterator[MemberEvent]:
+        """Yields a "join" for every current member, then every change (MemberEvent).
+
+        A node that stops heartbeating produces "leave" within about lease_ttl_s (plus
+        poll_interval_s on the local backend).
+        """
+        known: dict[str, Member] = {}
+        async with contextlib.aclosing(self._snapshots(self._key("members/"))) as snaps:
+            async for snap in snaps:
+                now: dict[str, Member] = {}
+                for raw in snap.values():
+                    m = _member_from(raw)
+                    if m is not None:
+                        now[m.node_id] = m
+                for node_id, m in known.items():
+                    if node_id not in now:
+                        yield MemberEvent("leave", m)
+                for node_id, m in now.items():
+                    old = known.get(node_id)
+                    if old is None:
+                        yield MemberEvent("join", m)
+                    elif old.incarnation != m.incarnation:
+                        yield MemberEvent("rejoin", m)
+                    elif old != m:
+                        yield MemberEvent("update", m)
+                known = now
+
+    # ------------------------------------------------------------------ election
+
+    def _leader_key(self, election: str) -> str:
+        _check_name("election", election)
+        return self._key(f"election/{election}/leader")
+
+    async def campaign(self, node_id: str, election: str = DEFAULT_ELECTION) -> Leadership:
+        """Waits until this process is the leader of `election`, then returns the Leadership.
+
+        At most one leader at a time: the leader key is created only if absent, bound to
+        the winner's lease. When the leader dies its lease expires and a waiting
+        candidate takes over within about lease_ttl_s. Cancel the call to stop
+        campaigning. Calling it while already leader returns the held Leadership.
+        Raises: CoordinationError, SessionLost (no live session).
+        """
+        _check_name("node_id", node_id)
+        key = self._leader_key(election)
+        held = self._leading.get(election)
+        if held is not None and held.held:
+            return held
+        async with contextlib.aclosing(self._snapshots(key[: -len("leader")])) as snaps:
+            async for snap in snaps:
+                if key in snap:
+                    continue                      # someone leads; wait for the key to go
+                lease = self._require_session()
+                raw = _dumps({"node_id": node_id, "incarnation": self._session_id,
+                              "since": time.time()})
+                if await self._op(self._create(key, raw, lease), f"campaign {election}"):
+                    lead = Leadership(election, node_id, self._session_id, key, raw, self)
+                    self._leading[election] = lead
+                    log.info("coord_elected", election=election, node=node_id,
+                             session=self._session_id)
+                    return lead
+        raise CoordinationError(f"{self._describe()}: watch of {key} ended")  # pragma: no cover
+
+    async def resign(self, election: str = DEFAULT_ELECTION) -> bool:
+        """Gives up leadership of `election` if held; True if this process was leader."""
+        key = self._leader_key(election)
+        lead = self._leading.pop(election, None)
+        if lead is None:
+            return False
+        lead.lost.set()
+        await self._op(self._delete_if(key, lead.raw), f"resign {election}")
+        log.info("coord_resigned", election=election, node=lead.node_id)
+        return True
+
+    async def leader(self, election: str = DEFAULT_ELECTION) -> str | None:
+        """Node id of the current leader of `election`, or None. Raises: CoordinationError."""
+        key = self._leader_key(election)
+        raw = await self._op(self._get(key), f"get {key}")
+        return None if raw is None else _loads(raw)["node_id"]
+
+    async def watch_leader(self, election: str = DEFAULT_ELECTION) -> AsyncIterator[str | None]:
+        """Yields the current leader's node id (None: no leader), then each change."""
+        key = self._leader_key(election)
+        last: Any = object()
+        async with contextlib.aclosing(self._snapshots(key[: -len("leader")])) as snaps:
+            async for snap in snaps:
+                raw = snap.get(key)
+                cur = None if raw is None else _loads(raw)["node_id"]
+                if cur != last:
+                    last = cur
+                    yield cur
+
+
+def default_state_dir() -> str:
+    """Local backend directory when cluster.state_dir is empty (shared by one user's nodes)."""
+    import os
+    import tempfile
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run and os.path.isdir(run):
+        return os.path.join(run, "mooncaked-cluster")
+    return os.path.join(tempfile.gettempdir(), f"mooncaked-cluster-{os.getuid()}")
+
+
+def make_coordinator(settings: ClusterSettings) -> Coordinator:
+    """The coordinator of settings.backend ("local" or "etcd"), not yet started.
+
+    Raises: ConfigError for bad settings (e.g. heartbeat too slow for the TTL).
+    """
+    if settings.backend == "local":
+        from .local import LocalCoordinator
+        return LocalCoordinator(settings)
+    if settings.backend == "etcd":
+        from .etcd import EtcdCoordinator
+        return EtcdCoordinator(settings)
+    raise ConfigError("<settings>", "cluster.backend", f"unknown backend {settings.backend!r}")
+
+
+__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "make_coordinator",
+           "default_state_dir", "DEFAULT_ELECTION"]

@@ -1,0 +1,48 @@
+"""Errors of the coordination layer and the node-to-node control RPC."""
+
+from __future__ import annotations
+
+
+class ClusterError(Exception):
+    """Base class of every error raised by mooncaked.cluster."""
+
+
+class CoordinationError(ClusterError):
+    """The coordination store (etcd, or the local state directory) failed or is unreachable.
+
+    Raised by Coordinator operations after their `op_timeout_s`; the message names
+    the backend and the endpoint or directory.
+    """
+
+
+class SessionLost(CoordinationError):
+    """This process's lease expired (or was revoked) before the operation finished.
+
+    Ephemeral keys and leadership held through it are gone; the coordinator opens a
+    new session on its next heartbeat and re-registers the node.
+    """
+
+
+class RpcError(ClusterError):
+    """A control call failed.
+
+    Attributes: `peer` (address called), `method` (handler name), `remote_type`
+    (the exception class name raised by the remote handler, or "" when the failure
+    was local or in transport).
+    """
+
+    def __init__(self, message: str, *, peer: str = "", method: str = "", remote_type: str = ""):
+        super().__init__(message)
+        self.peer, self.method, self.remote_type = peer, method, remote_type
+
+
+class PeerUnavailable(RpcError):
+    """The peer could not be reached: connection refused or reset, or it died mid-call."""
+
+
+class RpcTimeout(RpcError):
+    """The peer did not answer within the call's timeout (seconds)."""
+
+
+__all__ = ["ClusterError", "CoordinationError", "SessionLost", "RpcError", "PeerUnavailable",
+           "RpcTimeout"]

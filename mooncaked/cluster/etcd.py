@@ -1,0 +1,189 @@
+"""The `etcd` coordination backend, over the maintained asyncio client `aetcd` (gRPC).
+
+Checked against Debian's etcd-server 3.4.23: put/get/range, leases (grant, keep-alive,
+revoke), transactions and prefix watches. Consensus is etcd's; this module only maps
+the Coordinator primitives onto etcd v3 calls:
+
+    create-if-absent  txn(create_revision(key) == 0, put(key, value, lease))
+    delete-if-value   txn(value(key) == value, delete(key))
+    snapshots         range(prefix) at revision R, then watch(prefix, start_revision=R+1)
+
+Endpoints are tried in order: a call that cannot reach one endpoint moves the client
+to the next for the following calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator
+from urllib.parse import urlsplit
+
+import aetcd
+import aetcd.exceptions
+import aetcd.rtypes
+
+from ..config import ClusterSettings, ConfigError
+from ..log import get_logger
+from .coordinator import Coordinator
+from .errors import CoordinationError
+
+log = get_logger(__name__)
+
+
+def parse_endpoint(url: str) -> tuple[str, int]:
+    """("host", port) of an etcd client URL such as "http://127.0.0.1:2379".
+
+    Raises: ConfigError for https (TLS is not wired yet) or a URL without host/port.
+    """
+    parts = urlsplit(url if "://" in url else f"http://{url}")
+    if parts.scheme != "http":
+        raise ConfigError("<settings>", "cluster.etcd_endpoints",
+                          f"{url!r}: only http:// endpoints are supported")
+    if not parts.hostname or not parts.port:
+        raise ConfigError("<settings>", "cluster.etcd_endpoints",
+                          f"{url!r}: expected http://HOST:PORT")
+    return parts.hostname, parts.port
+
+
+class EtcdCoordinator(Coordinator):
+    """Coordinator over an etcd v3 cluster (settings.etcd_endpoints).
+
+    Raises CoordinationError when etcd is unreachable or does not answer within
+    op_timeout_s; the message names the endpoint.
+    """
+
+    backend = "etcd"
+
+    def __init__(self, settings: ClusterSettings):
+        super().__init__(settings)
+        if not settings.etcd_endpoints:
+            raise ConfigError("<settings>", "cluster.etcd_endpoints", "empty list")
+        self.endpoints = [parse_endpoint(u) for u in settings.etcd_endpoints]
+        self._ep = 0
+        self._client: aetcd.Client | None = None
+
+    def _describe(self) -> str:
+        host, port = self.endpoints[self._ep]
+        return f"etcd:{host}:{port}"
+
+    def _c(self) -> aetcd.Client:
+        if self._client is None:
+            host, port = self.endpoints[self._ep]
+            self._client = aetcd.Client(host=host, port=port, timeout=self.settings.op_timeout_s)
+        return self._client
+
+    async def _failover(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                await client.close()
+        self._ep = (self._ep + 1) % len(self.endpoints)
+
+    async def _call(self, what: str, fn):
+        """Runs fn(client), mapping client errors to CoordinationError (and failing over)."""
+        try:
+            return await fn(self._c())
+        except aetcd.exceptions.ClientError as e:
+            where = self._describe()
+            if isinstance(e, (aetcd.exceptions.ConnectionFailedError,
+                              aetcd.exceptions.ConnectionTimeoutError)) and len(self.endpoints) > 1:
+                await self._failover()
+            raise CoordinationError(f"{where}: {what}: {type(e).__name__}: {e}") from e
+
+    async def _open(self) -> None:
+        # gRPC connects lazily: a status call proves etcd answers.
+        await self._call("status", lambda c: c.status())
+
+    async def _close(self) -> None:
+        if self._client is not None:
+            with contextlib.suppress(Exception):
+                await self._client.close()
+            self._client = None
+
+    # ------------------------------------------------------------------ primitives
+
+    async def _grant(self, ttl_s: float) -> int:
+        lease = await self._call("lease grant", lambda c: c.lease(int(ttl_s)))
+        return lease.id
+
+    async def _refresh(self, lease: int) -> bool:
+        reply = await self._call("lease keep-alive", lambda c: c.refresh_lease(lease))
+        return reply is not None and reply.TTL > 0
+
+    async def _revoke(self, lease: int) -> None:
+        await self._call("lease revoke", lambda c: c.revoke_lease(lease))
+
+    async def _put(self, key: str, raw: bytes, lease: int | None) -> None:
+        await self._call(f"put {key}", lambda c: c.put(key.encode(), raw, lease=lease))
+
+    async def _get(self, key: str) -> bytes | None:
+        got = await self._call(f"get {key}", lambda c: c.get(key.encode()))
+        return None if got is None else got.value
+
+    async def _delete(self, key: str) -> bool:
+        got = await self._call(f"delete {key}", lambda c: c.delete(key.encode()))
+        return got is not None
+
+    async def _list(self, prefix: str) -> dict[str, bytes]:
+        rng = await self._call(f"range {prefix}", lambda c: c.get_prefix(prefix.encode()))
+        return {kv.key.decode(): kv.value for kv in rng}
+
+    async def _create(self, key: str, raw: bytes, lease: int | None) -> bool:
+        def txn(c: aetcd.Client):
+            k = key.encode()
+            return c.transaction(compare=[c.transactions.create(k) == 0],
+                                 success=[c.transactions.put(k, raw, lease=lease)], failure=[])
+        ok, _ = await self._call(f"create {key}", txn)
+        return ok
+
+    async def _delete_if(self, key: str, raw: bytes) -> bool:
+        def txn(c: aetcd.Client):
+            k = key.encode()
+            return c.transaction(compare=[c.transactions.value(k) == raw],
+                                 success=[c.transactions.delete(k)], failure=[])
+        ok, _ = await self._call(f"delete-if {key}", txn)
+        return ok
+
+    async def _snapshots(self, prefix: str) -> AsyncIterator[dict[str, bytes]]:
+        """Range at revision R, then watch from R+1; on any stream error, start over."""
+        backoff = 0.1
+        last: dict[str, bytes] | None = None
+        while True:
+            watch = None
+            try:
+                rng = await self._op(self._call(f"range {prefix}",
+                                                lambda c: c.get_prefix(prefix.encode())),
+                                     f"range {prefix}")
+                snap = {kv.key.decode(): kv.value for kv in rng}
+                if snap != last:
+                    last = dict(snap)
+                    yield dict(snap)
+                watch = await self._op(self._call(
+                    f"watch {prefix}",
+                    lambda c: c.watch_prefix(prefix.encode(),
+                                             start_revision=rng.header.revision + 1)),
+                    f"watch {prefix}")
+                backoff = 0.1
+                async for ev in watch:
+                    key = ev.kv.key.decode()
+                    if ev.kind == aetcd.rtypes.EventKind.PUT:
+                        snap[key] = ev.kv.value
+                    else:
+                        snap.pop(key, None)
+                    if snap != last:
+                        last = dict(snap)
+                        yield dict(snap)
+                raise CoordinationError("watch stream ended")
+            except (CoordinationError, aetcd.exceptions.ClientError) as e:
+                log.warning("coord_watch_restart", prefix=prefix, error=str(e),
+                            retry_in_s=backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                if watch is not None:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(watch.cancel(), 1.0)
+
+
+__all__ = ["EtcdCoordinator", "parse_endpoint"]

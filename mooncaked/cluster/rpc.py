@@ -1,0 +1,246 @@
+"""Node-to-node control RPC: aiohttp routes on the server, an aiohttp client with a
+timeout on every call, orjson bodies.
+
+Wire format (HTTP/1.1):
+
+    POST /control/<method>         body: JSON payload (any JSON value)
+    200 {"ok": true,  "result": <JSON>}
+    4xx/5xx {"ok": false, "error": {"type": "<exception class>", "message": "..."}}
+
+Control messages are small and latency-bound (placement requests, QP/segment
+descriptions, drain commands, inventories); KV bytes never travel here, they go
+through the transfer engine.
+
+Server side, either mount the routes on the daemon's own aiohttp app
+(`app.add_routes(server.routes())`, or `app.add_subapp("/control", server.subapp())`)
+or give the control plane its own port (`await server.start(host, port)`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import socket
+from typing import Any, Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from ..log import get_logger
+from .errors import PeerUnavailable, RpcError, RpcTimeout
+
+log = get_logger(__name__)
+
+Handler = Callable[[Any], Awaitable[Any]]
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def _json_response(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+def _error(status: int, type_: str, message: str) -> web.Response:
+    return _json_response({"ok": False, "error": {"type": type_, "message": message}}, status)
+
+
+class ControlServer:
+    """Named async handlers served at POST /control/<name>.
+
+    A handler is `async def handler(payload) -> result`, payload and result being JSON
+    values. A handler that raises answers HTTP 500 with the exception's class and
+    message (the client raises RpcError with `remote_type` set); ValueError and
+    TypeError answer 400 (bad input). Unknown names answer 404.
+    """
+
+    def __init__(self, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+        self._handlers: dict[str, Handler] = {}
+        self.max_body_bytes = max_body_bytes
+        self._runner: web.AppRunner | None = None
+        self.address: tuple[str, int] | None = None
+
+    def add_handler(self, name: str, handler: Handler) -> None:
+        """Registers handler under name (letters, digits, '_', '-', '.').
+
+        Raises: ValueError for a bad or duplicate name, TypeError if handler is not async.
+        """
+        if not name or not all(c.isalnum() or c in "_-." for c in name):
+            raise ValueError(f"control method name must be [A-Za-z0-9_.-]+, got {name!r}")
+        if name in self._handlers:
+            raise ValueError(f"control method {name!r} is already registered")
+        if not inspect.iscoroutinefunction(handler):
+            raise TypeError(f"control handler {name!r} must be an async function")
+        self._handlers[name] = handler
+
+    @property
+    def methods(self) -> list[str]:
+        """Registered method names."""
+        return sorted(self._handlers)
+
+    async def _dispatch(self, request: web.Request) -> web.Response:
+        name = request.match_info["name"]
+        handler = self._handlers.get(name)
+        if handler is None:
+            return _error(404, "UnknownMethod", f"no control method {name!r} "
+                                                f"(known: {', '.join(self.methods)})")
+        try:
+            body = await request.read()
+        except web.HTTPRequestEntityTooLarge as e:
+            return _error(413, "PayloadTooLarge", str(e))
+        try:
+            payload = orjson.loads(body) if body else None
+        except orjson.JSONDecodeError as e:
+            return _error(400, "BadRequest", f"body is not JSON: {e}")
+        try:
+            result = await handler(payload)
+        except (ValueError, TypeError) as e:
+            return _error(400, type(e).__name__, str(e))
+        except Exception as e:
+            log.warning("control_handler_failed", method=name, error=repr(e))
+            return _error(500, type(e).__name__, str(e))
+        try:
+            return _json_response({"ok": True, "result": result})
+        except TypeError as e:
+            return _error(500, "BadResult", f"handler result is not JSON-encodable: {e}")
+
+    def routes(self, prefix: str = "/control") -> list[web.RouteDef]:
+        """Route definitions to add to an existing app: `app.add_routes(server.routes())`.
+
+        The app's client_max_size bounds request bodies there.
+        """
+        return [web.post(prefix + "/{name}", self._dispatch)]
+
+    def subapp(self) -> web.Application:
+        """A sub-application to mount: `app.add_subapp("/control", server.subapp())`."""
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.add_routes(self.routes(prefix=""))
+        return app
+
+    def app(self) -> web.Application:
+        """A standalone application serving /control/<name>."""
+        app = web.Application(client_max_size=self.max_body_bytes)
+        app.add_routes(self.routes())
+        return app
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> tuple[str, int]:
+        """Serves on its own port (0: the OS picks one); returns the bound (host, port).
+
+        Raises: OSError if the address cannot be bound.
+        """
+        # Bind the socket ourselves so that port 0 tells us which port the OS chose.
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+        except OSError:
+            sock.close()
+            raise
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        await web.SockSite(self._runner, sock).start()
+        self.address = sock.getsockname()[:2]
+        log.info("control_server_started", host=self.address[0], port=self.address[1])
+        return self.address
+
+    async def stop(self) -> None:
+        """Stops serving (own-port mode). Never raises."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+
+def _url(addr: str, method: str) -> str:
+    base = addr if "://" in addr else f"http://{addr}"
+    return f"{base.rstrip('/')}/control/{method}"
+
+
+class ControlClient:
+    """Calls peers' control methods. One per process; reuses pooled connections.
+
+    `await client.call("127.0.0.1:9100", "drain", {"node": "p0"}, timeout_s=2.0)`.
+    Close it with `await client.close()` (or `async with ControlClient() as client`).
+    """
+
+    def __init__(self, timeout_s: float = 5.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 limit_per_host: int = 16):
+        self.timeout_s = timeout_s
+        self.max_body_bytes = max_body_bytes
+        self._limit_per_host = limit_per_host
+        self._session: aiohttp.ClientSession | None = None
+
+    def _s(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit_per_host=self._limit_per_host),
+                json_serialize=lambda o: orjson.dumps(o).decode())
+        return self._session
+
+    async def call(self, addr: str, method: str, payload: Any = None,
+                   timeout_s: float | None = None) -> Any:
+        """Calls `method` on the peer at addr ("host:port" or "http://host:port").
+
+        Args:
+            payload: any JSON value.
+            timeout_s: bound on the whole call (connect, send, handler, reply), seconds;
+                None means the client's default.
+        Returns: the handler's JSON result.
+        Raises:
+            PeerUnavailable: connection refused/reset, or the peer died mid-call.
+            RpcTimeout: no complete answer within timeout_s.
+            RpcError: the handler raised (`remote_type` names its exception), the method is
+                unknown, or the reply is malformed.
+            ValueError: payload is not JSON-encodable.
+        """
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        try:
+            body = orjson.dumps(payload)
+        except TypeError as e:
+            raise ValueError(f"control payload for {method!r} is not JSON-encodable: {e}") from e
+        url = _url(addr, method)
+        where = dict(peer=addr, method=method)
+        try:
+            async with asyncio.timeout(timeout):
+                async with self._s().post(url, data=body,
+                                          headers={"Content-Type": "application/json"}) as resp:
+                    raw = await resp.content.read(self.max_body_bytes + 1)
+                    status = resp.status
+        except TimeoutError as e:
+            raise RpcTimeout(f"{method} on {addr}: no answer within {timeout} s", **where) from e
+        except (aiohttp.ClientConnectionError, OSError) as e:
+            # ClientConnectorError (refused), ServerDisconnectedError (died mid-call), resets
+            raise PeerUnavailable(f"{method} on {addr}: peer unavailable: "
+                                  f"{type(e).__name__}: {e}", **where) from e
+        except aiohttp.ClientError as e:
+            raise RpcError(f"{method} on {addr}: {type(e).__name__}: {e}", **where) from e
+        if len(raw) > self.max_body_bytes:
+            raise RpcError(f"{method} on {addr}: reply larger than {self.max_body_bytes} bytes",
+                           **where)
+        try:
+            reply = orjson.loads(raw)
+            ok = reply["ok"]
+        except (orjson.JSONDecodeError, KeyError, TypeError) as e:
+            raise RpcError(f"{method} on {addr}: malformed reply (HTTP {status}): "
+                           f"{raw[:200]!r}", **where) from e
+        if ok:
+            return reply.get("result")
+        err = reply.get("error") or {}
+        raise RpcError(f"{method} on {addr}: {err.get('type', 'Error')}: "
+                       f"{err.get('message', '')} (HTTP {status})",
+                       remote_type=err.get("type", ""), **where)
+
+    async def close(self) -> None:
+        """Closes pooled connections. Never raises."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def __aenter__(self) -> "ControlClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+__all__ = ["ControlServer", "ControlClient", "Handler"]

@@ -1,0 +1,317 @@
+"""Coordination with both backends: metadata keys, leased membership, leader election.
+
+Real processes (python -m mooncaked.cluster.probe) and, for the etcd backend, a real
+etcd started here on free loopback ports with a temporary data dir. Lease TTL is 2 s,
+heartbeat 0.5 s: a killed node must leave the view, and a killed leader be replaced,
+within TTL + slack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from mooncaked.cluster import (CoordinationError, Coordinator, MemberEvent, make_coordinator)
+from mooncaked.cluster.etcd_server import EtcdServer, etcd_binary, free_port
+from mooncaked.cluster.probe import ProbeProcess
+from mooncaked.config import ClusterSettings, ConfigError
+
+TTL = 2.0
+HEARTBEAT = 0.5
+SLACK = 2.0          # expiry granularity (etcd checks leases every 0.5 s) + poll + busy CPUs
+
+BACKENDS = ["local", "etcd"]
+
+
+@pytest.fixture(scope="module")
+def etcd(tmp_path_factory):
+    if etcd_binary() is None:
+        pytest.skip("etcd binary not installed (run mooncaked/cluster/install_etcd.sh)")
+    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(params=BACKENDS)
+def backend(request, tmp_path):
+    """(settings, probe kwargs) for one backend; each test gets its own key space."""
+    name = request.param
+    prefix = f"/t/{request.node.name.replace('[', '_').replace(']', '')}-{os.getpid()}/"
+    if name == "etcd":
+        server = request.getfixturevalue("etcd")
+        settings = ClusterSettings(backend="etcd", etcd_endpoints=[server.endpoint],
+                                   key_prefix=prefix, lease_ttl_s=TTL,
+                                   heartbeat_interval_s=HEARTBEAT, op_timeout_s=3.0)
+        probe_kw = dict(backend="etcd", etcd=[server.endpoint])
+    else:
+        state = str(tmp_path / "coord")
+        settings = ClusterSettings(backend="local", state_dir=state, key_prefix=prefix,
+                                   lease_ttl_s=TTL, heartbeat_interval_s=HEARTBEAT,
+                                   poll_interval_s=0.1, op_timeout_s=3.0)
+        probe_kw = dict(backend="local", state_dir=state)
+    return settings, probe_kw
+
+
+@contextlib.contextmanager
+def probes():
+    """Collects ProbeProcess objects and always stops them."""
+    started: list[ProbeProcess] = []
+
+    def spawn(node_id: str, probe_kw: dict, prefix: str, **kw) -> ProbeProcess:
+        p = ProbeProcess(node_id, ttl=TTL, heartbeat=HEARTBEAT, key_prefix=prefix,
+                         **probe_kw, **kw)
+        started.append(p)
+        return p.start()
+    try:
+        yield spawn
+    finally:
+        for p in started:
+            p.stop(5)
+
+
+async def next_event(it, timeout_s: float, pred=lambda ev: True) -> MemberEvent:
+    """The next event from async iterator `it` satisfying pred, within timeout_s."""
+    async def find():
+        async for ev in it:
+            if pred(ev):
+                return ev
+    return await asyncio.wait_for(find(), timeout_s)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# ---------------------------------------------------------------------------- in-process
+
+
+def test_metadata_keys_and_ephemeral_cleanup(backend):
+    settings, _ = backend
+
+    async def main():
+        async with make_coordinator(settings) as a, make_coordinator(settings) as b:
+            await a.put("segments/n1/dram", {"bytes": 1 << 30, "addr": "127.0.0.1:7000"})
+            await a.put("nodes/n1", {"role": "prefill"}, ephemeral=True)
+            assert await b.get("segments/n1/dram") == {"bytes": 1 << 30, "addr": "127.0.0.1:7000"}
+            assert await b.get("nodes/missing") is None
+            await b.put("segments/n2/dram", {"bytes": 5})
+            assert await a.list("segments/") == {"segments/n1/dram": {"bytes": 1 << 30,
+                                                                      "addr": "127.0.0.1:7000"},
+                                                 "segments/n2/dram": {"bytes": 5}}
+            assert await a.delete("segments/n2/dram") is True
+            assert await a.delete("segments/n2/dram") is False
+            with pytest.raises(ValueError):
+                await a.put("/absolute", 1)
+            with pytest.raises(ValueError):
+                await a.put("k", {1, 2})           # a set is not JSON
+            await a.close()                        # graceful: lease revoked, ephemerals gone now
+            assert await b.get("nodes/n1") is None
+            assert await b.get("segments/n1/dram") == {"bytes": 1 << 30, "addr": "127.0.0.1:7000"}
+            await b.delete("segments/n1/dram")
+    run(main())
+
+
+def test_resign_hands_leadership_over_and_watch_leader_sees_it(backend):
+    settings, _ = backend
+
+    async def main():
+        async with make_coordinator(settings) as a, make_coordinator(settings) as b:
+            lead_a = await asyncio.wait_for(a.campaign("a"), 5)
+            assert lead_a.held and await b.leader() == "a"
+            changes = b.watch_leader()
+            assert await asyncio.wait_for(anext(changes), 5) == "a"
+            b_task = asyncio.create_task(b.campaign("b"))
+            await asyncio.sleep(0)                 # let b start campaigning
+            assert not b_task.done()
+            t0 = time.monotonic()
+            assert await a.resign() is True
+            assert lead_a.lost.is_set() and not lead_a.held
+            lead_b = await asyncio.wait_for(b_task, 5)
+            assert lead_b.held and lead_b.node_id == "b"
+            assert time.monotonic() - t0 < 2.0     # resign is immediate, not a lease expiry
+            seen = [await asyncio.wait_for(anext(changes), 5)]
+            if seen[0] is None:
+                seen.append(await asyncio.wait_for(anext(changes), 5))
+            assert seen[-1] == "b"
+            await changes.aclose()
+            assert await a.leader() == "b"
+            assert await a.resign() is False       # a no longer leads
+    run(main())
+
+
+def test_lost_lease_drops_leadership_and_reregisters(backend):
+    """Fault injection: the session's lease vanishes under a live process."""
+    settings, _ = backend
+
+    async def main():
+        async with make_coordinator(settings) as a, make_coordinator(settings) as obs:
+            await a.register("n1", {"v": 1})
+            lead = await asyncio.wait_for(a.campaign("n1"), 5)
+            first = (await obs.members())["n1"].incarnation
+            await a._revoke(a._lease)              # e.g. an operator revoked it, or it expired
+            await asyncio.wait_for(lead.wait_lost(), TTL + SLACK)
+            assert not lead.held
+
+            async def reregistered():
+                while True:
+                    m = (await obs.members()).get("n1")
+                    if m is not None and m.incarnation != first:
+                        return m
+                    await asyncio.sleep(0.05)
+            m = await asyncio.wait_for(reregistered(), TTL + SLACK)
+            assert m.info == {"v": 1} and m.incarnation == a.session_id
+            # Not silently leader again: it must campaign, and then wins (nobody else runs).
+            assert await obs.leader() is None
+            lead2 = await asyncio.wait_for(a.campaign("n1"), 5)
+            assert lead2.held and await obs.leader() == "n1"
+    run(main())
+
+
+def test_local_backend_survives_corrupt_state_and_bounds_lock_waits(tmp_path):
+    settings = ClusterSettings(backend="local", state_dir=str(tmp_path / "c"), op_timeout_s=0.3,
+                               lease_ttl_s=2, heartbeat_interval_s=0.5)
+
+    async def main():
+        async with make_coordinator(settings) as c:
+            await c.put("x", 1)
+            (tmp_path / "c" / "coord.json").write_bytes(b'{"keys": {"tor')   # torn write
+            assert await c.get("x") is None         # reported and read as empty, no crash
+            await c.put("y", 2)
+            assert await c.get("y") == 2
+            fd = os.open(tmp_path / "c" / "coord.lock", os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)      # another process stuck holding the lock
+                t0 = time.monotonic()
+                with pytest.raises(CoordinationError, match="lock held"):
+                    await c.put("z", 3)
+                assert time.monotonic() - t0 < 2.0
+            finally:
+                os.close(fd)
+            await c.put("z", 3)
+            assert await c.get("z") == 3
+    run(main())
+    (tmp_path / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    bad = ClusterSettings(backend="local", state_dir=str(tmp_path / "open"))
+    with pytest.raises(CoordinationError, match="writable by other users"):
+        run(make_coordinator(bad).start())
+
+
+def test_settings_are_validated():
+    with pytest.raises(ConfigError, match="heartbeat_interval_s"):
+        make_coordinator(ClusterSettings(lease_ttl_s=2, heartbeat_interval_s=1.5))
+    with pytest.raises(ConfigError, match="etcd_endpoints"):
+        make_coordinator(ClusterSettings(backend="etcd", etcd_endpoints=["https://h:1"]))
+
+
+def test_unreachable_etcd_is_a_clear_error_within_the_timeout():
+    settings = ClusterSettings(backend="etcd", op_timeout_s=1.0,
+                               etcd_endpoints=[f"http://127.0.0.1:{free_port()}"])
+    t0 = time.monotonic()
+    with pytest.raises(CoordinationError, match="127.0.0.1"):
+        run(make_coordinator(settings).start())
+    assert time.monotonic() - t0 < 5.0
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def test_member_leaves_view_after_kill9_within_ttl(backend):
+    settings, probe_kw = backend
+
+    async def main(spawn):
+        async with make_coordinator(settings) as obs:
+            events = obs.watch_members()
+            node = spawn("n1", probe_kw, settings.key_prefix)
+            ev = await next_event(events, 10, lambda e: e.member.node_id == "n1")
+            assert ev.kind == "join" and ev.member.incarnation == node.ready["session"]
+            assert ev.member.info["pid"] == node.proc.pid
+            assert set(await obs.members()) == {"n1"}
+            t_kill = time.monotonic()
+            node.kill9()
+            ev = await next_event(events, TTL + SLACK + 3, lambda e: e.member.node_id == "n1")
+            gone_after = time.monotonic() - t_kill
+            assert ev.kind == "leave"
+            assert gone_after < TTL + SLACK, gone_after
+            assert await obs.members() == {}
+            await events.aclose()
+    with probes() as spawn:
+        run(main(spawn))
+
+
+def test_leader_kill9_new_leader_within_seconds(backend):
+    settings, probe_kw = backend
+
+    async def main(spawn):
+        async with make_coordinator(settings) as obs:
+            a = spawn("a", probe_kw, settings.key_prefix, campaign=True)
+            a.wait_for("elected", 10, node="a")
+            b = spawn("b", probe_kw, settings.key_prefix, campaign=True)
+            c = spawn("c", probe_kw, settings.key_prefix, campaign=True)
+            assert await obs.leader() == "a"
+            assert not any(e["event"] == "elected" for e in b.events + c.events)
+            t_kill = time.time()
+            a.kill9()
+            deadline = time.monotonic() + TTL + SLACK + 5
+            winner = None
+            while winner is None and time.monotonic() < deadline:
+                for p in (b, c):
+                    if any(e["event"] == "elected" for e in p.events):
+                        winner = p
+                await asyncio.sleep(0.05)
+            assert winner is not None, "no new leader"
+            elected = winner.wait_for("elected", 0)
+            assert 0 < elected["t"] - t_kill < TTL + SLACK, elected["t"] - t_kill
+            assert await obs.leader() == winner.node_id
+            loser = c if winner is b else b
+            assert not any(e["event"] == "elected" for e in loser.events)   # one leader
+            # The winner stops gracefully: the loser takes over at once (resign, no expiry).
+            t_stop = time.time()
+            winner.stop()
+            ev = loser.wait_for("elected", 5)
+            assert ev["t"] - t_stop < 2.0
+            assert await obs.leader() == loser.node_id
+    with probes() as spawn:
+        run(main(spawn))
+
+
+def test_same_id_restart_rejoins_cleanly(backend):
+    settings, probe_kw = backend
+
+    async def main(spawn):
+        async with make_coordinator(settings) as obs:
+            events = obs.watch_members()
+            old = spawn("n1", probe_kw, settings.key_prefix)
+            await next_event(events, 10, lambda e: e.kind == "join")
+            old.kill9()
+            t_kill = time.monotonic()
+            new = spawn("n1", probe_kw, settings.key_prefix)       # before the old lease ends
+            new_inc = new.ready["session"]
+            assert new_inc != old.ready["session"]
+            ev = await next_event(events, 10, lambda e: e.member.incarnation == new_inc)
+            assert ev.kind in ("rejoin", "join")   # "join" only if the old lease ended first
+            # The old lease's expiry must not take the new registration down with it.
+            seen: list[MemberEvent] = []
+
+            async def observe():
+                async for e in events:
+                    seen.append(e)
+            watcher = asyncio.create_task(observe())
+            await asyncio.sleep(max(0.0, t_kill + TTL + SLACK - time.monotonic()))
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+            assert [e for e in seen if e.kind == "leave"] == []
+            members = await obs.members()
+            assert members["n1"].incarnation == new_inc
+            assert members["n1"].info["pid"] == new.proc.pid
+    with probes() as spawn:
+        run(main(spawn))
