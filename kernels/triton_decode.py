@@ -1,0 +1,238 @@
+"""Paged decode attention in Triton: one query token per sequence over its paged KV.
+
+One program handles one (sequence, KV head) and all the query heads of its GQA
+group, so each K/V row is read from memory once per group. It walks the
+sequence's block table TILE tokens at a time, looking up each token's page (so
+any block size works, and a tile may span pages or sit inside one), and keeps an
+online softmax (Dao et al., FlashAttention; base-2 exponentials).
+
+Long contexts with few (sequence, KV head) pairs would leave most SMs idle, so
+the context is split along the sequence into `num_splits` ranges handled by
+separate programs, each writing a partial output and its log-sum-exp; a second
+kernel merges them (flash-decoding, Dao et al. 2023). `decode_num_splits`
+chooses the split count.
+
+Head dims that are not powers of two (80, 96) are padded to the next power of
+two with masked loads and stores; the query group is padded to at least 16 rows
+because `tl.dot` needs M >= 16 on tensor cores.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_util import dot_in_fp32, interpreting, launch, page_rows, pow2, sm_count
+
+LOG2E = 1.4426950408889634
+
+# A split shorter than this many tokens costs more in the merge than it gains.
+MIN_TOKENS_PER_SPLIT = 256
+# Aim for this many programs per SM before splitting stops paying.
+PROGRAMS_PER_SM = 2
+MAX_SPLITS = 64
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, lens_ptr, out_ptr, lse_ptr,
+    scale_log2, tokens_per_split,
+    stride_qs, stride_qh,
+    stride_kb, stride_kt, stride_kh,
+    stride_vb, stride_vt, stride_vh,
+    stride_bts,
+    stride_os, stride_oh, stride_osp,
+    stride_ls, stride_lh,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_F32: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(lens_ptr + seq)
+    start = split * tokens_per_split
+    if start < ctx:
+        end = tl.minimum(ctx, start + tokens_per_split)
+        g = tl.arange(0, GROUP_PAD)
+        d = tl.arange(0, D_PAD)
+        g_mask = g < GROUP
+        d_mask = d < HEAD_DIM
+        heads = kvh * GROUP + g
+        q = tl.load(q_ptr + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + d[None, :],
+                    mask=g_mask[:, None] & d_mask[None, :], other=0.0)
+        if DOT_F32:
+            q = q.to(tl.float32)
+        bt_row = bt_ptr + seq.to(tl.int64) * stride_bts
+        k_base = k_ptr + kvh * stride_kh
+        v_base = v_ptr + kvh * stride_vh
+
+        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
+        l_i = tl.zeros([GROUP_PAD], tl.float32)
+        acc = tl.zeros([GROUP_PAD, D_PAD], tl.float32)
+        for t0 in range(start, end, TILE):
+            tok = t0 + tl.arange(0, TILE)
+            t_mask = tok < end
+            page, off = page_rows(bt_row, tok, t_mask, BLOCK_SIZE)
+            kv_mask = t_mask[:, None] & d_mask[None, :]
+            k = tl.load(k_base + page[:, None] * stride_kb + off[:, None] * stride_kt + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if DOT_F32:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(t_mask[None, :], s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + page[:, None] * stride_vb + off[:, None] * stride_vt + d[None, :],
+                        mask=kv_mask, other=0.0)
+            if DOT_F32:
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
+
+        o = acc / l_i[:, None]
+        o_mask = g_mask[:, None] & d_mask[None, :]
+        o_ptrs = out_ptr + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + d[None, :]
+        if SPLIT:
+            tl.store(o_ptrs + split * stride_osp, o, mask=o_mask)
+            tl.store(lse_ptr + seq * stride_ls + heads * stride_lh + split, m_i + tl.log2(l_i), mask=g_mask)
+        else:
+            tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _decode_merge_kernel(
+    part_ptr, lse_ptr, lens_ptr, out_ptr, tokens_per_split,
+    stride_ps, stride_ph, stride_psp,
+    stride_ls, stride_lh,
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, SPLITS_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    ctx = tl.load(lens_ptr + seq)
+    n_splits = tl.cdiv(ctx, tokens_per_split)
+    sp = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, D_PAD)
+    sp_mask = sp < n_splits
+    d_mask = d < HEAD_DIM
+    lse = tl.load(lse_ptr + seq * stride_ls + head * stride_lh + sp, mask=sp_mask, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = tl.where(sp_mask, w, 0.0)
+    part = tl.load(part_ptr + seq.to(tl.int64) * stride_ps + head * stride_ph
+                   + sp[:, None] * stride_psp + d[None, :],
+                   mask=sp_mask[:, None] & d_mask[None, :], other=0.0)
+    o = tl.sum(part * w[:, None], 0) / tl.sum(w, 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_os + head * stride_oh + d,
+             o.to(out_ptr.dtype.element_ty), mask=d_mask)
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_count: int,
+                      tile: int) -> tuple[int, int]:
+    """How many ranges to split each context into, and how many tokens each covers.
+
+    Splitting pays when the (sequence, KV head) programs alone cannot fill the GPU
+    (fewer than PROGRAMS_PER_SM per SM) and the context is long enough that every
+    split still reads at least MIN_TOKENS_PER_SPLIT tokens.
+
+    Args:
+        num_seqs, num_kv_heads: the grid's first two dimensions.
+        max_context: upper bound on context length in tokens.
+        sm_count: streaming multiprocessors of the device.
+        tile: tokens per kernel loop step; split lengths are multiples of it.
+    Returns: (num_splits, tokens_per_split); (1, whole context rounded up to `tile`) when
+        not splitting.
+    """
+    max_context = max(int(max_context), 1)
+    programs = max(num_seqs * num_kv_heads, 1)
+    wanted = math.ceil(PROGRAMS_PER_SM * sm_count / programs)
+    most = max_context // MIN_TOKENS_PER_SPLIT
+    splits = max(1, min(wanted, most, MAX_SPLITS))
+    tokens = triton.cdiv(triton.cdiv(max_context, splits), tile) * tile
+    return triton.cdiv(max_context, tokens), tokens
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+    """Triton paged decode attention; same contract as `reference.paged_decode_attention`.
+
+    Args:
+        q: [num_seqs, num_heads, head_dim], fp32/fp16/bf16, last dim contiguous.
+        k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim], q's dtype,
+            last dim contiguous (any block/token/head strides, e.g. a layer view).
+        block_tables: int32 [num_seqs, max_blocks_per_seq].
+        context_lens: int32 [num_seqs], each >= 1 and <= max_blocks_per_seq * block_size.
+        scale: softmax scale.
+        num_splits: force the flash-decoding split count (tests, benchmarks); None lets
+            `decode_num_splits` choose from block_tables' width (no host sync), so pass
+            tables trimmed to the batch's longest sequence.
+    Returns: [num_seqs, num_heads, head_dim], q's dtype (fp32 accumulation).
+    Raises: ValueError on mismatched shapes or dtypes.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, kv_dim = k_cache.shape
+    if kv_dim != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} and v_cache "
+                         f"{tuple(v_cache.shape)} disagree on head_dim or shape")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}/{v_cache.dtype}")
+    if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
+        raise ValueError("block_tables and context_lens need one row per sequence")
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache and v_cache need a contiguous head_dim")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_seqs == 0:
+        return out
+    block_tables = block_tables.to(q.device)
+    context_lens = context_lens.to(q.device)
+
+    group = num_heads // num_kv_heads
+    d_pad = pow2(head_dim, 16)
+    dot_f32 = dot_in_fp32(_decode_kernel, q.dtype)
+    big = q.element_size() * d_pad > 256  # fp32, or a padded head_dim above 128
+    tile = 32 if big or interpreting(_decode_kernel) else 64
+    max_context = block_tables.shape[1] * block_size
+    if num_splits is None:
+        splits, per_split = decode_num_splits(num_seqs, num_kv_heads, max_context, sm_count(q.device), tile)
+    else:
+        splits = max(1, int(num_splits))
+        per_split = triton.cdiv(triton.cdiv(max_context, splits), tile) * tile
+        splits = triton.cdiv(max_context, per_split)
+
+    common = dict(GROUP=group, GROUP_PAD=pow2(group, 16), HEAD_DIM=head_dim, D_PAD=d_pad,
+                  BLOCK_SIZE=block_size, TILE=tile, DOT_F32=dot_f32)
+    configs = [dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=1)]
+    kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
+    scale_log2 = float(scale) * LOG2E
+    if splits == 1:
+        args = (q, k_cache, v_cache, block_tables, context_lens, out, out, scale_log2, per_split,
+                q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1), 0, 0, 0)
+        launch(_decode_kernel, (num_seqs, num_kv_heads, 1), args, [dict(c, SPLIT=False, **common) for c in configs])
+        return out
+
+    part = torch.empty(num_seqs, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
+    lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    args = (q, k_cache, v_cache, block_tables, context_lens, part, lse, scale_log2, per_split,
+            q.stride(0), q.stride(1), *kv_strides, part.stride(0), part.stride(1), part.stride(2),
+            lse.stride(0), lse.stride(1))
+    launch(_decode_kernel, (num_seqs, num_kv_heads, splits), args, [dict(c, SPLIT=True, **common) for c in configs])
+    _decode_merge_kernel[(num_seqs, num_heads)](
+        part, lse, context_lens, out, per_split,
+        part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_PAD=d_pad, SPLITS_PAD=pow2(splits), num_warps=4)
+    return out
