@@ -77,3 +77,16 @@ def test_json_and_plots_written(tmp_path):
     pngs = write_plots(tmp_path / "out", recs, 30.0, (0.1, 0.2))
     assert [p.name for p in pngs] == ["ttft_cdf.png", "tbt_cdf.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_count_too_long():
+    from mooncaked.replay import ReplayConfig, TraceRequest
+    from mooncaked.replay.bench import count_too_long
+
+    reqs = [TraceRequest(0, 0.0, 6400, 640, (0,)), TraceRequest(1, 0.0, 64, 64, (1,)),
+            TraceRequest(2, 0.0, 99999, 64, (), "text is not counted")]
+    cfg = ReplayConfig(url="http://x", model="m", length_scale=64)
+    assert count_too_long(cfg, reqs, 105) == 1  # 100 + 10 > 105; 1 + 1 fits
+    assert count_too_long(cfg, reqs, None) == 0
+    cfg.max_output_tokens = 5
+    assert count_too_long(cfg, reqs, 105) == 0

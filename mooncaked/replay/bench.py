@@ -18,11 +18,11 @@ from rich.table import Table
 
 from mooncaked.log import get_logger
 
-from .prompts import DEFAULT_VOCAB_SIZE
+from .prompts import DEFAULT_VOCAB_SIZE, PromptBuilder
 from .report import write_json, write_plots
 from .runner import ReplayConfig, ReplayProgress, RequestRecord, discover_server, replay
 from .summary import summarize
-from .trace import TraceError, load_trace
+from .trace import TraceError, TraceRequest, load_trace
 
 log = get_logger(__name__)
 
@@ -64,6 +64,21 @@ def summary_table(summary: dict[str, Any], title: str) -> Table:
     return t
 
 
+def count_too_long(cfg: ReplayConfig, requests: Sequence[TraceRequest],
+                   max_model_len: int | None) -> int:
+    """How many token-id requests need more than max_model_len tokens (prompt + max_tokens).
+
+    text_input requests are not counted (their length is known only to the server's
+    tokenizer); 0 when max_model_len is unknown.
+    """
+    if not max_model_len:
+        return 0
+    b = PromptBuilder(cfg.vocab_size, cfg.length_scale, cfg.token_low)
+    cap = cfg.max_output_tokens or float("inf")
+    return sum(1 for r in requests if r.text_input is None
+               and b.input_length(r) + min(b.output_length(r), cap) > max_model_len)
+
+
 async def _run(cfg_args: dict[str, Any], requests: list, show_progress: bool,
                console: Console) -> tuple[ReplayConfig, list[RequestRecord], float]:
     info = await discover_server(cfg_args["url"], cfg_args["api_key"])
@@ -73,6 +88,11 @@ async def _run(cfg_args: dict[str, Any], requests: list, show_progress: bool,
     cfg.validate()
     log.info("replay_start", url=cfg.url, model=model, vocab_size=vocab,
              requests=len(requests), time_scale=cfg.time_scale, length_scale=cfg.length_scale)
+    too_long = count_too_long(cfg, requests, info["max_model_len"])
+    if too_long:
+        console.print(f"[yellow]bench trace: {too_long} of {len(requests)} requests exceed the "
+                      f"server's max_model_len {info['max_model_len']} (prompt + max_tokens) and "
+                      "will likely fail; raise --length-scale or cap --max-output-tokens")
     if not show_progress:
         records, wall = await replay(cfg, requests)
         return cfg, records, wall
