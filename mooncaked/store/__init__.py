@@ -1,1 +1,25 @@
-"""mooncaked.store"""
+"""mooncaked.store: the Mooncake Store (paper sections 3.2.1, 3.2.2).
+
+A node's pool of KV blocks in DRAM and on SSD, keyed by block keys:
+
+- keys.py: `block_keys`, `make_salt` (the chained block key; shared with the engine)
+- store.py: `BlockStore`, the local object API (put/get/exists/remove, batch forms,
+  leases, tiering, events, inventory)
+- dram.py / ssd.py: the two tiers; policy.py: eviction orders; events.py: batching
+- types.py: results, locations, events and errors
+"""
+
+from .keys import KEY_BYTES, block_keys, make_salt
+from .types import (DRAM, SSD, BlockPinned, Inventory, LeaseExpired, Location, PutResult,
+                    PutStatus, StoreError, StoreEvent, StoreMetrics)
+
+__all__ = ["KEY_BYTES", "block_keys", "make_salt", "DRAM", "SSD", "BlockPinned", "Inventory",
+           "LeaseExpired", "Location", "PutResult", "PutStatus", "StoreError", "StoreEvent",
+           "StoreMetrics", "BlockStore", "Lease"]
+
+
+def __getattr__(name):  # BlockStore pulls in config/numpy; keep `import keys` light
+    if name in ("BlockStore", "Lease"):
+        from . import store
+        return getattr(store, name)
+    raise AttributeError(name)

@@ -1,0 +1,605 @@
+"""The local object API of the KV store: one node's DRAM pool and SSD tier (paper 3.2.1).
+
+Objects are KV blocks of `block_bytes` bytes keyed by block keys; a key fixes
+the bytes, so a put of a held key is a no-op ("exists"). A block lives in
+DRAM, on SSD, or both (after a promotion the SSD copy is kept, so demoting it
+again costs nothing). Under pressure, blocks move down (DRAM -> SSD, or out
+when there is no SSD tier); on use they move up (SSD -> DRAM).
+
+Readers are protected in two ways:
+  - pins: held by this process while it copies a block (e.g. an SSD read in
+    flight); a pinned block is never evicted, demoted or removed;
+  - leases: pins with a deadline, for readers that read the DRAM pool
+    directly (a peer through the transfer engine, or the engine copying into
+    device pages). Releasing or checking a lease after its deadline raises
+    `LeaseExpired`: the bytes read under it may belong to another block.
+
+Every change of what a tier holds is published as a batched `StoreEvent`
+(see events.py) for the conductor's global index; `inventory()` lists all keys.
+
+All methods must be called from the event loop's thread. Buffers (`src`,
+`dst`) are anything exposing the buffer protocol (bytes, bytearray,
+memoryview, numpy arrays) or CPU torch tensors, C-contiguous, of exactly
+`block_bytes` bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from mooncaked.config import Settings, StoreSettings
+from mooncaked.log import get_logger
+
+from . import ssd as ssd_mod
+from .dram import DramPool
+from .events import EventBatcher
+from .ssd import SsdTier
+from .types import (DRAM, SSD, BlockPinned, Inventory, LeaseExpired, Location, PutResult,
+                    PutStatus, StoreError, StoreMetrics)
+
+log = get_logger(__name__)
+
+STORED, EVICTED = "stored", "evicted"
+
+
+def as_u8(buf: Any, writable: bool = False) -> np.ndarray:
+    """A flat uint8 numpy view of `buf` (no copy).
+
+    Accepts bytes-like objects, numpy arrays and CPU torch tensors.
+    Raises: ValueError for a non-contiguous or (if `writable`) read-only buffer;
+        TypeError for a tensor not on the CPU.
+    """
+    if isinstance(buf, np.ndarray):
+        arr = buf
+    elif hasattr(buf, "is_contiguous") and hasattr(buf, "numpy"):  # torch.Tensor
+        if buf.device.type != "cpu":
+            raise TypeError(f"store buffers must be in CPU memory, got a {buf.device} tensor")
+        if not buf.is_contiguous():
+            raise ValueError("store buffers must be contiguous")
+        arr = buf.detach().numpy()
+    else:
+        arr = np.frombuffer(buf, dtype=np.uint8)
+    if not arr.flags.c_contiguous:
+        raise ValueError("store buffers must be C-contiguous")
+    arr = arr.reshape(-1).view(np.uint8)
+    if writable and not arr.flags.writeable:
+        raise ValueError("destination buffer is read-only")
+    return arr
+
+
+class Lease:
+    """Blocks pinned for a reader until `deadline` (event loop clock, seconds).
+
+    Attributes: `id`, `keys` (the blocks pinned), `deadline`, `state`
+    ("held", "released" or "expired"). Obtain from `BlockStore.lease()` or
+    `locate_many()`; end with `BlockStore.release()`.
+    """
+
+    __slots__ = ("id", "keys", "deadline", "state", "_timer")
+
+    def __init__(self, lease_id: int, keys: tuple[bytes, ...], deadline: float):
+        self.id, self.keys, self.deadline = lease_id, keys, deadline
+        self.state = "held"
+        self._timer: asyncio.TimerHandle | None = None
+
+    def __repr__(self) -> str:
+        return f"Lease(id={self.id}, keys={len(self.keys)}, state={self.state})"
+
+
+class BlockStore:
+    """One node's KV block store: DRAM pool + optional SSD tier, leases, events, metrics.
+
+    Args:
+        block_bytes: bytes of one KV block (num_layers*2*block_size*num_kv_heads*
+            head_dim*itemsize for the engine's layout).
+        settings: the `[store]` section (capacities, eviction policy, ...).
+        node_id: stamped on events and used in the pool's segment name.
+        ssd_dir: directory of the SSD tier; overrides `settings.ssd_dir`; required
+            when `settings.ssd_bytes > 0` and `settings.ssd_dir` is empty.
+        segment: name of the DRAM pool's transfer-engine segment (default
+            "<node_id>/kv-dram").
+    Raises:
+        ValueError: block_bytes < 1, or an SSD tier without a directory.
+    Use `await start()` first and `await close()` at the end (or `async with`).
+    """
+
+    def __init__(self, block_bytes: int, settings: StoreSettings | None = None, *,
+                 node_id: str = "local", ssd_dir: str | None = None, segment: str | None = None):
+        self.settings = s = settings or StoreSettings()
+        self.block_bytes = block_bytes
+        self.node_id = node_id
+        self.dram = DramPool(s.dram_bytes, block_bytes, segment or f"{node_id}/kv-dram", s.eviction)
+        self.ssd: SsdTier | None = None
+        if s.ssd_bytes > 0:
+            directory = ssd_dir or s.ssd_dir
+            if not directory:
+                raise ValueError("store.ssd_bytes > 0 needs store.ssd_dir (or ssd_dir=...)")
+            self.ssd = SsdTier(directory, s.ssd_bytes, block_bytes, self._can_evict,
+                               self._on_ssd_evict, s.eviction, s.ssd_fsync, s.ssd_io_threads)
+        self.events = EventBatcher(node_id, s.event_interval_ms / 1000.0, s.event_max_keys)
+        self.metrics = StoreMetrics()
+        self._pins: dict[bytes, int] = {}
+        self._inflight: dict[bytes, asyncio.Future] = {}
+        self._lease_ids = itertools.count(1)
+        self._leases: dict[int, Lease] = {}
+        self._background: set[asyncio.Task] = set()  # promotions that needed a demotion
+
+    @classmethod
+    def from_settings(cls, settings: Settings, block_bytes: int, node_id: str) -> "BlockStore":
+        """A store from the full settings: resolves an empty `store.ssd_dir` to
+        `<node.state_dir or $STATE_DIRECTORY or ~/.local/state/mooncaked>/kvstore`."""
+        directory = settings.store.ssd_dir
+        if not directory:
+            state = (settings.node.state_dir or os.environ.get("STATE_DIRECTORY")
+                     or os.path.expanduser("~/.local/state/mooncaked"))
+            directory = os.path.join(state, "kvstore")
+        return cls(block_bytes, settings.store, node_id=node_id, ssd_dir=directory)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> "BlockStore":
+        """Opens the SSD tier (indexing the blocks a previous run left there)."""
+        if self.ssd is not None:
+            await self.ssd.open()
+        log.info("store_started", node=self.node_id, block_bytes=self.block_bytes,
+                 dram_slots=self.dram.num_slots, ssd_blocks=len(self.ssd) if self.ssd else 0)
+        return self
+
+    async def close(self) -> None:
+        """Flushes pending events and stops SSD I/O threads. Leases end."""
+        for task in list(self._background):
+            task.cancel()
+        if self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+        for lease in list(self._leases.values()):
+            self._end_lease(lease, "released")
+        self.events.flush()
+        if self.ssd is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self.ssd.close)
+
+    async def __aenter__(self) -> "BlockStore":
+        return await self.start()
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+    # ------------------------------------------------------------------ queries
+
+    def tier_of(self, key: bytes) -> str | None:
+        """The fastest tier holding `key` (DRAM or SSD), or None."""
+        if key in self.dram:
+            return DRAM
+        if self.ssd is not None and key in self.ssd:
+            return SSD
+        return None
+
+    def exists(self, key: bytes) -> bool:
+        """True if this node holds block `key` in any tier."""
+        return self.tier_of(key) is not None
+
+    def longest_prefix(self, keys: Sequence[bytes]) -> int:
+        """How many of `keys` (a prompt's block keys, in order) are held, from the first
+        up to the first miss. Touches nothing."""
+        n = 0
+        for key in keys:
+            if self.tier_of(key) is None:
+                break
+            n += 1
+        return n
+
+    def location(self, key: bytes) -> Location | None:
+        """(segment, offset, length) of `key` in the DRAM pool, or None. Without a
+        lease the slot may be reused at any await: use `locate_many` for remote reads."""
+        return self.dram.location(key)
+
+    def inventory(self) -> Inventory:
+        """Every key held, per tier, as of the last delivered event (pending events are
+        flushed first)."""
+        self.events.flush()
+        tiers = {DRAM: self.dram.keys()}
+        if self.ssd is not None:
+            tiers[SSD] = self.ssd.keys()
+        return Inventory(self.node_id, self.events.seq, tiers)
+
+    def subscribe(self, maxsize: int = 10_000) -> asyncio.Queue:
+        """A queue receiving `list[StoreEvent]` batches (see events.py)."""
+        return self.events.subscribe(maxsize)
+
+    def stats(self) -> dict:
+        """Capacities, usage (bytes, blocks) and counters, as one flat dict."""
+        out = {"block_bytes": self.block_bytes,
+               "dram_capacity_bytes": self.dram.capacity_bytes,
+               "dram_used_bytes": self.dram.used_bytes, "dram_blocks": len(self.dram),
+               "ssd_capacity_bytes": self.ssd.capacity_bytes if self.ssd else 0,
+               "ssd_used_bytes": self.ssd.used_bytes if self.ssd else 0,
+               "ssd_blocks": len(self.ssd) if self.ssd else 0,
+               "ssd_error": self.ssd.error if self.ssd else "",
+               "pinned_blocks": len(self._pins), "leases": len(self._leases),
+               "events_dropped": self.events.dropped}
+        out.update(self.metrics.as_dict())
+        return out
+
+    # ------------------------------------------------------------------ pins and leases
+
+    def _pin(self, key: bytes) -> None:
+        self._pins[key] = self._pins.get(key, 0) + 1
+
+    def _unpin(self, key: bytes) -> None:
+        n = self._pins[key] - 1
+        if n:
+            self._pins[key] = n
+        else:
+            del self._pins[key]
+
+    def _can_evict(self, key: bytes) -> bool:
+        return key not in self._pins
+
+    def is_pinned(self, key: bytes) -> bool:
+        """True while a pin or an unexpired lease holds `key`."""
+        return key in self._pins
+
+    def lease(self, keys: Iterable[bytes], ttl_s: float | None = None) -> Lease:
+        """Pins the held blocks among `keys` until released or `ttl_s` seconds pass.
+
+        Returns a Lease whose `keys` are those held now (absent keys are left out).
+        While the lease holds, those blocks are neither evicted, demoted, moved nor
+        removed, so their DRAM `location` stays valid.
+        """
+        ttl = self.settings.lease_ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
+        held = tuple(k for k in keys if self.tier_of(k) is not None)
+        return self._make_lease(held, ttl)
+
+    def _make_lease(self, keys: tuple[bytes, ...], ttl: float) -> Lease:
+        loop = asyncio.get_running_loop()
+        lease = Lease(next(self._lease_ids), keys, loop.time() + ttl)
+        for k in keys:
+            self._pin(k)
+        lease._timer = loop.call_at(lease.deadline, self._end_lease, lease, "expired")
+        self._leases[lease.id] = lease
+        return lease
+
+    def _end_lease(self, lease: Lease, state: str) -> None:
+        if lease.state != "held":
+            return
+        if lease._timer is not None:
+            lease._timer.cancel()
+        lease.state = state
+        self._leases.pop(lease.id, None)
+        for k in lease.keys:
+            self._unpin(k)
+        if state == "expired":
+            self.metrics.lease_expired += 1
+            log.warning("store_lease_expired", lease=lease.id, blocks=len(lease.keys))
+
+    def check_lease(self, lease: Lease) -> None:
+        """Raises LeaseExpired if the lease's deadline has passed (even if its timer has
+        not fired yet, e.g. on a busy loop)."""
+        if lease.state == "held" and asyncio.get_running_loop().time() >= lease.deadline:
+            self._end_lease(lease, "expired")
+        if lease.state == "expired":
+            raise LeaseExpired(f"lease {lease.id} on {len(lease.keys)} blocks expired")
+
+    def release(self, lease: Lease) -> None:
+        """Ends a lease. Raises LeaseExpired if it ended by timeout first: bytes read
+        under it must be discarded. Releasing twice is a no-op."""
+        self.check_lease(lease)
+        self._end_lease(lease, "released")
+
+    # ------------------------------------------------------------------ eviction and tiering
+
+    def _on_ssd_evict(self, keys: list[bytes]) -> None:
+        self.metrics.evictions[SSD] += len(keys)
+        for k in keys:
+            self.events.emit(EVICTED, SSD, k)
+
+    def _drop_dram(self, key: bytes) -> int:
+        slot = self.dram.drop(key)
+        self.metrics.evictions[DRAM] += 1
+        self.events.emit(EVICTED, DRAM, key)
+        return slot
+
+    def _clean_dram_slot(self) -> int | None:
+        """A DRAM slot without writing to SSD: a free one, or one whose block is
+        already on SSD (dropped from DRAM). None if neither exists."""
+        slot = self.dram.alloc()
+        if slot is not None or self.ssd is None:
+            return slot
+        victim = self.dram.policy.victim(lambda k: self._can_evict(k) and k in self.ssd)
+        return None if victim is None else self._drop_dram(victim)
+
+    async def _dram_slot(self) -> int | None:
+        """A DRAM slot for a new block, demoting least-recently-used blocks to SSD (or
+        dropping them without an SSD tier). None if every block is pinned."""
+        for _ in range(16):
+            slot = self.dram.alloc()
+            if slot is not None:
+                return slot
+            victim = self.dram.policy.victim(self._can_evict)
+            if victim is None:
+                return None
+            if self.ssd is not None and victim not in self.ssd:
+                self._pin(victim)  # keeps its slot intact while the SSD write reads it
+                try:
+                    reason = await self.ssd.write(victim, self.dram.view(self.dram.slot_of(victim)))
+                finally:
+                    self._unpin(victim)
+                if reason:
+                    # A cache may drop its least valuable block; the loss is counted.
+                    self.metrics.demote_failed += 1
+                else:
+                    self.metrics.demotions += 1
+                    self.events.emit(STORED, SSD, victim)
+                if victim not in self.dram or not self._can_evict(victim):
+                    continue  # removed or leased meanwhile: pick another victim
+            return self._drop_dram(victim)
+        return None
+
+    # ------------------------------------------------------------------ put
+
+    def _check_key(self, key: bytes) -> None:
+        if not isinstance(key, (bytes, bytearray)) or not 1 <= len(key) <= ssd_mod.MAX_KEY_BYTES:
+            raise ValueError(f"a block key is 1..{ssd_mod.MAX_KEY_BYTES} bytes, got {key!r:.40}")
+
+    def _check_len(self, arr: np.ndarray) -> None:
+        if arr.nbytes != self.block_bytes:
+            raise ValueError(f"a block is {self.block_bytes} bytes, got a buffer of {arr.nbytes}")
+
+    async def put(self, key: bytes, src: Any) -> PutResult:
+        """Stores block `key` with the bytes of `src` (copied; `src` must not change
+        until the put returns).
+
+        Returns PutResult: STORED (with the tier), EXISTS (key already held or being
+        stored: nothing written) or FAILED (with the reason: DRAM full of pinned
+        blocks and no SSD, SSD full, ENOSPC, EACCES, ...). Never raises for a full
+        store or an I/O error.
+        Raises: ValueError for a bad key or a buffer that is not `block_bytes` long.
+        """
+        self._check_key(key)
+        arr = as_u8(src)
+        self._check_len(arr)
+        tier = self.tier_of(key)
+        if tier is not None:
+            self.metrics.put_exists += 1
+            return PutResult(PutStatus.EXISTS, tier)
+        pending = self._inflight.get(key)
+        if pending is not None:
+            first: PutResult = await asyncio.shield(pending)
+            if first.ok:
+                self.metrics.put_exists += 1
+                return PutResult(PutStatus.EXISTS, first.tier)
+            return first
+        # Fast path: a free DRAM slot, no await, so nothing can interleave.
+        slot = self.dram.alloc()
+        if slot is not None:
+            return self._fill_slot(key, slot, arr)
+        fut = asyncio.get_running_loop().create_future()
+        self._inflight[key] = fut
+        result = PutResult(PutStatus.FAILED, None, "internal error")
+        try:
+            result = await self._put_slow(key, arr)
+        finally:
+            del self._inflight[key]
+            fut.set_result(result)
+        return result
+
+    def _fill_slot(self, key: bytes, slot: int, arr: np.ndarray) -> PutResult:
+        np.copyto(self.dram.view(slot), arr)
+        self.dram.insert(key, slot)
+        self.metrics.puts[DRAM] += 1
+        self.events.emit(STORED, DRAM, key)
+        return PutResult(PutStatus.STORED, DRAM)
+
+    async def _put_slow(self, key: bytes, arr: np.ndarray) -> PutResult:
+        slot = await self._dram_slot()
+        if slot is not None:
+            return self._fill_slot(key, slot, arr)
+        if self.ssd is None:
+            reason = "DRAM pool full of pinned blocks" if self.dram.num_slots else \
+                "no DRAM pool and no SSD tier"
+        else:
+            reason = await self.ssd.write(key, arr)
+            if not reason:
+                self.metrics.puts[SSD] += 1
+                self.events.emit(STORED, SSD, key)
+                return PutResult(PutStatus.STORED, SSD)
+            self.metrics.io_errors += 1
+        self.metrics.put_failed += 1
+        return PutResult(PutStatus.FAILED, None, reason)
+
+    async def put_many(self, keys: Sequence[bytes], srcs: Sequence[Any]) -> list[PutResult]:
+        """Stores blocks in order (e.g. a finished request's full blocks); one
+        PutResult per key. Then touches them deepest-first, so that eviction takes a
+        prefix's tail before its head (a block is useless without its prefix).
+        Raises: ValueError if the lengths differ or a buffer is not `block_bytes` long.
+        """
+        if len(keys) != len(srcs):
+            raise ValueError(f"{len(keys)} keys but {len(srcs)} buffers")
+        results = [await self.put(k, s) for k, s in zip(keys, srcs)]
+        self._touch_chain(keys)
+        return results
+
+    def _touch_chain(self, keys: Sequence[bytes]) -> None:
+        for key in reversed(keys):
+            if key in self.dram:
+                self.dram.policy.touch(key)
+            elif self.ssd is not None and key in self.ssd:
+                self.ssd.touch(key)
+
+    # ------------------------------------------------------------------ get
+
+    async def get_into(self, key: bytes, dst: Any, promote: bool | None = None) -> str | None:
+        """Copies block `key` into `dst` (block_bytes, writable).
+
+        Returns the tier it came from (DRAM or SSD) or None on a miss. A corrupt SSD
+        file is a miss (counted in `metrics.corrupt`, logged, deleted): `dst` may then
+        hold garbage and must not be used. An SSD hit is also copied into DRAM when
+        `promote` (default `settings.promote_on_get`) and a slot can be had without
+        writing another block to SSD.
+        Raises: ValueError for a bad key or buffer.
+        """
+        self._check_key(key)
+        out = as_u8(dst, writable=True)
+        self._check_len(out)
+        slot = self.dram.slot_of(key)
+        if slot is not None:
+            np.copyto(out, self.dram.view(slot))
+            self.dram.policy.touch(key)
+            self.metrics.hits[DRAM] += 1
+            return DRAM
+        if self.ssd is None or key not in self.ssd:
+            self.metrics.misses += 1
+            return None
+        promote = self.settings.promote_on_get if promote is None else promote
+        return await self._get_from_ssd(key, out, promote)
+
+    async def _get_from_ssd(self, key: bytes, out: np.ndarray | None, promote: bool) -> str | None:
+        """Reads `key` from SSD into `out` and/or a DRAM slot (promotion); the tier or None."""
+        self._pin(key)
+        slot = self._clean_dram_slot() if promote else None
+        try:
+            target = self.dram.view(slot) if slot is not None else out
+            if target is None:
+                return None
+            outcome, reason = await self.ssd.read_into(key, memoryview(target))
+        finally:
+            self._unpin(key)
+        if outcome != ssd_mod.OK:
+            if slot is not None:
+                self.dram.free(slot)
+            if outcome == ssd_mod.CORRUPT:
+                self.metrics.corrupt += 1
+            elif outcome == ssd_mod.ERROR:
+                self.metrics.io_errors += 1
+                log.warning("ssd_read_failed", key=key.hex(), reason=reason)
+            if key not in self.ssd:  # the tier dropped it (corrupt or vanished file)
+                self.events.emit(EVICTED, SSD, key)
+            self.metrics.misses += 1
+            return None
+        if slot is not None:
+            if key in self.dram:  # promoted concurrently by another reader
+                self.dram.free(slot)
+                slot = self.dram.slot_of(key)
+            else:
+                self.dram.insert(key, slot)
+                self.metrics.promotions += 1
+                self.events.emit(STORED, DRAM, key)
+            if out is not None:
+                np.copyto(out, self.dram.view(slot))
+        elif promote and len(self._background) < self.settings.ssd_io_threads:
+            # No slot without an SSD write: promote in the background, off the read path.
+            task = asyncio.get_running_loop().create_task(self._promote(key))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        self.metrics.hits[SSD] += 1
+        return SSD
+
+    async def get(self, key: bytes) -> bytes | None:
+        """Block `key` as new bytes, or None on a miss (see `get_into`)."""
+        buf = bytearray(self.block_bytes)
+        return bytes(buf) if await self.get_into(key, buf) else None
+
+    async def get_many(self, keys: Sequence[bytes], dsts: Sequence[Any]) -> list[str | None]:
+        """`get_into` for many blocks; SSD reads run concurrently. One tier (or None for
+        a miss) per key. Touches the keys deepest-first (see `put_many`)."""
+        if len(keys) != len(dsts):
+            raise ValueError(f"{len(keys)} keys but {len(dsts)} buffers")
+        results = await asyncio.gather(*(self.get_into(k, d) for k, d in zip(keys, dsts)))
+        self._touch_chain(keys)
+        return list(results)
+
+    async def load_prefix(self, keys: Sequence[bytes], dsts: Sequence[Any]) -> int:
+        """Loads the longest held prefix of `keys` into `dsts` (one buffer per key);
+        returns n, the number of leading blocks loaded: dsts[:n] hold blocks keys[:n],
+        the rest are untouched or garbage. What the engine calls on a prefix hit
+        that misses its device pages."""
+        n = self.longest_prefix(keys)
+        got = await self.get_many(keys[:n], dsts[:n])
+        for i, tier in enumerate(got):
+            if tier is None:  # evicted or corrupt since longest_prefix
+                return i
+        return n
+
+    # ------------------------------------------------------------------ remove
+
+    async def remove(self, key: bytes) -> bool:
+        """Deletes block `key` from every tier; True if it was held.
+        Raises: BlockPinned if a reader holds a pin or lease on it."""
+        if not self._can_evict(key) or key in self._inflight:
+            raise BlockPinned(f"block {key.hex()} is pinned or being stored")
+        held = False
+        if key in self.dram:
+            self.dram.free(self.dram.drop(key))
+            self.events.emit(EVICTED, DRAM, key)
+            held = True
+        if self.ssd is not None and key in self.ssd:
+            await self.ssd.remove(key)
+            self.events.emit(EVICTED, SSD, key)
+            held = True
+        return held
+
+    async def remove_many(self, keys: Iterable[bytes]) -> list[bool]:
+        """`remove` for each key, in order (raises BlockPinned at the first pinned one)."""
+        return [await self.remove(k) for k in keys]
+
+    # ------------------------------------------------------------------ remote readers
+
+    async def locate_many(self, keys: Sequence[bytes], ttl_s: float | None = None
+                          ) -> tuple[list[Location | None], Lease]:
+        """DRAM locations of `keys` for direct reads by a peer, under one lease.
+
+        Blocks only on SSD are first read into DRAM (demoting others if needed).
+        Returns (locations, lease): None for a key not held (or that could not be
+        brought into DRAM); the lease pins every located block. The reader copies
+        (segment, offset, length) through the transfer engine, then calls
+        `release(lease)`; LeaseExpired there means the copy must be discarded.
+        """
+        pinned: list[bytes] = []
+        locs: list[Location | None] = []
+        try:
+            for key in keys:
+                self._check_key(key)
+                if key not in self.dram and self.ssd is not None and key in self.ssd:
+                    await self._promote(key)
+                loc = self.dram.location(key)
+                if loc is not None:
+                    self._pin(key)  # held until converted into the lease below
+                    pinned.append(key)
+                    self.dram.policy.touch(key)
+                locs.append(loc)
+            lease = self._make_lease(tuple(pinned), self.settings.lease_ttl_s if ttl_s is None
+                                     else ttl_s)
+        finally:
+            for key in pinned:
+                self._unpin(key)
+        self._touch_chain(keys)
+        return locs, lease
+
+    async def _promote(self, key: bytes) -> bool:
+        """Brings an SSD-only block into DRAM, demoting another if needed."""
+        if key in self.dram:
+            return True
+        self._pin(key)
+        try:
+            slot = await self._dram_slot()
+        finally:
+            self._unpin(key)
+        if slot is None:
+            return False
+        if key in self.dram:  # promoted meanwhile
+            self.dram.free(slot)
+            return True
+        if key not in self.ssd:
+            self.dram.free(slot)
+            return False
+        self.dram.free(slot)  # _get_from_ssd takes the free slot again without an await
+        return await self._get_from_ssd(key, None, promote=True) is not None and key in self.dram
+
+
+__all__ = ["BlockStore", "Lease", "as_u8", "StoreError", "LeaseExpired", "BlockPinned"]

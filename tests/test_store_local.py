@@ -1,0 +1,243 @@
+"""Local object API of the KV store: DRAM tier, leases, tiering to SSD, events."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from mooncaked.config import StoreSettings
+from mooncaked.store import DRAM, SSD, BlockPinned, LeaseExpired, PutStatus, block_keys, make_salt
+from mooncaked.store.store import BlockStore
+
+BLOCK = 4096
+
+
+def run(coro, timeout=30):
+    """Runs one test coroutine with a bound on its duration."""
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def blocks(n, seed=0, size=BLOCK):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(n)]
+
+
+def keys(n, tag=0):
+    return block_keys(list(range(tag * 100000, tag * 100000 + 4 * n)), 4, make_salt("t", 4, "f32"))
+
+
+def settings(dram_blocks, ssd_blocks=0, **kw):
+    return StoreSettings(dram_bytes=dram_blocks * BLOCK, ssd_bytes=ssd_blocks * (BLOCK + 64), **kw)
+
+
+def test_put_get_exact_exists_remove():
+    async def main():
+        ks, data = keys(5), blocks(5)
+        async with BlockStore(BLOCK, settings(8)) as st:
+            for k, d in zip(ks, data):
+                r = await st.put(k, d)
+                assert r.status is PutStatus.STORED and r.tier == DRAM
+            again = await st.put(ks[0], data[1])  # immutable: no overwrite
+            assert again.status is PutStatus.EXISTS and again.ok
+            assert await st.get(ks[0]) == data[0].tobytes()
+            # get_many into caller buffers of several kinds (bytearray, numpy, torch fp32)
+            dsts = [bytearray(BLOCK), np.empty(BLOCK, np.uint8), torch.empty(BLOCK // 4)]
+            assert await st.get_many(ks[:3], dsts) == [DRAM, DRAM, DRAM]
+            assert bytes(dsts[0]) == data[0].tobytes()
+            assert dsts[1].tobytes() == data[1].tobytes()
+            assert dsts[2].numpy().tobytes() == data[2].tobytes()
+            assert st.exists(ks[4]) and await st.remove(ks[4]) and not st.exists(ks[4])
+            assert await st.get(ks[4]) is None
+            assert not await st.remove(ks[4])
+            assert st.metrics.misses == 1 and st.metrics.put_exists == 1
+            with pytest.raises(ValueError):
+                await st.put(ks[4], bytes(BLOCK - 1))
+            with pytest.raises(ValueError):
+                await st.get_into(ks[0], bytes(BLOCK))  # read-only destination
+            with pytest.raises(ValueError):
+                await st.put(b"", bytes(BLOCK))
+    run(main())
+
+
+def test_location_points_at_the_bytes():
+    async def main():
+        ks, data = keys(3), blocks(3)
+        async with BlockStore(BLOCK, settings(4), node_id="n1") as st:
+            await st.put_many(ks, data)
+            locs, lease = await st.locate_many(ks + [b"x" * 16])
+            assert locs[3] is None and lease.keys == tuple(ks)
+            for loc, d in zip(locs[:3], data):
+                assert loc.segment == "n1/kv-dram" and loc.length == BLOCK
+                assert st.dram.buffer[loc.offset: loc.offset + loc.length].tobytes() == d.tobytes()
+            st.release(lease)
+            assert lease.state == "released" and not st.is_pinned(ks[0])
+    run(main())
+
+
+def test_eviction_never_takes_leased_blocks_without_ssd():
+    async def main():
+        ks, data = keys(6), blocks(6)
+        async with BlockStore(BLOCK, settings(3)) as st:
+            await st.put_many(ks[:3], data[:3])
+            lease = st.lease(ks[:2], ttl_s=60)
+            # One slot evictable: the 4th put evicts ks[2]; once ks[3] is leased too,
+            # the 5th put finds only leased blocks.
+            assert (await st.put(ks[3], data[3])).tier == DRAM
+            assert not st.exists(ks[2])
+            lease2 = st.lease(ks[3:4], ttl_s=60)
+            r = await st.put(ks[4], data[4])
+            assert r.status is PutStatus.FAILED and "pinned" in r.reason
+            for k, d in zip(ks[:2], data[:2]):
+                assert await st.get(k) == d.tobytes()
+            with pytest.raises(BlockPinned):
+                await st.remove(ks[0])
+            st.release(lease)
+            st.release(lease2)
+            assert (await st.put(ks[4], data[4])).status is PutStatus.STORED
+            assert st.metrics.put_failed == 1 and st.metrics.evictions[DRAM] == 2
+    run(main())
+
+
+def test_lease_expiry_fails_loudly():
+    async def main():
+        ks, data = keys(2), blocks(2)
+        async with BlockStore(BLOCK, settings(1)) as st:
+            await st.put(ks[0], data[0])
+            lease = st.lease(ks[:1], ttl_s=0.02)
+            assert st.is_pinned(ks[0])
+            while lease.state == "held":  # the expiry timer fires (bounded by run's timeout)
+                await asyncio.sleep(0.005)
+            assert lease.state == "expired" and not st.is_pinned(ks[0])
+            # Its slot can now be reused by another block...
+            assert (await st.put(ks[1], data[1])).tier == DRAM and not st.exists(ks[0])
+            # ...so a reader that releases after the deadline is told to discard its bytes.
+            with pytest.raises(LeaseExpired):
+                st.release(lease)
+            assert st.metrics.lease_expired == 1
+    run(main())
+
+
+def test_tiering_down_and_up_byte_exact(tmp_path):
+    async def main():
+        ks, data = keys(10), blocks(10, seed=1)
+        async with BlockStore(BLOCK, settings(3, 20), ssd_dir=str(tmp_path)) as st:
+            results = await st.put_many(ks, data)
+            assert all(r.status is PutStatus.STORED for r in results)
+            tiers = [st.tier_of(k) for k in ks]
+            assert tiers.count(DRAM) == 3 and tiers.count(SSD) == 7
+            assert st.metrics.demotions == 7
+            dst = np.empty(BLOCK, np.uint8)
+            for k, d in zip(ks, data):  # every block, whatever its tier, byte-exact
+                assert await st.get_into(k, dst) in (DRAM, SSD)
+                assert dst.tobytes() == d.tobytes()
+            # Reads from SSD promote (up on use), possibly in the background.
+            for _ in range(200):
+                if st.metrics.promotions >= 1 and not st._background:
+                    break
+                await asyncio.sleep(0.01)
+            assert st.metrics.promotions >= 1
+            assert st.longest_prefix(ks) == 10
+            assert st.dram.used_bytes == 3 * BLOCK
+            # load_prefix: the held prefix into caller buffers, stopping at the first miss.
+            await st.remove(ks[6])
+            bufs = [np.empty(BLOCK, np.uint8) for _ in ks]
+            assert await st.load_prefix(ks, bufs) == 6
+            assert all(b.tobytes() == d.tobytes() for b, d in zip(bufs[:6], data[:6]))
+    run(main())
+
+
+def test_prefix_tail_is_evicted_first():
+    async def main():
+        chain, other = keys(4, tag=1), keys(2, tag=2)
+        data = blocks(6)
+        async with BlockStore(BLOCK, settings(4)) as st:
+            await st.put_many(chain, data[:4])
+            # put_many touched the chain deepest-first, so the LRU victim is its tail.
+            await st.put_many(other, data[4:])
+            assert st.longest_prefix(chain) == 2
+            assert [st.exists(k) for k in chain] == [True, True, False, False]
+    run(main())
+
+
+def test_concurrent_puts_of_one_key(tmp_path):
+    async def main():
+        ks, data = keys(3), blocks(3)
+        async with BlockStore(BLOCK, settings(1, 10), ssd_dir=str(tmp_path)) as st:
+            await st.put(ks[0], data[0])
+            # DRAM is full: both puts of ks[1] take the slow path (demotion), only one stores.
+            r1, r2 = await asyncio.gather(st.put(ks[1], data[1]), st.put(ks[1], data[1]))
+            assert sorted([r1.status.value, r2.status.value]) == ["exists", "stored"]
+            assert await st.get(ks[1]) == data[1].tobytes()
+            assert await st.get(ks[0]) == data[0].tobytes()
+    run(main())
+
+
+def test_events_batched_in_order_and_inventory(tmp_path):
+    async def main():
+        ks, data = keys(4), blocks(4)
+        s = settings(2, 10, event_interval_ms=20.0, event_max_keys=1000)
+        async with BlockStore(BLOCK, s, node_id="n7", ssd_dir=str(tmp_path)) as st:
+            q = st.subscribe()
+            await st.put_many(ks, data)  # ks[0], ks[1] demoted to SSD by ks[2], ks[3]
+            batch = await asyncio.wait_for(q.get(), 5)  # one delivery after ~20 ms
+            flat = [(e.kind, e.tier, k) for e in batch for k in e.keys]
+            assert flat[:2] == [("stored", DRAM, ks[0]), ("stored", DRAM, ks[1])]
+            assert ("stored", SSD, ks[0]) in flat and ("evicted", DRAM, ks[0]) in flat
+            assert flat.index(("stored", SSD, ks[0])) < flat.index(("evicted", DRAM, ks[0]))
+            assert all(e.node_id == "n7" for e in batch)
+            assert [e.seq for e in batch] == list(range(1, len(batch) + 1))
+            inv = st.inventory()
+            assert inv.seq == batch[-1].seq
+            assert sorted(inv.tiers[DRAM]) == sorted(ks[2:])
+            assert sorted(inv.tiers[SSD]) == sorted(ks[:2])
+            # max_keys triggers an immediate flush (no timer wait).
+            st.events.max_keys = 2
+            await st.remove(ks[2])
+            await st.remove(ks[3])
+            batch = q.get_nowait()
+            assert [(e.kind, e.tier, e.keys) for e in batch] == [("evicted", DRAM, (ks[2], ks[3]))]
+    run(main())
+
+
+def test_put_fails_cleanly_without_any_capacity():
+    async def main():
+        async with BlockStore(BLOCK, StoreSettings(dram_bytes=0)) as st:
+            r = await st.put(keys(1)[0], bytes(BLOCK))
+            assert r.status is PutStatus.FAILED and r.reason and not r.ok
+            assert st.metrics.put_failed == 1
+    run(main())
+
+
+@pytest.mark.parametrize("policy", ["lru", "sieve", "fifo"])
+def test_policies_never_evict_pinned(policy):
+    async def main():
+        ks, data = keys(12), blocks(12)
+        async with BlockStore(BLOCK, settings(4, eviction=policy)) as st:
+            await st.put_many(ks[:4], data[:4])
+            lease = st.lease([ks[0], ks[2]], ttl_s=60)
+            for k, d in zip(ks[4:], data[4:]):
+                assert (await st.put(k, d)).ok
+                assert st.exists(ks[0]) and st.exists(ks[2])
+            assert await st.get(ks[2]) == data[2].tobytes()
+            st.release(lease)
+    run(main())
+
+
+def test_policy_orders():
+    from mooncaked.store.policy import FIFO, LRU, SIEVE
+    lru, fifo, sieve = LRU(), FIFO(), SIEVE()
+    for p in (lru, fifo, sieve):
+        for k in "abcd":
+            p.insert(k)
+        p.touch("a")
+    assert lru.victim(lambda k: True) == "b"
+    assert fifo.victim(lambda k: True) == "a"
+    assert sieve.victim(lambda k: True) == "b"  # "a" was visited: its bit is cleared, kept
+    assert lru.victim(lambda k: k not in "bc") == "d"
+    sieve.remove("b")
+    assert sieve.victim(lambda k: True) == "c" and len(sieve) == 3
+    assert sieve.victim(lambda k: False) is None
