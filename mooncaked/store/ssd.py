@@ -251,8 +251,9 @@ class SsdTier:
             found = []
             self.error = self.error or errno_reason(e)
         for _mtime, key, size, path in found:  # oldest first, so LRU order is kept
-            if len(key) > MAX_KEY_BYTES or size < HEADER_BYTES:
+            if len(key) > MAX_KEY_BYTES:
                 continue
+            # A short (torn) file is indexed too: its first read reports it as corrupt.
             self._size[key] = size
             self.used_bytes += size
             self.policy.insert(key)

@@ -147,7 +147,7 @@ class BlockStore:
         if self.ssd is not None:
             await self.ssd.open()
         log.info("store_started", node=self.node_id, block_bytes=self.block_bytes,
-                 dram_slots=self.dram.num_slots, ssd_blocks=len(self.ssd) if self.ssd else 0)
+                 dram_slots=self.dram.num_slots, ssd_blocks=len(self.ssd) if self.ssd is not None else 0)
         return self
 
     async def close(self) -> None:
@@ -215,10 +215,10 @@ class BlockStore:
         out = {"block_bytes": self.block_bytes,
                "dram_capacity_bytes": self.dram.capacity_bytes,
                "dram_used_bytes": self.dram.used_bytes, "dram_blocks": len(self.dram),
-               "ssd_capacity_bytes": self.ssd.capacity_bytes if self.ssd else 0,
-               "ssd_used_bytes": self.ssd.used_bytes if self.ssd else 0,
-               "ssd_blocks": len(self.ssd) if self.ssd else 0,
-               "ssd_error": self.ssd.error if self.ssd else "",
+               "ssd_capacity_bytes": self.ssd.capacity_bytes if self.ssd is not None else 0,
+               "ssd_used_bytes": self.ssd.used_bytes if self.ssd is not None else 0,
+               "ssd_blocks": len(self.ssd) if self.ssd is not None else 0,
+               "ssd_error": self.ssd.error if self.ssd is not None else "",
                "pinned_blocks": len(self._pins), "leases": len(self._leases),
                "events_dropped": self.events.dropped}
         out.update(self.metrics.as_dict())

@@ -1,0 +1,257 @@
+"""SSD tier of the KV store: restart, corruption, disk full and permission errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from mooncaked.config import StoreSettings
+from mooncaked.store import SSD, PutStatus, block_keys, make_salt
+from mooncaked.store.ssd import HEADER_BYTES
+from mooncaked.store.store import BlockStore
+
+BLOCK = 4096
+
+
+def run(coro, timeout=30):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def keys(n):
+    return block_keys(list(range(4 * n)), 4, make_salt("t", 4, "f32"))
+
+
+def blocks(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, BLOCK, dtype=np.uint8) for _ in range(n)]
+
+
+def ssd_only(n_blocks=64, **kw):
+    """No DRAM: every put goes to the SSD tier."""
+    return StoreSettings(dram_bytes=0, ssd_bytes=n_blocks * (BLOCK + HEADER_BYTES), **kw)
+
+
+def test_restart_new_object_serves_ssd_blocks(tmp_path):
+    ks, data = keys(6), blocks(6)
+
+    async def write():
+        s = StoreSettings(dram_bytes=2 * BLOCK, ssd_bytes=10 * (BLOCK + HEADER_BYTES))
+        async with BlockStore(BLOCK, s, ssd_dir=str(tmp_path)) as st:
+            await st.put_many(ks, data)
+            assert sum(st.tier_of(k) == SSD for k in ks) == 4  # the last 2 only in DRAM
+
+    async def read():
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            assert sorted(st.inventory().tiers[SSD]) == sorted(ks[:4])
+            for k, d in zip(ks[:4], data[:4]):
+                assert await st.get(k) == d.tobytes()
+            assert st.longest_prefix(ks) == 4
+            assert st.metrics.hits[SSD] == 4 and st.metrics.corrupt == 0
+
+    run(write())
+    (tmp_path / "ab").mkdir(exist_ok=True)
+    (tmp_path / "ab" / ".leftover.tmp").write_bytes(b"torn")  # a crash mid-write
+    run(read())
+    assert not (tmp_path / "ab" / ".leftover.tmp").exists()
+
+
+def test_restart_new_process_serves_ssd_blocks(tmp_path):
+    """A block stored by one process is served, byte-exact, by a later one."""
+    script = textwrap.dedent(f"""
+        import asyncio, sys, numpy as np
+        sys.path.insert(0, {os.path.dirname(__file__)!r})
+        from test_store_ssd import BLOCK, keys, blocks, ssd_only
+        from mooncaked.store.store import BlockStore
+        async def main():
+            async with BlockStore(BLOCK, ssd_only(), ssd_dir={str(tmp_path)!r}) as st:
+                rs = await st.put_many(keys(5), blocks(5, seed=3))
+                assert all(r.status.value == "stored" for r in rs), rs
+        asyncio.run(main())
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=60)
+
+    async def read():
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            for k, d in zip(keys(5), blocks(5, seed=3)):
+                assert await st.get(k) == d.tobytes()
+    run(read())
+
+
+def _corrupt_cases(st, ks):
+    """Damages 5 block files in different ways; returns their keys."""
+    def path(k):
+        return st.ssd.path_of(k)
+
+    with open(path(ks[0]), "r+b") as f:  # a flipped payload byte
+        f.seek(HEADER_BYTES + 1234)
+        b = f.read(1)
+        f.seek(HEADER_BYTES + 1234)
+        f.write(bytes([b[0] ^ 0x01]))
+    with open(path(ks[1]), "r+b") as f:  # a flipped header byte (the length field)
+        f.seek(12)
+        b = f.read(1)
+        f.seek(12)
+        f.write(bytes([b[0] ^ 0x80]))
+    os.truncate(path(ks[2]), HEADER_BYTES + BLOCK // 2)  # a truncated file
+    os.truncate(path(ks[3]), 0)  # a torn (empty) file
+    with open(path(ks[5]), "rb") as f:  # another block's (valid) file under this name
+        other = f.read()
+    with open(path(ks[4]), "wb") as f:
+        f.write(other)
+    return ks[:5]
+
+
+def test_corrupt_files_are_misses_not_bad_data(tmp_path):
+    async def main():
+        ks, data = keys(7), blocks(7)
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            await st.put_many(ks, data)
+            bad = _corrupt_cases(st, ks)
+            q = st.subscribe()
+            dst = np.zeros(BLOCK, np.uint8)
+            for k in bad:
+                assert await st.get_into(k, dst) is None
+                assert not st.exists(k) and not os.path.exists(st.ssd.path_of(k))
+            assert st.metrics.corrupt == 5 and st.metrics.misses == 5
+            # The intact blocks are still served exactly.
+            for k, d in zip(ks[5:], data[5:]):
+                assert await st.get(k) == d.tobytes()
+            st.events.flush()
+            events = q.get_nowait()
+            assert [(e.kind, e.tier) for e in events] == [("evicted", SSD)]
+            assert list(events[0].keys) == bad
+    run(main())
+
+
+def test_corruption_found_after_restart_too(tmp_path):
+    async def main():
+        ks, data = keys(7), blocks(7)
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            await st.put_many(ks, data)
+            bad = _corrupt_cases(st, ks)
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            got = [await st.get(k) for k in ks]
+            assert got[:5] == [None] * 5
+            assert got[5:] == [d.tobytes() for d in data[5:]]
+            assert st.metrics.corrupt == len(bad)
+    run(main())
+
+
+def test_ssd_dir_is_a_file_is_reported(tmp_path):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_bytes(b"x")
+
+    async def main():
+        s = StoreSettings(dram_bytes=2 * BLOCK, ssd_bytes=10 * (BLOCK + HEADER_BYTES))
+        async with BlockStore(BLOCK, s, ssd_dir=str(not_a_dir)) as st:
+            assert "EEXIST" in st.stats()["ssd_error"] or "ENOTDIR" in st.stats()["ssd_error"]
+            ks, data = keys(3), blocks(3)
+            # DRAM still works; a block that needs the SSD tier is reported as not stored.
+            results = await st.put_many(ks, data)
+            assert [r.status for r in results] == [PutStatus.STORED] * 3  # ks[0] dropped
+            assert st.metrics.demote_failed == 1 and not st.exists(ks[0])
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(not_a_dir)) as st:
+            r = await st.put(ks[0], data[0])
+            assert r.status is PutStatus.FAILED and "ENOTDIR" in r.reason
+            assert st.metrics.put_failed == 1 and st.metrics.io_errors == 1
+    run(main())
+
+
+def _make_unwritable(path):
+    """Makes directory `path` (and its subdirectories) unwritable, also for root.
+    Returns an undo function, or None if this host cannot do it."""
+    dirs = [path] + [os.path.join(path, d) for d in os.listdir(path)
+                     if os.path.isdir(os.path.join(path, d))]
+    if os.geteuid() != 0:
+        for d in dirs:
+            os.chmod(d, 0o500)
+        return lambda: [os.chmod(d, 0o700) for d in dirs]
+    # root ignores mode bits; the immutable attribute (CAP_LINUX_IMMUTABLE) binds root too.
+    r = subprocess.run(["chattr", "+i", *dirs], capture_output=True, timeout=10)
+    if r.returncode != 0:
+        return None
+    return lambda: subprocess.run(["chattr", "-i", *dirs], capture_output=True, timeout=10)
+
+
+def test_permission_denied_is_reported_and_old_blocks_served(tmp_path):
+    ks, data = keys(4), blocks(4)
+
+    async def write():
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            await st.put_many(ks[:2], data[:2])
+
+    async def use_unwritable():
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            assert st.stats()["ssd_error"].split(":")[0] in ("EPERM", "EACCES")
+            for k, d in zip(ks[:2], data[:2]):
+                assert await st.get(k) == d.tobytes()
+            for k, d in zip(ks[2:], data[2:]):
+                r = await st.put(k, d)
+                assert r.status is PutStatus.FAILED and r.reason.split(":")[0] in ("EPERM", "EACCES")
+                assert not st.exists(k)
+            assert st.metrics.put_failed == 2
+
+    run(write())
+    undo = _make_unwritable(str(tmp_path))
+    if undo is None:
+        pytest.skip("cannot make a directory unwritable for root here (no chattr +i)")
+    try:
+        run(use_unwritable())
+    finally:
+        undo()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 64 KiB tmpfs (root only); skipped where mounting is not permitted."""
+    mnt = tmp_path / "tiny"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(mnt)],
+                       capture_output=True, timeout=10)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True, timeout=10)
+
+
+def test_disk_full_is_reported_and_nothing_half_written(tiny_fs):
+    async def main():
+        ks, data = keys(24), blocks(24)
+        # The configured capacity (1 MiB) exceeds the real disk (64 KiB): ENOSPC.
+        s = StoreSettings(dram_bytes=0, ssd_bytes=1 << 20)
+        async with BlockStore(BLOCK, s, ssd_dir=str(tiny_fs)) as st:
+            results = await st.put_many(ks, data)
+            stored = [r.status is PutStatus.STORED for r in results]
+            assert 5 <= sum(stored) < 24
+            failed = [r for r in results if r.status is PutStatus.FAILED]
+            assert failed and all(r.reason.startswith("ENOSPC") for r in failed)
+            assert st.metrics.put_failed == len(failed) and st.metrics.io_errors == len(failed)
+            for k, d, ok in zip(ks, data, stored):
+                assert await st.get(k) == (d.tobytes() if ok else None)
+            leftovers = [f for _, _, fs in os.walk(tiny_fs) for f in fs if f.endswith(".tmp")]
+            assert leftovers == []
+            assert st.ssd.used_bytes == sum(stored) * (BLOCK + HEADER_BYTES)
+    run(main())
+
+
+def test_ssd_capacity_evicts_lru_but_not_pinned(tmp_path):
+    async def main():
+        ks, data = keys(8), blocks(8)
+        async with BlockStore(BLOCK, ssd_only(4), ssd_dir=str(tmp_path)) as st:
+            await st.put_many(ks[:4], data[:4])
+            lease = st.lease([ks[3]], ttl_s=60)  # the LRU one after put_many's touch order
+            for k, d in zip(ks[4:], data[4:]):
+                assert (await st.put(k, d)).tier == SSD
+            assert st.exists(ks[3]) and len(st.ssd) == 4
+            assert st.metrics.evictions[SSD] == 4
+            assert await st.get(ks[3]) == data[3].tobytes()
+            st.release(lease)
+    run(main())
