@@ -1,0 +1,206 @@
+"""`mooncake sim FILE`: simulate a cluster on a Mooncake-format trace (see mooncaked.sim)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import typer
+
+from .main import app
+
+_PAPER_FIG5 = {"random": 19.65, "load_balancing": 5.27, "local_cache_aware": 3.58,
+               "global_cache_aware": 3.07}
+
+
+def parse_tokens(text: str) -> float:
+    """'inf', '3M', '500k', '3e6', '1G' -> tokens (float). Raises typer.BadParameter."""
+    t = text.strip().lower()
+    if t in ("inf", "unbounded", "infinity"):
+        return math.inf
+    mult = {"k": 1e3, "m": 1e6, "g": 1e9}.get(t[-1:], 1.0)
+    try:
+        v = float(t[:-1] if mult != 1.0 else t) * mult
+    except ValueError as e:
+        raise typer.BadParameter(f"not a token count: {text!r} (try 3M, 500k, inf)") from e
+    if v < 0:
+        raise typer.BadParameter(f"negative token count: {text!r}")
+    return v
+
+
+def _jsonable(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+@app.command("sim")
+def sim(
+    file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Mooncake-format trace (.jsonl)."),
+    policy: str = typer.Option("global_cache_aware", help="random | load_balancing | local_cache_aware | "
+                               "global_cache_aware | coupled; comma-separated for several, or 'all'."),
+    prefill: int = typer.Option(10, help="Prefill instances (coupled: prefill + decode instances)."),
+    decode: int = typer.Option(6, help="Decode instances."),
+    cache_tokens: str = typer.Option("inf", help="Block cache per prefill instance, tokens "
+                                     "(3M, 500k, inf)."),
+    time_scale: float = typer.Option(1.0, help="Multiply arrival times (0.5 = twice the rate)."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    cost_model: Path | None = typer.Option(None, exists=True, dir_okay=False,
+                                           help="Cost model JSON from `mooncaked profile` "
+                                           "(default: the paper's LLaMA3-70B on 8xA800)."),
+    bandwidth_gbps: float | None = typer.Option(None, help="Override the network bandwidth, Gbit/s."),
+    decode_kv_tokens: str | None = typer.Option(None, help="KV room per decode instance, tokens "
+                                                "(default: the paper setting's)."),
+    limit: int | None = typer.Option(None, help="Only the first N requests."),
+    output_tokens: int | None = typer.Option(None, help="Override every output length "
+                                             "(1 = prefill only)."),
+    threshold: float = typer.Option(1.5, help="Cache load balancing threshold (best/own prefix)."),
+    ttft_slo: float = typer.Option(math.inf, help="Reject when predicted TTFT exceeds this, s."),
+    tbt_slo: float = typer.Option(math.inf, help="Reject when predicted TBT exceeds this, s."),
+    ttft_threshold: float = typer.Option(30.0, help="TTFT threshold of effective request "
+                                         "capacity, s."),
+    tbt_threshold: str = typer.Option("0.1,0.2,0.3", help="TBT thresholds of effective request "
+                                      "capacity, s, comma-separated (the first is the headline)."),
+    seed: int = typer.Option(0, help="Seed of the random policy."),
+    plot_dir: Path | None = typer.Option(None, help="Write PNG figures here."),
+    sweep: bool = typer.Option(False, "--sweep", help="Find each policy's highest arrival rate with "
+                               "effective request capacity >= --target (first policy = baseline)."),
+    target: float = typer.Option(0.9, help="Share of requests within thresholds, for --sweep."),
+    hit_curve: str | None = typer.Option(None, help="Hit rate vs capacity (Figure 9) at these "
+                                         "capacities, e.g. 1M,3M,10M,50M,inf; simulates the given "
+                                         "policies at each as well."),
+) -> None:
+    """Discrete-event simulation of N prefill + M decode instances replaying FILE."""
+    import dataclasses
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from mooncaked.conductor.cost_model import CostModel, TransferModel, paper_cost_model
+    from mooncaked.sim import plots
+    from mooncaked.sim.engine import SIM_POLICIES, SimConfig, config_dict, simulate
+    from mooncaked.sim.hitrate import sequential_hit_rate
+    from mooncaked.sim.sweep import capacity_sweep
+    from mooncaked.sim.trace import load_trace
+
+    console = Console(stderr=json_out)
+    if not console.is_terminal:
+        console.width = max(console.width, 160)
+    policies = list(SIM_POLICIES) if policy == "all" else [p.strip() for p in policy.split(",")]
+    for p in policies:
+        if p not in SIM_POLICIES:
+            raise typer.BadParameter(f"unknown policy {p!r}; choose from {', '.join(SIM_POLICIES)}")
+    try:
+        thresholds = tuple(float(x) for x in tbt_threshold.split(","))
+        trace = load_trace(file, limit)
+        cost = CostModel.load(cost_model) if cost_model else paper_cost_model()
+        if bandwidth_gbps is not None:
+            cost = dataclasses.replace(cost, transfer=TransferModel(bandwidth_gbps * 1e9 / 8,
+                                                                    cost.transfer.latency_s))
+        kw = {} if decode_kv_tokens is None else {"decode_kv_tokens": parse_tokens(decode_kv_tokens)}
+        base = SimConfig(policy=policies[0], prefill=prefill, decode=decode,
+                         cache_tokens=parse_tokens(cache_tokens), time_scale=time_scale,
+                         cache_balance_threshold=threshold, ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
+                         ttft_threshold_s=ttft_threshold, tbt_thresholds_s=thresholds,
+                         output_tokens=output_tokens, seed=seed, **kw)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+
+    if sweep:
+        def progress(p, mult, res):
+            s = res.summary
+            console.print(f"  {p} x{mult:.3f} ({s['arrival_rate_rps']:.2f} req/s): "
+                          f"within thresholds {s['effective_request_capacity_by_tbt']}")
+        out = capacity_sweep(trace, base, policies, thresholds, target, cost,
+                             on_run=None if json_out else progress)
+        if plot_dir:
+            out["plots"] = [str(plots.plot_capacity(out, plot_dir / "capacity.png"))]
+        if json_out:
+            print(json.dumps(_jsonable(out)))
+            return
+        table = Table(title=f"Highest arrival rate with >= {target:.0%} of requests within "
+                            f"TTFT {ttft_threshold:g} s and TBT")
+        table.add_column("policy")
+        for t in thresholds:
+            table.add_column(f"TBT {t * 1000:g} ms (req/s)", justify="right")
+        ratios = out[f"ratio_vs_{policies[0]}"]
+        for p, per in out["results"].items():
+            table.add_row(p, *[f"{v['arrival_rate_rps']:.2f}  ({ratios[p][k]:.2f}x)"
+                               for k, v in per.items()])
+        console.print(table)
+        return
+
+    if hit_curve:
+        caps = [parse_tokens(c) for c in hit_curve.split(",")]
+        seq = [sequential_hit_rate(trace, c) for c in caps]
+        sims = {p: [simulate(trace, dataclasses.replace(base, policy=p, cache_tokens=c), cost)
+                    .summary["cache_hit_rate"] for c in caps] for p in policies}
+        out = {"capacities_tokens": caps, "sequential_hit_rate": seq, "simulated_hit_rate": sims,
+               "unbounded_hit_rate": sequential_hit_rate(trace)}
+        if plot_dir:
+            finite = [i for i, c in enumerate(caps) if math.isfinite(c)]
+            out["plots"] = [str(plots.plot_hit_rate_vs_capacity(
+                [caps[i] for i in finite], [seq[i] for i in finite], plot_dir / "hit_rate_vs_capacity.png",
+                unbounded=out["unbounded_hit_rate"],
+                points={f"{p} ({prefill if p != 'coupled' else prefill + decode} nodes, per node)":
+                        [(caps[i], sims[p][i]) for i in finite] for p in policies}))]
+        if json_out:
+            print(json.dumps(_jsonable(out)))
+            return
+        table = Table(title="Cache hit rate vs capacity")
+        table.add_column("capacity (tokens)", justify="right")
+        table.add_column("one cache, in order", justify="right")
+        for p in policies:
+            table.add_column(f"{p} (per node)", justify="right")
+        for i, c in enumerate(caps):
+            table.add_row(f"{c:,.0f}" if math.isfinite(c) else "inf", f"{seq[i]:.3f}",
+                          *[f"{sims[p][i]:.3f}" for p in policies])
+        console.print(table)
+        return
+
+    results = {}
+    for p in policies:
+        results[p] = simulate(trace, dataclasses.replace(base, policy=p), cost)
+    summaries = {p: r.summary for p, r in results.items()}
+    if plot_dir:
+        files = [plots.plot_distributions(results, plot_dir / "ttft_tbt_cdf.png", thresholds,
+                                          ttft_threshold),
+                 plots.plot_hit_windows(results, plot_dir / "hit_rate_over_time.png")]
+        for p, r in results.items():
+            files.append(plots.plot_replicas(r, plot_dir / f"replicas_{p}.png",
+                                             prefill if p != "coupled" else prefill + decode))
+        if len(policies) > 1:
+            files.append(plots.plot_ttft_bars({p: s["ttft_mean_s"] for p, s in summaries.items()},
+                                              plot_dir / "ttft_by_policy.png", _PAPER_FIG5))
+        for s in summaries.values():
+            s["plots"] = [str(f) for f in files]
+    if json_out:
+        if len(policies) == 1:
+            out = dict(summaries[policies[0]], config=config_dict(dataclasses.replace(base, policy=policies[0])))
+        else:
+            out = {"config": config_dict(base), "runs": summaries}
+        print(json.dumps(_jsonable(out)))
+        return
+    table = Table(title=f"{file.name}: {len(trace)} requests, "
+                        f"{summaries[policies[0]]['arrival_rate_rps']:.2f} req/s, "
+                        f"cache {cache_tokens} tokens/node")
+    cols = ["policy", "hit rate", "TTFT mean (s)", "TTFT p90 (s)", "TBT mean (ms)",
+            *[f"ERC@{t * 1000:g}ms" for t in thresholds], "rejected", "prefill s/req", "fetches",
+            "wall (s)"]
+    for c in cols:
+        table.add_column(c, justify="left" if c == "policy" else "right")
+    for p, s in summaries.items():
+        erc = s["effective_request_capacity_by_tbt"]
+        table.add_row(p, f"{s['cache_hit_rate']:.3f}", f"{s['ttft_mean_s']:.2f}",
+                      f"{s['ttft_p90_s']:.2f}", f"{s['tbt_mean_s'] * 1000:.1f}",
+                      *[f"{erc[f'{t:g}']:.3f}" for t in thresholds], str(s["rejected"]),
+                      f"{s['prefill_compute_s_per_request']:.3f}", str(s["fetches"]),
+                      f"{s['sim_wall_s']:.1f}")
+    console.print(table)
+    if plot_dir:
+        console.print(f"figures in {plot_dir}")

@@ -1,0 +1,99 @@
+"""Capacity sweep: each policy's highest arrival rate that keeps effective request capacity
+at a target (the Mooncake paper's Figure 1, 6 and 7 way of comparing systems).
+
+The arrival rate is changed through `time_scale` (rate multiplier m = 1 / time_scale):
+the search doubles or halves m until the target is met on one side and missed on the
+other, then bisects in log space. It assumes the share of requests within their SLOs
+falls as the rate rises (true up to noise in these runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+from mooncaked.conductor.cost_model import CostModel
+
+from .engine import SimConfig, SimResult, simulate
+from .trace import TraceRequest
+
+
+def capacity_sweep(trace: Sequence[TraceRequest], base: SimConfig, policies: Sequence[str],
+                   tbt_thresholds_s: Sequence[float], target: float = 0.9,
+                   cost: CostModel | None = None, bisections: int = 5,
+                   min_mult: float = 1 / 64, max_mult: float = 64.0,
+                   on_run: Callable[[str, float, SimResult], None] | None = None) -> dict:
+    """Finds, per policy and TBT threshold, the highest arrival rate with share >= target.
+
+    Args:
+        trace: requests (their arrival times are scaled).
+        base: cluster settings; `policy`, `time_scale` and `tbt_thresholds_s` are set here.
+        policies: simulator policies to compare; the first one is the baseline of the ratios.
+        tbt_thresholds_s: TBT thresholds (seconds); the TTFT threshold is base.ttft_threshold_s.
+        target: share of requests that must meet both thresholds, in (0, 1].
+        bisections: log-space bisection steps after bracketing (each halves the error;
+            5 leaves about 2%).
+        on_run: called after each simulation with (policy, rate multiplier, result).
+    Returns: {"target", "ttft_threshold_s", "runs", "results": {policy: {thr: {...}}},
+        "ratio_vs_<baseline>": {policy: {thr: ratio}}}; a rate is 0 when even min_mult fails.
+    Raises: ValueError on a target outside (0, 1].
+    """
+    if not 0 < target <= 1:
+        raise ValueError(f"target must be in (0, 1], got {target}")
+    thresholds = tuple(float(t) for t in tbt_thresholds_s)
+    span = trace[-1].arrival_s - trace[0].arrival_s if len(trace) > 1 else 1.0
+    base_rate = len(trace) / span if span > 0 else math.inf
+    runs = 0
+    out: dict = {}
+    for policy in policies:
+        memo: dict[float, dict] = {}
+
+        def share(mult: float, thr: float) -> float:
+            nonlocal runs
+            if mult not in memo:
+                cfg = dataclasses.replace(base, policy=policy, time_scale=1.0 / mult,
+                                          tbt_thresholds_s=thresholds)
+                res = simulate(trace, cfg, cost)
+                runs += 1
+                memo[mult] = res.summary["effective_request_capacity_by_tbt"]
+                if on_run:
+                    on_run(policy, mult, res)
+            return memo[mult][f"{thr:g}"]
+
+        per: dict = {}
+        for thr in thresholds:
+            m = 1.0
+            if share(m, thr) >= target:
+                lo, hi = m, None
+                while hi is None and lo * 2 <= max_mult:
+                    if share(lo * 2, thr) >= target:
+                        lo *= 2
+                    else:
+                        hi = lo * 2
+            else:
+                lo, hi = None, m
+                while lo is None and hi / 2 >= min_mult:
+                    if share(hi / 2, thr) >= target:
+                        lo = hi / 2
+                    else:
+                        hi /= 2
+            if lo is not None and hi is not None:
+                for _ in range(bisections):
+                    mid = math.sqrt(lo * hi)
+                    if share(mid, thr) >= target:
+                        lo = mid
+                    else:
+                        hi = mid
+            mult = lo or 0.0
+            per[f"{thr:g}"] = {"rate_multiplier": mult,
+                               "time_scale": 1.0 / mult if mult else math.inf,
+                               "arrival_rate_rps": base_rate * mult,
+                               "effective_request_capacity": share(mult, thr) if mult else 0.0}
+        out[policy] = per
+    baseline = policies[0]
+    ratios = {p: {thr: (v["arrival_rate_rps"] / out[baseline][thr]["arrival_rate_rps"]
+                        if out[baseline][thr]["arrival_rate_rps"] else math.inf)
+                  for thr, v in per.items()} for p, per in out.items()}
+    return {"target": target, "ttft_threshold_s": base.ttft_threshold_s, "runs": runs,
+            "base_arrival_rate_rps": base_rate, "results": out, f"ratio_vs_{baseline}": ratios}
