@@ -13,11 +13,10 @@ import contextlib
 import fcntl
 import os
 import time
-from pathlib import Path
 
 import pytest
 
-from mooncaked.cluster import (CoordinationError, Coordinator, MemberEvent, make_coordinator)
+from mooncaked.cluster import CoordinationError, MemberEvent, make_coordinator
 from mooncaked.cluster.etcd_server import EtcdServer, etcd_binary, free_port
 from mooncaked.cluster.probe import ProbeProcess
 from mooncaked.config import ClusterSettings, ConfigError
@@ -315,3 +314,36 @@ def test_same_id_restart_rejoins_cleanly(backend):
             assert members["n1"].info["pid"] == new.proc.pid
     with probes() as spawn:
         run(main(spawn))
+
+
+def test_etcd_restart_is_survived(tmp_path):
+    """etcd goes away: calls fail with a clear error within op_timeout_s; it comes back on
+    the same ports and data: the session (lease persisted by etcd) and watches resume."""
+    if etcd_binary() is None:
+        pytest.skip("etcd binary not installed (run mooncaked/cluster/install_etcd.sh)")
+    first = EtcdServer(tmp_path / "data").start()
+    ports = (first.client_port, first.peer_port)
+    again = EtcdServer(tmp_path / "data", client_port=ports[0], peer_port=ports[1])
+    settings = ClusterSettings(backend="etcd", etcd_endpoints=[first.endpoint], lease_ttl_s=3,
+                               heartbeat_interval_s=0.5, op_timeout_s=1.0)
+
+    async def main():
+        async with make_coordinator(settings) as c:
+            await c.register("n1", {"v": 1})
+            leaders = c.watch_leader()
+            assert await asyncio.wait_for(anext(leaders), 5) is None
+            first.stop()
+            t0 = time.monotonic()
+            with pytest.raises(CoordinationError, match="etcd:127.0.0.1"):
+                await c.put("k", 1)
+            assert time.monotonic() - t0 < 3.0
+            again.start()
+            await asyncio.wait_for(c.campaign("n1"), 15)     # the watch resumed by itself
+            assert await asyncio.wait_for(anext(leaders), 10) == "n1"
+            assert set(await c.members()) == {"n1"}
+            await leaders.aclose()
+    try:
+        run(main())
+    finally:
+        first.stop()
+        again.stop()

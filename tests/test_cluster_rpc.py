@@ -21,12 +21,17 @@ from mooncaked.cluster.probe import ProbeProcess
 
 def make_server() -> ControlServer:
     server = ControlServer(max_body_bytes=64 * 1024)
+    server.cancelled = []
 
     async def echo(p):
         return {"got": p}
 
     async def sleep(p):
-        await asyncio.sleep(p["s"])
+        try:
+            await asyncio.sleep(p["s"])
+        except asyncio.CancelledError:
+            server.cancelled.append(p)             # the caller gave up: work stops too
+            raise
         return "slept"
 
     async def boom(p):
@@ -91,6 +96,11 @@ def test_timeout_is_enforced_per_call():
                 took = time.monotonic() - t0
                 assert 0.25 < took < 1.5, took
                 assert e.value.peer == addr and e.value.method == "sleep"
+                for _ in range(100):                     # bounded: at most ~1 s
+                    if server.cancelled:
+                        break
+                    await asyncio.sleep(0.01)
+                assert server.cancelled == [{"s": 3}]
                 assert await client.call(addr, "sleep", {"s": 0.01}, timeout_s=2) == "slept"
         finally:
             await server.stop()

@@ -321,11 +321,15 @@ class Coordinator(abc.ABC):
             lease = await self._op(self._grant(self.ttl_s), "lease grant")
             self._lease, self._deadline = lease, t0 + self.ttl_s
             self._session_id = uuid.uuid4().hex
-            # Bring back what the previous session published.
-            for node_id, (info, registered_at) in list(self._registered.items()):
-                await self._put_member(node_id, info, registered_at)
-            for key, raw in list(self._ephemeral.items()):
-                await self._op(self._put(key, raw, lease), f"put {key}")
+            try:
+                # Bring back what the previous session published.
+                for node_id, (info, registered_at) in list(self._registered.items()):
+                    await self._put_member(node_id, info, registered_at)
+                for key, raw in list(self._ephemeral.items()):
+                    await self._op(self._put(key, raw, lease), f"put {key}")
+            except CoordinationError:
+                self._lease = None            # half-restored: the next heartbeat starts over
+                raise
 
     def _drop_leaderships(self, why: str) -> None:
         for name, lead in list(self._leading.items()):
@@ -334,30 +338,39 @@ class Coordinator(abc.ABC):
         self._leading.clear()
 
     async def _heartbeat_loop(self) -> None:
-        interval = self.settings.heartbeat_interval_s
         while True:
-            await asyncio.sleep(interval)
-            t0 = time.monotonic()
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            try:
+                await self._heartbeat_once()
+            except Exception as e:            # never let the heartbeat die
+                log.error("coord_heartbeat_error", exc_info=True, error=repr(e))
+
+    async def _heartbeat_once(self) -> None:
+        """One keep-alive; opens a new session once the lease is surely gone."""
+        t0 = time.monotonic()
+        ok: bool | None = False
+        if self._lease is not None:
             try:
                 ok = await self._op(self._refresh(self._lease), "lease keep-alive")
             except CoordinationError as e:
                 log.warning("coord_heartbeat_failed", error=str(e))
-                ok = None                          # unknown: retry until the deadline
-            if ok:
-                self._deadline = t0 + self.ttl_s
-                await self._check_leaderships()
-                continue
-            if ok is None and time.monotonic() < self._deadline:
-                continue
+                ok = None                     # unknown: retry until the deadline
+        if ok:
+            self._deadline = t0 + self.ttl_s
+            await self._check_leaderships()
+            return
+        if ok is None and time.monotonic() < self._deadline:
+            return
+        if self._lease is not None:
             log.warning("coord_session_lost", session=self._session_id)
-            self._drop_leaderships("lease expired")
-            self._lease = None
-            try:
-                await self._new_session()
-                log.info("coord_session_renewed", session=self._session_id,
-                         nodes=list(self._registered))
-            except CoordinationError as e:
-                log.warning("coord_session_renew_failed", error=str(e))
+        self._drop_leaderships("lease expired")
+        self._lease = None
+        try:
+            await self._new_session()
+            log.info("coord_session_renewed", session=self._session_id,
+                     nodes=list(self._registered))
+        except CoordinationError as e:
+            log.warning("coord_session_renew_failed", error=str(e))
 
     async def _check_leaderships(self) -> None:
         # The leader key may vanish without our lease ending (an operator deleted it).

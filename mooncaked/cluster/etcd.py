@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator
+from typing import AsyncIterator
 from urllib.parse import urlsplit
 
 import aetcd

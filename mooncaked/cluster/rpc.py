@@ -137,7 +137,10 @@ class ControlServer:
         except OSError:
             sock.close()
             raise
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # A caller that timed out or went away cancels its handler; stop() waits at most
+        # 2 s for handlers still running.
+        self._runner = web.AppRunner(self.app(), access_log=None, handler_cancellation=True,
+                                     shutdown_timeout=2.0)
         await self._runner.setup()
         await web.SockSite(self._runner, sock).start()
         self.address = sock.getsockname()[:2]
