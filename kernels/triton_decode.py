@@ -161,6 +161,24 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_cou
     return triton.cdiv(max_context, tokens), tokens
 
 
+def decode_plan(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device, num_splits: int | None = None) -> tuple[int, int, int]:
+    """The decode launch: (num_splits, tokens_per_split, tile) for a batch.
+
+    tile: tokens per loop step, 64 for fp16/bf16 with head_dim <= 128 on a GPU, else 32
+    (fp32 or wide heads would not fit two stages of K/V tiles in shared memory; the
+    interpreter prefers small tiles). num_splits: forced if given, else `decode_num_splits`.
+    """
+    d_pad = pow2(head_dim, 16)
+    tile = 32 if dtype.itemsize * d_pad > 256 or interpreting(_decode_kernel) else 64
+    if num_splits is None:
+        splits, per_split = decode_num_splits(num_seqs, num_kv_heads, max_context, sm_count(device), tile)
+    else:
+        per_split = triton.cdiv(triton.cdiv(max(max_context, 1), max(1, int(num_splits))), tile) * tile
+        splits = triton.cdiv(max(max_context, 1), per_split)
+    return splits, per_split, tile
+
+
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, *, num_splits: int | None = None) -> torch.Tensor:
@@ -201,16 +219,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     group = num_heads // num_kv_heads
     d_pad = pow2(head_dim, 16)
+    splits, per_split, tile = decode_plan(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
+                                          head_dim, q.dtype, q.device, num_splits)
     dot_f32 = dot_in_fp32(_decode_kernel, q.dtype)
-    big = q.element_size() * d_pad > 256  # fp32, or a padded head_dim above 128
-    tile = 32 if big or interpreting(_decode_kernel) else 64
-    max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        splits, per_split = decode_num_splits(num_seqs, num_kv_heads, max_context, sm_count(q.device), tile)
-    else:
-        splits = max(1, int(num_splits))
-        per_split = triton.cdiv(triton.cdiv(max_context, splits), tile) * tile
-        splits = triton.cdiv(max_context, per_split)
 
     common = dict(GROUP=group, GROUP_PAD=pow2(group, 16), HEAD_DIM=head_dim, D_PAD=d_pad,
                   BLOCK_SIZE=block_size, TILE=tile, DOT_F32=dot_f32)

@@ -16,8 +16,8 @@ on CPU tensors, which is how the tests check them without a GPU.
 from __future__ import annotations
 
 from .triton_copy import gather_blocks, scatter_blocks, write_kv
-from .triton_decode import decode_num_splits, paged_decode_attention
+from .triton_decode import decode_num_splits, decode_plan, paged_decode_attention
 from .triton_prefill import paged_prefill_attention
 
 __all__ = ["write_kv", "paged_decode_attention", "paged_prefill_attention", "gather_blocks",
-           "scatter_blocks", "decode_num_splits"]
+           "scatter_blocks", "decode_num_splits", "decode_plan"]

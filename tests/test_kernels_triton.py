@@ -150,6 +150,7 @@ PREFILL_CASES = [
     (torch.float32, 64, 16, 2, 2, [(1, 1), (16, 16), (17, 1), (45, 20), (33, 33)]),
     (torch.float16, 80, 32, 1, 4, [(64, 1), (70, 40), (1, 1), (32, 32)]),
     (torch.bfloat16, 128, 64, 2, 1, [(65, 65), (129, 1), (100, 37)]),
+    (torch.float16, 96, 128, 1, 2, [(130, 3), (128, 128)]),
 ]
 if ON_GPU:
     PREFILL_CASES += [(torch.bfloat16, 128, 16, 8, 4, [(3000, 1000), (1, 1), (2048, 2048), (4097, 1)]),
@@ -256,3 +257,30 @@ def test_in_fresh_interpreter_process():
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+
+
+def test_bench_runs_on_tiny_shapes(ops, capsys):
+    """The benchmark's code paths (not its timings) on tiny shapes; the GPU run is gpu_check.sh."""
+    from mooncaked.kernels import bench  # noqa: PLC0415
+
+    dtype = torch.bfloat16 if ON_GPU else torch.float32
+    shape = bench.Shape(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
+    result = bench.run(torch.device(DEVICE), shape, decode_batches=(2,), decode_contexts=(40,),
+                       prefill_cases=((2, 20, 12),), iters=1, gather=(3, 2), ops=ops)
+    (dec,), (pre,) = result["decode"], result["prefill"]
+    assert dec["batch"] == 2 and dec["context"] == 40 and dec["max_abs_diff"] < 1e-3
+    assert dec["bytes"] == (2 * 2 * 40 * 2 + 2 * 4) * 64 * dtype.itemsize
+    assert pre["flops"] == 4 * 2 * 4 * 64 * (20 * 12 + 20 * 21 // 2) and pre["max_abs_diff"] < 1e-3
+    assert result["gather"]["blocks"] == 3 and result["skipped"] == []
+    assert set(result["summary"]) >= {"decode_min_pct_of_copy_at_8k_plus", "decode_faster_than_sdpa_everywhere"}
+    bench.render(result)
+    printed = capsys.readouterr().out
+    assert "decode attention" in printed and "prefill attention" in printed and "gather_blocks" in printed
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
+def test_bench_refuses_without_cuda(capsys):
+    from mooncaked.kernels import bench  # noqa: PLC0415
+
+    assert bench.main(["--json"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
