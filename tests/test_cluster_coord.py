@@ -212,6 +212,20 @@ def test_settings_are_validated():
         make_coordinator(ClusterSettings(backend="etcd", etcd_endpoints=["https://h:1"]))
 
 
+def test_etcd_endpoints_are_tried_in_order(etcd):
+    dead = f"http://127.0.0.1:{free_port()}"
+    settings = ClusterSettings(backend="etcd", op_timeout_s=1.0, key_prefix="/t/failover/",
+                               etcd_endpoints=[dead, etcd.endpoint])
+
+    async def main():
+        async with make_coordinator(settings) as c:
+            await c.put("k", {"v": 1})
+            assert await c.get("k") == {"v": 1}
+            assert c._describe() == "etcd:" + etcd.endpoint.removeprefix("http://")
+            await c.delete("k")
+    run(main())
+
+
 def test_unreachable_etcd_is_a_clear_error_within_the_timeout():
     settings = ClusterSettings(backend="etcd", op_timeout_s=1.0,
                                etcd_endpoints=[f"http://127.0.0.1:{free_port()}"])

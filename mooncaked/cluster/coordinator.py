@@ -230,6 +230,10 @@ class Coordinator(abc.ABC):
         """Backend and location, for error messages."""
         return self.backend
 
+    def _op_budget_s(self) -> float:
+        """Outer bound of one store call, seconds (a backend may try several endpoints)."""
+        return self.settings.op_timeout_s + 0.5
+
     # ------------------------------------------------------------------ helpers
 
     def _key(self, key: str) -> str:
@@ -248,12 +252,12 @@ class Coordinator(abc.ABC):
         report why; this outer bound, a little longer, only catches what they miss.
         """
         try:
-            return await asyncio.wait_for(coro, self.settings.op_timeout_s + 0.5)
+            return await asyncio.wait_for(coro, self._op_budget_s())
         except CoordinationError:
             raise
         except asyncio.TimeoutError as e:
             raise CoordinationError(f"{self._describe()}: {what} timed out after "
-                                    f"{self.settings.op_timeout_s} s") from e
+                                    f"{self._op_budget_s():.1f} s") from e
 
     def _require_session(self) -> Any:
         if self._closed:

@@ -80,16 +80,27 @@ class EtcdCoordinator(Coordinator):
                 await client.close()
         self._ep = (self._ep + 1) % len(self.endpoints)
 
+    def _op_budget_s(self) -> float:
+        return self.settings.op_timeout_s * len(self.endpoints) + 0.5
+
     async def _call(self, what: str, fn):
-        """Runs fn(client), mapping client errors to CoordinationError (and failing over)."""
-        try:
-            return await fn(self._c())
-        except aetcd.exceptions.ClientError as e:
-            where = self._describe()
-            if isinstance(e, (aetcd.exceptions.ConnectionFailedError,
-                              aetcd.exceptions.ConnectionTimeoutError)) and len(self.endpoints) > 1:
-                await self._failover()
-            raise CoordinationError(f"{where}: {what}: {type(e).__name__}: {e}") from e
+        """Runs fn(client), mapping client errors to CoordinationError.
+
+        An endpoint that cannot be reached is left for the next one, each tried once.
+        """
+        for attempt in range(len(self.endpoints)):
+            try:
+                return await fn(self._c())
+            except aetcd.exceptions.ClientError as e:
+                where = self._describe()
+                unreachable = isinstance(e, (aetcd.exceptions.ConnectionFailedError,
+                                             aetcd.exceptions.ConnectionTimeoutError))
+                if unreachable and len(self.endpoints) > 1:
+                    log.warning("etcd_endpoint_unreachable", endpoint=where, error=str(e))
+                    await self._failover()
+                    if attempt + 1 < len(self.endpoints):
+                        continue
+                raise CoordinationError(f"{where}: {what}: {type(e).__name__}: {e}") from e
 
     async def _open(self) -> None:
         # gRPC connects lazily: a status call proves etcd answers.
