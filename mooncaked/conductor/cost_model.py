@@ -81,11 +81,14 @@ class PolyModel:
 
     @classmethod
     def fit(cls, x1: Sequence[float], x2: Sequence[float], y: Sequence[float],
-            terms: Sequence[tuple[int, int]]) -> PolyModel:
+            terms: Sequence[tuple[int, int]], relative: bool = True) -> PolyModel:
         """Least-squares fit of the coefficients of `terms` to samples (numpy.linalg.lstsq).
 
-        Columns are scaled to unit max before solving so that terms of very different
-        magnitude (1 and n^2 with n ~ 1e5) stay well conditioned.
+        With `relative` (the default) each sample is weighted by 1/|y|, so the fit minimizes
+        relative error: timings span orders of magnitude (a 100-token prefill and a
+        100k-token one) and a 10 ms miss matters only on the short one. Columns are scaled
+        to unit max before solving so that terms of very different magnitude (1 and n^2
+        with n ~ 1e5) stay well conditioned.
         Raises: ValueError with fewer samples than terms, mismatched lengths, or non-finite
             values.
         """
@@ -98,6 +101,9 @@ class PolyModel:
         if not (np.isfinite(a1).all() and np.isfinite(a2).all() and np.isfinite(ay).all()):
             raise ValueError("fit samples must be finite")
         cols = np.stack([a1 ** i * a2 ** j for i, j in terms], axis=1)
+        if relative:
+            w = 1.0 / np.maximum(np.abs(ay), 1e-12)
+            cols, ay = cols * w[:, None], ay * w
         scale = np.abs(cols).max(axis=0)
         scale[scale == 0] = 1.0
         sol, *_ = np.linalg.lstsq(cols / scale, ay, rcond=None)

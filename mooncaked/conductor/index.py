@@ -43,6 +43,7 @@ class PrefixIndex:
         self._holders: dict[Hashable, int] = {}        # key -> mask of holders on any tier
         self._tiers: dict[str, dict[Hashable, int]] = {}  # tier -> key -> mask
         self._count: dict[Hashable, int] = {}          # node id -> blocks held (any tier)
+        self._seq: dict[Hashable, int] = {}            # node id -> last store event seq applied
 
     # ------------------------------------------------------------------ nodes
 
@@ -89,6 +90,7 @@ class PrefixIndex:
                 del self._holders[key]
         self._nodes[b] = None
         del self._count[node]
+        self._seq.pop(node, None)
         return dropped
 
     # ------------------------------------------------------------------ events
@@ -146,6 +148,37 @@ class PrefixIndex:
     def evicted(self, node: Hashable, keys: Iterable[Hashable], tier: str = "dram") -> None:
         """Shorthand for `apply(node, [("evicted", k, tier) for k in keys])`."""
         self.apply(node, [BlockEvent(EVICTED, k, tier) for k in keys])
+
+    def apply_store_events(self, batches: Iterable) -> set[Hashable]:
+        """Applies the store's batched events (`mooncaked.store.StoreEvent`: kind, tier,
+        keys, node_id, seq), in order.
+
+        Events at or below a node's last applied seq are skipped (already covered by an
+        inventory). Returns the nodes whose seq jumped (events were dropped): the caller
+        must rebuild those from `BlockStore.inventory()` with `load_inventory`.
+        Raises: ValueError on an unknown kind (nothing of that event is applied).
+        """
+        gaps: set[Hashable] = set()
+        for ev in batches:
+            node, seq = ev.node_id, ev.seq
+            last = self._seq.get(node)
+            if last is not None and seq <= last:
+                continue
+            if last is not None and seq != last + 1:
+                gaps.add(node)
+            self.apply(node, [BlockEvent(ev.kind, k, ev.tier) for k in ev.keys])
+            self._seq[node] = seq
+        return gaps
+
+    def load_inventory(self, inventory) -> None:
+        """Replaces what the index knows of one node by its inventory (`node_id`, `seq`,
+        `tiers`: tier -> keys), e.g. after a leader change or an event gap."""
+        node = inventory.node_id
+        self.remove_node(node)
+        self.add_node(node)
+        for tier, keys in inventory.tiers.items():
+            self.apply(node, [BlockEvent(STORED, k, tier) for k in keys])
+        self._seq[node] = inventory.seq
 
     # ------------------------------------------------------------------ queries
 
