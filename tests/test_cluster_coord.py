@@ -112,6 +112,14 @@ def test_metadata_keys_and_ephemeral_cleanup(backend):
                 await a.put("/absolute", 1)
             with pytest.raises(ValueError):
                 await a.put("k", {1, 2})           # a set is not JSON
+            m = await a.register("n9", {"role": "cache"})
+            assert (await b.members())["n9"] == m and m.incarnation == a.session_id
+            await b.unregister("n9")               # not b's registration: left alone
+            assert set(await b.members()) == {"n9"}
+            await a.unregister("n9")
+            assert await b.members() == {}
+            with pytest.raises(ValueError):
+                await a.register("bad/id", {})
             await a.close()                        # graceful: lease revoked, ephemerals gone now
             assert await b.get("nodes/n1") is None
             assert await b.get("segments/n1/dram") == {"bytes": 1 << 30, "addr": "127.0.0.1:7000"}
