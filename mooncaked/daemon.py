@@ -29,6 +29,7 @@ def _url(host: str, port: int) -> str:
 async def _serve(settings: Settings) -> int:
     from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
     from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
+    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -36,7 +37,11 @@ async def _serve(settings: Settings) -> int:
         loop.add_signal_handler(sig, stop.set)
 
     # Loading takes seconds and blocks the loop; a signal meanwhile is handled right after.
-    engine = AsyncLLM.from_settings(settings)
+    try:
+        engine = AsyncLLM.from_settings(settings)
+    except (ModelLoadError, OSError, ValueError) as e:
+        log.error("model_load_failed", path=settings.model.path or "<bundled>", error=str(e))
+        return 1
     await engine.start()
     runner: web.AppRunner | None = None
     try:
@@ -72,8 +77,8 @@ async def _serve(settings: Settings) -> int:
 def run_daemon(settings: Settings) -> int:
     """Runs one node until SIGTERM/SIGINT; returns the process exit code.
 
-    0 after a graceful shutdown; 1 if the API cannot listen (port in use, bad
-    address); 2 for a role this build cannot run yet. Logs one `ready` event with
+    0 after a graceful shutdown; 1 if the model cannot be loaded or the API cannot
+    listen (port in use, bad address); 2 for a role this build cannot run yet. Logs one `ready` event with
     the API's URL once it accepts requests.
     """
     setup_logging(settings.log.level, settings.log.format)

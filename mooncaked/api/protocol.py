@@ -160,7 +160,8 @@ def _stop(body: dict) -> list[str]:
     raise _type_error("stop", "a string or a list of strings", v)
 
 
-def _token_ids(v: Any, key: str, vocab_size: int) -> list[int]:
+def token_ids(v: Any, key: str, vocab_size: int) -> list[int]:
+    """`v` checked as a list of token ids in [0, vocab_size). Raises ApiError 400."""
     if not isinstance(v, list) or not all(_is_int(t) for t in v):
         raise _type_error(key, "a list of integers", v)
     bad = next((t for t in v if not 0 <= t < vocab_size), None)
@@ -246,7 +247,7 @@ def _common(body: dict, kind: str, engine: EngineInfo, prompts: list[Prompt],
     """Fields shared by both endpoints, then whole-request checks (ranges, lengths)."""
     vocab = engine.tokenizer.vocab_size
     stop_ids = body.get("stop_token_ids")
-    params.stop_token_ids = [] if stop_ids is None else _token_ids(stop_ids, "stop_token_ids",
+    params.stop_token_ids = [] if stop_ids is None else token_ids(stop_ids, "stop_token_ids",
                                                                     vocab)
     params.logprobs = logprobs
     n = _int(body, "n", 1)
@@ -333,14 +334,14 @@ def _prompts(v: Any, engine: EngineInfo) -> list[Prompt]:
         return [Prompt(tok.encode(v), v)]
     if isinstance(v, list) and v:
         if all(_is_int(t) for t in v):
-            ids = _token_ids(v, "prompt", tok.vocab_size)
+            ids = token_ids(v, "prompt", tok.vocab_size)
             return [Prompt(ids, tok.decode(ids))]
         if all(isinstance(s, str) for s in v):
             return [Prompt(tok.encode(s), s) for s in v]
         if all(isinstance(x, list) for x in v):
             out = []
             for x in v:
-                ids = _token_ids(x, "prompt", tok.vocab_size)
+                ids = token_ids(x, "prompt", tok.vocab_size)
                 out.append(Prompt(ids, tok.decode(ids)))
             return out
     if isinstance(v, list) and not v:

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API (aiohttp) in front of an AsyncLLM.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE
-and not), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics.
+and not), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics, and
+vLLM's POST /tokenize and /detokenize.
 Response and chunk shapes follow the OpenAI API reference; `usage` carries
 `prompt_tokens_details.cached_tokens` (prompt tokens served from the prefix
 cache). Every error, including unknown routes (404), wrong methods (405) and
@@ -32,8 +33,8 @@ from mooncaked.log import get_logger
 
 from . import sse
 from .metrics import ApiMetrics
-from .protocol import (ApiError, GenerationRequest, Prompt, error_body, parse_chat,
-                       parse_completion, parse_json)
+from .protocol import (ApiError, GenerationRequest, Prompt, check_model, error_body, parse_chat,
+                       parse_completion, parse_json, token_ids)
 
 log = get_logger(__name__)
 
@@ -252,6 +253,28 @@ class ApiServer:
             raise ApiError(404, f"The model '{name}' does not exist", param="model",
                            code="model_not_found")
         return json_response(self._model_card())
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        """POST /tokenize (vLLM's): {"prompt": str} or {"messages": [...]} -> token ids."""
+        body = parse_json(await request.read())
+        check_model(body, self.engine)
+        if "messages" in body:
+            req = parse_chat({"messages": body["messages"], "max_tokens": 1}, self.engine)
+            ids = req.prompts[0].token_ids
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise ApiError(400, "'prompt' must be a string", param="prompt")
+            ids = self.engine.tokenizer.encode(prompt)
+        return json_response({"tokens": ids, "count": len(ids),
+                              "max_model_len": self.engine.max_model_len})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        """POST /detokenize (vLLM's): {"tokens": [int]} -> {"prompt": str}."""
+        body = parse_json(await request.read())
+        check_model(body, self.engine)
+        ids = token_ids(body.get("tokens"), "tokens", self.engine.tokenizer.vocab_size)
+        return json_response({"prompt": self.engine.tokenizer.decode(ids)})
 
     async def metrics_route(self, request: web.Request) -> web.Response:
         """GET /metrics: Prometheus text exposition."""
@@ -478,4 +501,6 @@ def build_app(engine: Any, *, request_timeout_s: float = 600.0,
     app.router.add_get("/v1/models/{model}", server.model)
     app.router.add_get("/health", server.health)
     app.router.add_get("/metrics", server.metrics_route)
+    app.router.add_post("/tokenize", server.tokenize)
+    app.router.add_post("/detokenize", server.detokenize)
     return app

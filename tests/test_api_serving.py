@@ -1,0 +1,362 @@
+"""The OpenAI API over the real engine: response and chunk shapes, /v1/models, /health,
+/metrics, prefix caching through the API, concurrency, stop strings, client disconnects.
+
+One real `mooncaked serve --role all` (SmolLM2-135M on CPU) for the module. Outputs
+are greedy (temperature 0) so they can be compared exactly; max_tokens stays small.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+import aiohttp
+import orjson
+import pytest
+
+from api_server import metrics, post, run_server, stream
+
+PROMPT = "The capital of France is"
+# 45 tokens: two full 16-token blocks a repeat can find cached.
+LONG_PROMPT = ("A library keeps books on shelves sorted by author. Every morning the librarian "
+               "walks the rows, returns the books people left on the tables, and writes down "
+               "which shelves need dusting. Today she found a note inside a novel:")
+DISCONNECT_WAIT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with run_server(tmp_path_factory.mktemp("api_serving")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def model(server) -> str:
+    async def go():
+        async with aiohttp.ClientSession() as s, s.get(f"{server.url}/v1/models") as r:
+            return (await r.json())["data"][0]["id"]
+    return asyncio.run(go())
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def salt() -> str:
+    """A fresh cache_salt: this request shares no cached blocks with any other test's."""
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------------- small routes
+
+
+def test_models_and_health(server, model):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"{server.url}/health") as r:
+                assert r.status == 200 and (await r.json()) == {"status": "ok"}
+            async with s.get(f"{server.url}/v1/models") as r:
+                body = await r.json()
+            assert body["object"] == "list" and len(body["data"]) == 1
+            card = body["data"][0]
+            assert card["id"] == model and card["object"] == "model"
+            assert card["id"].startswith("SmolLM2-135M")
+            assert card["max_model_len"] > 512
+            async with s.get(f"{server.url}/v1/models/{model}") as r:
+                assert r.status == 200 and (await r.json())["id"] == model
+    run(go())
+
+
+# ---------------------------------------------------------------------------- completions
+
+
+def test_completion_non_streaming_shape(server, model):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            status, body = await post(s, f"{server.url}/v1/completions",
+                                      {"model": model, "prompt": PROMPT, "max_tokens": 5,
+                                       "temperature": 0, "ignore_eos": True})
+            assert status == 200, body
+            assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+            assert body["model"] == model and isinstance(body["created"], int)
+            (choice,) = body["choices"]
+            assert choice["index"] == 0 and choice["finish_reason"] == "length"
+            assert choice["text"].startswith(" Paris"), choice["text"]
+            u = body["usage"]
+            assert u["completion_tokens"] == 5
+            assert u["total_tokens"] == u["prompt_tokens"] + 5
+            assert 0 <= u["prompt_tokens_details"]["cached_tokens"] < u["prompt_tokens"]
+    run(go())
+
+
+def test_completion_streaming_matches_non_streaming(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            req = {"prompt": PROMPT, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+            _, full = await post(s, f"{server.url}/v1/completions", req)
+            events = await stream(s, f"{server.url}/v1/completions",
+                                  {**req, "stream": True, "stream_options": {"include_usage": True}})
+        assert events[-1] == "[DONE]"
+        *chunks, usage_chunk = events[:-1]
+        assert {c["id"] for c in chunks} == {usage_chunk["id"]}
+        assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert "".join(c["choices"][0]["text"] for c in chunks) == full["choices"][0]["text"]
+        assert usage_chunk["choices"] == []
+        assert usage_chunk["usage"]["completion_tokens"] == 6
+        assert usage_chunk["usage"]["prompt_tokens"] == full["usage"]["prompt_tokens"]
+    run(go())
+
+
+def test_token_id_prompt_and_batches(server):
+    """A prompt as token ids, as a list of one string, and a batch of two prompts with n=2
+    give the same greedy text as the plain string prompt."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            req = {"max_tokens": 4, "temperature": 0, "ignore_eos": True}
+            _, plain = await post(s, f"{server.url}/v1/completions", {**req, "prompt": PROMPT})
+            _, tok = await post(s, f"{server.url}/tokenize", {"prompt": PROMPT})
+            assert tok["count"] == len(tok["tokens"]) == plain["usage"]["prompt_tokens"]
+            _, by_ids = await post(s, f"{server.url}/v1/completions",
+                                   {**req, "prompt": tok["tokens"]})
+            _, one = await post(s, f"{server.url}/v1/completions", {**req, "prompt": [PROMPT]})
+            _, batch = await post(s, f"{server.url}/v1/completions",
+                                  {**req, "prompt": [PROMPT, "2 + 2 ="], "n": 2})
+            _, other = await post(s, f"{server.url}/v1/completions", {**req, "prompt": "2 + 2 ="})
+        text = plain["choices"][0]["text"]
+        assert by_ids["choices"][0]["text"] == text
+        assert by_ids["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"]
+        assert one["choices"][0]["text"] == text
+        assert [c["index"] for c in batch["choices"]] == [0, 1, 2, 3]
+        assert [c["text"] for c in batch["choices"]] == [text, text, other["choices"][0]["text"],
+                                                          other["choices"][0]["text"]]
+        assert batch["usage"]["prompt_tokens"] == (plain["usage"]["prompt_tokens"]
+                                                   + other["usage"]["prompt_tokens"])
+        assert batch["usage"]["completion_tokens"] == 16
+    run(go())
+
+
+def test_completion_logprobs_and_seed(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            _, g = await post(s, f"{server.url}/v1/completions",
+                              {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                               "ignore_eos": True, "logprobs": 3})
+            sampled = {"prompt": "My favourite animal is the", "max_tokens": 8,
+                       "temperature": 1.0, "seed": 1234, "ignore_eos": True}
+            _, a = await post(s, f"{server.url}/v1/completions", sampled)
+            _, b = await post(s, f"{server.url}/v1/completions", sampled)
+        lp = g["choices"][0]["logprobs"]
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == 4
+        assert "".join(lp["tokens"]) == g["choices"][0]["text"]
+        assert lp["text_offset"][0] == 0
+        assert lp["text_offset"][1] == len(lp["tokens"][0])
+        for tok, val, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]):
+            assert val <= 0 and len(top) >= 3
+            assert top[tok] == pytest.approx(max(top.values()))   # greedy picks the argmax
+        assert a["choices"][0]["text"] == b["choices"][0]["text"]   # same seed, same output
+    run(go())
+
+
+# ---------------------------------------------------------------------------- chat
+
+
+def test_chat_non_streaming_and_streaming(server, model):
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            req = {"model": model, "messages": msgs, "max_completion_tokens": 12,
+                   "temperature": 0}
+            status, full = await post(s, f"{server.url}/v1/chat/completions", req)
+            assert status == 200, full
+            parts = [{"role": "user", "content": [
+                {"type": "text", "text": "What is the capital of France?"}]}]
+            _, by_parts = await post(s, f"{server.url}/v1/chat/completions",
+                                     {**req, "messages": parts})
+            events = await stream(s, f"{server.url}/v1/chat/completions", {**req, "stream": True})
+            _, lp = await post(s, f"{server.url}/v1/chat/completions",
+                               {**req, "logprobs": True, "top_logprobs": 2, "max_tokens": 3})
+        assert full["object"] == "chat.completion" and full["id"].startswith("chatcmpl-")
+        (choice,) = full["choices"]
+        assert choice["message"]["role"] == "assistant"
+        assert "Paris" in choice["message"]["content"]
+        assert choice["finish_reason"] in ("stop", "length")
+        assert full["usage"]["completion_tokens"] <= 12
+        assert by_parts["choices"][0]["message"] == choice["message"]
+
+        assert events[-1] == "[DONE]"
+        chunks = events[:-1]
+        assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+        assert text == choice["message"]["content"]
+        assert chunks[-1]["choices"][0]["finish_reason"] == choice["finish_reason"]
+
+        content = lp["choices"][0]["logprobs"]["content"]
+        assert len(content) == lp["usage"]["completion_tokens"]
+        # one entry per generated token, the EOS that ended it included (as vLLM does)
+        assert "".join(e["token"] for e in content).startswith(lp["choices"][0]["message"]["content"])
+        for e in content:
+            assert len(e["top_logprobs"]) == 2 and e["logprob"] <= 0
+            assert bytes(e["bytes"]).decode() == e["token"]
+    run(go())
+
+
+# ---------------------------------------------------------------------------- engine features
+
+
+def test_same_prompt_twice_hits_the_prefix_cache(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            req = {"prompt": LONG_PROMPT, "max_tokens": 6, "temperature": 0, "cache_salt": salt()}
+            _, first = await post(s, f"{server.url}/v1/completions", req)
+            _, second = await post(s, f"{server.url}/v1/completions", req)
+            _, other_salt = await post(s, f"{server.url}/v1/completions",
+                                       {**req, "cache_salt": salt()})
+        assert first["usage"]["prompt_tokens"] > 32     # at least two full 16-token blocks
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+        assert 0 < cached < second["usage"]["prompt_tokens"]
+        assert second["choices"][0]["text"] == first["choices"][0]["text"]
+        # a different cache_salt never shares blocks
+        assert other_salt["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert other_salt["choices"][0]["text"] == first["choices"][0]["text"]
+    run(go())
+
+
+def test_16_concurrent_streams_match_each_alone(server):
+    """Requests of different prompt and output lengths, streamed all at once, give the same
+    tokens as each one run alone (different cache salts: the concurrent round recomputes)."""
+    base = "Count the apples in the basket, then tell me how many are red"
+    reqs = [{"prompt": base + ", please" * i, "max_tokens": 3 + i % 6, "temperature": 0,
+             "ignore_eos": True, "logprobs": 0, "stream": True} for i in range(16)]
+
+    def tokens(events):
+        assert events[-1] == "[DONE]"
+        return [t for e in events[:-1] for t in (e["choices"][0]["logprobs"] or {}).get("tokens", [])]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            url = f"{server.url}/v1/completions"
+            alone = [tokens(await stream(s, url, {**r, "cache_salt": "alone"})) for r in reqs]
+            together = await asyncio.gather(*(stream(s, url, {**r, "cache_salt": "together"})
+                                              for r in reqs))
+        assert [len(t) for t in alone] == [r["max_tokens"] for r in reqs]
+        assert [tokens(ev) for ev in together] == alone
+    run(go())
+
+
+def _stop_case(tokens: list[str]) -> str:
+    """A stop string spanning three generated tokens: the end of one, the whole next one,
+    the start of the one after (tokens chosen so each contributes characters)."""
+    for k in range(1, len(tokens) - 2):
+        a, b, c = tokens[k], tokens[k + 1], tokens[k + 2]
+        if len(a.strip()) >= 2 and b.strip() and len(c.strip()) >= 2:
+            return a[-2:] + b + c[:2]
+    raise AssertionError(f"no three-token stop string in {tokens}")
+
+
+def test_stop_string_spanning_tokens(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            url = f"{server.url}/v1/completions"
+            req = {"prompt": LONG_PROMPT, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            _, free = await post(s, url, {**req, "logprobs": 0})
+            toks = free["choices"][0]["logprobs"]["tokens"]
+            stop = _stop_case(toks)
+            full = free["choices"][0]["text"]
+            expected = full[:full.index(stop)]
+            _, stopped = await post(s, url, {**req, "stop": [stop, "never-appears-zzz"]})
+            events = await stream(s, url, {**req, "stop": stop, "stream": True})
+        ch = stopped["choices"][0]
+        assert ch["text"] == expected and stop not in ch["text"]
+        assert ch["finish_reason"] == "stop" and ch["stop_reason"] == stop
+        assert stopped["usage"]["completion_tokens"] < 24     # generation really stopped
+        assert events[-1] == "[DONE]"
+        texts = [e["choices"][0]["text"] for e in events[:-1]]
+        assert "".join(texts) == expected
+        assert all(stop not in t for t in texts)
+        assert events[-2]["choices"][0]["finish_reason"] == "stop"
+    run(go())
+
+
+# ---------------------------------------------------------------------------- metrics, disconnect
+
+
+NAMED_SERIES = [
+    "mooncaked_time_to_first_token_seconds_bucket{le=+Inf}",
+    "mooncaked_inter_token_latency_seconds_bucket{le=+Inf}",
+    "mooncaked_request_tbt_seconds_count",
+    "mooncaked_e2e_request_latency_seconds_count",
+    "mooncaked_num_requests_running",
+    "mooncaked_num_requests_waiting",
+    "mooncaked_kv_blocks_used",
+    "mooncaked_kv_blocks_capacity",
+    "mooncaked_prefix_hit_tokens_total",
+    "mooncaked_prompt_tokens_total",
+    "mooncaked_generation_tokens_total",
+    "mooncaked_requests_total{finish_reason=length}",
+    "mooncaked_requests_total{finish_reason=stop}",
+    "mooncaked_requests_total{finish_reason=abort}",
+]
+
+
+def test_metrics_series_change_after_a_request(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            before = await metrics(s, server.url)
+            _, body = await post(s, f"{server.url}/v1/completions",
+                                 {"prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+                                  "ignore_eos": True})
+            after = await metrics(s, server.url)
+        for name in NAMED_SERIES:
+            assert name in before and name in after, name
+
+        def delta(name):
+            return after[name] - before[name]
+        assert delta("mooncaked_time_to_first_token_seconds_count") == 1
+        assert delta("mooncaked_inter_token_latency_seconds_count") == 3
+        assert delta("mooncaked_request_tbt_seconds_count") == 1
+        assert delta("mooncaked_requests_total{finish_reason=length}") == 1
+        assert delta("mooncaked_generation_tokens_total") == 4
+        assert delta("mooncaked_prompt_tokens_total") == body["usage"]["prompt_tokens"]
+        assert delta("mooncaked_time_to_first_token_seconds_sum") > 0
+        assert after["mooncaked_kv_blocks_capacity"] > 0
+        assert after["mooncaked_num_requests_running"] == 0
+        assert delta("mooncaked_http_requests_total{route=/v1/completions,status=200}") == 1
+    run(go())
+
+
+def test_client_disconnect_aborts_the_request(server):
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            before = await metrics(s, server.url)
+            body = {"prompt": LONG_PROMPT, "max_tokens": 2000, "temperature": 0,
+                    "ignore_eos": True, "stream": True, "cache_salt": salt()}
+            r = await s.post(f"{server.url}/v1/completions", data=orjson.dumps(body))
+            assert r.status == 200
+            for _ in range(3):
+                line = await asyncio.wait_for(r.content.readline(), 60)
+                assert line.startswith(b"data: {") or line == b"\n"
+            during = await metrics(s, server.url)
+            assert during["mooncaked_num_requests_running"] == 1
+            r.close()                                  # drop the connection mid-stream
+            deadline = time.monotonic() + DISCONNECT_WAIT_S
+            while True:
+                now = await metrics(s, server.url)
+                if now["mooncaked_num_requests_running"] == 0:
+                    break
+                assert time.monotonic() < deadline, "request still running after disconnect"
+                await asyncio.sleep(0.1)               # poll interval, bounded by the deadline
+            aborted = (now["mooncaked_requests_total{finish_reason=abort}"]
+                       - before["mooncaked_requests_total{finish_reason=abort}"])
+            assert aborted == 1
+            assert now["mooncaked_kv_blocks_used"] <= before["mooncaked_kv_blocks_used"]
+            # and the server still serves
+            status, ok = await post(s, f"{server.url}/v1/completions",
+                                    {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
+            assert status == 200 and ok["choices"][0]["text"]
+    run(go())
