@@ -65,7 +65,9 @@ def _prefill_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    m_tile = tl.program_id(0)
+    # Last query tiles first: they attend to the most keys, so the long programs start early
+    # and the short ones fill the tail.
+    m_tile = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
     seq = tl.program_id(2)
     q_start = tl.load(cu_ptr + seq)
