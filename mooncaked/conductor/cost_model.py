@@ -63,13 +63,16 @@ class PolyModel:
             raise ValueError(f"PolyModel coefficients must be finite: {coef}")
         object.__setattr__(self, "terms", terms)
         object.__setattr__(self, "coef", coef)
+        # The placement function evaluates these models per node on every request, so the
+        # polynomial is compiled once into a plain lambda (as namedtuple once built its
+        # classes): the source holds only float reprs and int exponents we just validated.
+        mono = [" * ".join(["x1"] * i + ["x2"] * j) or "1.0" for i, j in terms]
+        body = " + ".join(f"{c!r} * {m}" for c, m in zip(coef, mono))
+        object.__setattr__(self, "_fn", eval(f"lambda x1, x2: {body}", {}))  # noqa: S307
 
     def __call__(self, x1: float, x2: float) -> float:
         """Evaluates the polynomial at one point (plain floats, no numpy: a hot path)."""
-        y = 0.0
-        for (i, j), c in zip(self.terms, self.coef):
-            y += c * (x1 ** i) * (x2 ** j)
-        return y
+        return self._fn(x1, x2)
 
     def grid(self, x1: float, x2: np.ndarray) -> np.ndarray:
         """Evaluates at a fixed x1 for every x2 in a float64 array of shape [k]; returns [k]."""

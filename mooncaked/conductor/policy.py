@@ -196,28 +196,28 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         i = rng.randrange(len(nodes))
     elif policy == "load_balancing":
         i = min(range(len(nodes)), key=queue.__getitem__)
-    elif policy == "local_cache_aware":
-        i = min(range(len(nodes)), key=lambda k: queue[k] + prefill_s(own[k]))
-    else:  # global_cache_aware: Algorithm 1 with cache load balancing
+    else:
+        # A node's TTFT is queue + the prefill it would run. Which prefill (own prefix, or
+        # fetch up to best_len) depends only on its own prefix length, not on its queue:
+        # transfer + prefill(best) < prefill(own) is the same test on every node. So decide
+        # once per distinct prefix length, then scan the nodes with plain list operations.
         best = max(own)
-        src = own.index(best)
         thr = cfg.cache_balance_threshold
-        best_t = math.inf
-        i = 0
-        for k in range(len(nodes)):
-            mine = own[k]
-            t = queue[k] + prefill_s(mine)
-            f = -1
-            x = 0.0
-            if best > mine and (mine == 0 or best > thr * mine):
+        fetches: dict[int, float] = {}   # own blocks -> transfer s, where fetching wins
+        cost_of: dict[int, float] = {}   # own blocks -> transfer + prefill s
+        for mine in set(own):
+            cost_of[mine] = prefill_s(mine)
+            if (policy == "global_cache_aware" and best > mine
+                    and (mine == 0 or best > thr * mine)):
                 x = cost.transfer_s(min(best * bs, n) - min(mine * bs, n))
-                tf = x + queue[k] + prefill_s(best)
-                if tf < t:          # fetching beats recomputing on this node
-                    t, f = tf, src
-                else:
-                    x = 0.0
-            if t < best_t:
-                best_t, i, fetch_from, xfer = t, k, f, x
+                if x + prefill_s(best) < cost_of[mine]:     # fetching beats recomputing
+                    cost_of[mine] = x + prefill_s(best)
+                    fetches[mine] = x
+        ttfts = [q + cost_of[m] for q, m in zip(queue, own)]
+        i = ttfts.index(min(ttfts))
+        if own[i] in fetches:
+            xfer = fetches[own[i]]
+            fetch_from = own.index(best)
     used = own[fetch_from] if fetch_from >= 0 else own[i]
     pf = prefill_s(used)
     ttft = xfer + queue[i] + pf
@@ -227,21 +227,21 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         fetch = Fetch(source=nodes[fetch_from], first_block=lo, keys=tuple(req.keys[lo:used]),
                       tokens=min(used * bs, n) - min(lo * bs, n))
 
-    # Decode: lowest predicted step time among nodes with KV room for prompt + output.
+    # Decode: lowest predicted step time among nodes with KV room for prompt + output;
+    # when none has room, the one with the most room.
     decode, tbt = None, 0.0
     if snap.decode_nodes:
         need = n + req.max_new_tokens
-        best_key = None
-        j = 0
-        for k in range(len(snap.decode_nodes)):
-            room = snap.decode_free_kv_tokens[k] >= need
-            step = cost.decode_step_s(snap.decode_batch[k] + 1, snap.decode_context_tokens[k] + n)
-            key = (not room, step if room else -snap.decode_free_kv_tokens[k])
-            if best_key is None or key < best_key:
-                best_key, j = key, k
+        step = cost.decode
+        free = snap.decode_free_kv_tokens
+        steps = [step(b + 1, c + n) if f >= need else math.inf
+                 for b, c, f in zip(snap.decode_batch, snap.decode_context_tokens, free)]
+        best_step = min(steps)
+        room = best_step < math.inf
+        j = steps.index(best_step) if room else max(range(len(free)), key=free.__getitem__)
         decode = snap.decode_nodes[j]
         tbt = cost.decode_step_s(snap.decode_batch[j] + 1, snap.decode_context_tokens[j] + n)
-        if best_key[0] and math.isfinite(cfg.tbt_slo_s):
+        if not room and math.isfinite(cfg.tbt_slo_s):
             return Rejection("decode_full", cfg.min_retry_after_s, ttft, tbt)
 
     if ttft > cfg.ttft_slo_s:
