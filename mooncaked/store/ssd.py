@@ -1,38 +1,52 @@
-"""The SSD tier: one checksummed file per KV block in a directory (paper section 3.2.1).
+"""The SSD tier: fixed-size block slots in one file, plus a persistent header table.
 
-Layout: `<dir>/<first two hex digits of the key>/<key hex>.kv`, each file a
-64-byte header followed by the block's bytes:
+Layout, in `directory`, for blocks of B bytes (so blocks of another size, e.g.
+another model, live in other files and never mix):
 
-    magic "MCKVBLK1" | version u16 | key_len u16 | payload_len u64 |
-    payload_crc32 u32 | header_crc32 u32 | key (32 bytes, zero padded) | padding
+    kv-B.dat   slot i at byte i * S, where S = B rounded up to 4 KiB (page-aligned
+               slots: no read-modify-write of partial pages)
+    kv-B.idx   header i at byte i * 64 (all zeros = free slot):
+               magic "MCKVSLT1" | version u16 | key_len u8 | checksum kind u8 |
+               payload_len u32 | header_crc32 u32 | payload checksum u64 |
+               stored_ns u64 | key (24 bytes) | 4 zero bytes
 
-Why one file per block rather than an append log: blocks are immutable and of
-one size, so a file per block needs no compaction or garbage collection,
-eviction frees space at once (unlink), a torn write damages only the block
-being written, and the directory itself is the persistent index (a restart
-lists it, nothing else to keep in sync). Writes go to a temporary file that
-is renamed into place, so a reader sees a whole file or none; without fsync
-(the default, as this is a cache) a crash may leave a short or zeroed file,
-which the length and CRC checks turn into a miss.
+Why slots in one file (not a file per block, nor an append log): blocks are
+immutable and all the same size, so the tier is a DRAM-pool-like slot array
+on disk. Compared with a file per block it saves the create/rename/unlink
+metadata work on every block (measured here: ~2x the cost of the data write
+for 720 KiB blocks while the page cache absorbs writes) and keeps a single
+open file; compared with an append log it needs no compaction: a freed slot
+is reused in place. The header table is the persistent index: a restart reads
+it in one sequential read (64 bytes per slot) and serves the blocks again.
 
-Every read checks magic, version, key, length, header CRC and payload CRC
-(zlib.crc32, ~7 GB/s here); a failure is reported as CORRUPT (a miss), the
-file is deleted, and the caller never sees those bytes as a block.
+Atomicity and integrity without temp files: a block is written payload first,
+header last, and is indexed in memory only after both writes; a slot is reused
+only when no reader pins it, and its old header is zeroed before the new
+payload is written. After a crash (no fsync by default: this is a cache) a
+slot may hold any mix of old and new bytes, so every read checks the payload
+against the checksum in its header and the header against its own CRC32: a
+torn, truncated (short read) or corrupt slot is a miss, counted and logged,
+its slot freed; never another block's bytes.
 
-I/O runs in a thread pool, one hop per block operation (open, write/read,
-close and rename in one job): that is what aiofiles does, but aiofiles makes
-one executor hop per call (4 per block), which measured 2.7x slower for
-block-sized writes on this machine.
+The payload checksum is XXH3-64 (the `xxhash` package): measured here at
+34 GB/s against 3.8 GB/s for zlib.crc32, so verifying a block costs about a
+tenth of reading it from the page cache (with crc32 the check alone capped
+warm reads at ~0.35x a plain file read). Without `xxhash` the tier falls back
+to zlib.crc32; the header records which one was used.
+
+I/O runs in a thread pool with one hop per block (pread/pwrite with explicit
+offsets are thread-safe); aiofiles would add one hop per call and offers no
+positional I/O. The directory is locked (flock) against a second process.
 """
 
 from __future__ import annotations
 
 import asyncio
 import errno
+import fcntl
 import os
 import struct
 import time
-import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
@@ -42,15 +56,37 @@ import numpy as np
 from mooncaked.log import get_logger
 
 from .policy import EvictionPolicy, make_policy
+from .types import StoreError
 
 log = get_logger(__name__)
 
-MAGIC = b"MCKVBLK1"
+try:
+    import xxhash
+except ImportError:  # pragma: no cover - xxhash is a dependency; crc32 keeps the tier working
+    xxhash = None
+
+MAGIC = b"MCKVSLT1"
 VERSION = 1
 HEADER_BYTES = 64
-MAX_KEY_BYTES = 32
-_HEADER = struct.Struct("<8sHHQII32s")  # 60 bytes, padded to HEADER_BYTES
-_HCRC_OFFSET = 8 + 2 + 2 + 8 + 4  # byte offset of header_crc32
+MAX_KEY_BYTES = 24
+ALIGN = 4096
+_HEADER = struct.Struct("<8sHBBIIQQ24s4x")  # 64 bytes
+_HCRC = slice(16, 20)  # header_crc32's bytes
+_ZERO_HEADER = bytes(HEADER_BYTES)
+
+CSUM_CRC32 = 1
+CSUM_XXH3_64 = 2
+_CSUM_FUNCS = {CSUM_CRC32: zlib.crc32}
+if xxhash is not None:
+    _CSUM_FUNCS[CSUM_XXH3_64] = xxhash.xxh3_64_intdigest
+CSUM_KIND = CSUM_XXH3_64 if xxhash is not None else CSUM_CRC32
+"""Checksum kind used for new blocks."""
+
+
+def checksum(kind: int, data) -> int | None:
+    """Checksum of `data` (bytes-like) by `kind`, or None if that kind is unavailable."""
+    fn = _CSUM_FUNCS.get(kind)
+    return None if fn is None else fn(data)
 
 # Outcomes of a read.
 OK = "ok"
@@ -59,35 +95,24 @@ CORRUPT = "corrupt"
 ERROR = "error"
 
 
-def pack_header(key: bytes, payload: memoryview | bytes, payload_crc: int | None = None) -> bytes:
-    """The 64-byte header of a block file for `key` and `payload`."""
-    if payload_crc is None:
-        payload_crc = zlib.crc32(payload)
-    raw = bytearray(HEADER_BYTES)
-    _HEADER.pack_into(raw, 0, MAGIC, VERSION, len(key), len(payload), payload_crc, 0, key)
-    struct.pack_into("<I", raw, _HCRC_OFFSET, zlib.crc32(raw))
+def pack_header(key: bytes, payload_len: int, csum: tuple[int, int], stored_ns: int) -> bytes:
+    """The 64-byte header of a slot holding block `key`; `csum` is (kind, value)."""
+    raw = bytearray(_HEADER.pack(MAGIC, VERSION, len(key), csum[0], payload_len, 0, csum[1],
+                                 stored_ns, key))
+    raw[_HCRC] = zlib.crc32(raw).to_bytes(4, "little")
     return bytes(raw)
 
 
-def check_header(raw: bytes, key: bytes, length: int) -> tuple[int | None, str]:
-    """(payload_crc, "") if `raw` is a valid header for `key` with `length` payload bytes,
-    else (None, reason)."""
-    if len(raw) < HEADER_BYTES:
-        return None, "short header"
-    magic, version, key_len, payload_len, payload_crc, hcrc, padded_key = _HEADER.unpack_from(raw)
-    if magic != MAGIC:
-        return None, "bad magic"
-    zeroed = bytearray(raw[:HEADER_BYTES])
-    struct.pack_into("<I", zeroed, _HCRC_OFFSET, 0)
-    if zlib.crc32(zeroed) != hcrc:
-        return None, "header checksum mismatch"
-    if version != VERSION:
-        return None, f"unknown version {version}"
-    if padded_key[:key_len] != key:
-        return None, "key mismatch"
-    if payload_len != length:
-        return None, f"length {payload_len} != expected {length}"
-    return payload_crc, ""
+def unpack_header(raw: bytes) -> tuple[bytes, int, tuple[int, int], int] | None:
+    """(key, payload_len, (checksum kind, value), stored_ns) of a valid header, else None."""
+    if len(raw) != HEADER_BYTES or raw[:8] != MAGIC:
+        return None
+    _magic, version, key_len, kind, plen, hcrc, value, stored_ns, key = _HEADER.unpack(raw)
+    zeroed = bytearray(raw)
+    zeroed[_HCRC] = b"\0\0\0\0"
+    if version != VERSION or key_len > MAX_KEY_BYTES or zlib.crc32(zeroed) != hcrc:
+        return None
+    return key[:key_len], plen, (kind, value), stored_ns
 
 
 def errno_reason(e: OSError) -> str:
@@ -96,114 +121,24 @@ def errno_reason(e: OSError) -> str:
     return f"{name}: {e.strerror or e}"
 
 
-# ---------------------------------------------------------------------------- thread jobs
-
-
-def _write_job(path: str, key: bytes, payload: np.ndarray, victims: list[str], fsync: bool) -> None:
-    """Unlinks `victims`, then writes header + payload to a temp file and renames it to `path`."""
-    for v in victims:
-        try:
-            os.unlink(v)
-        except FileNotFoundError:
-            pass
-    directory = os.path.dirname(path)
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.{uuid.uuid4().hex[:8]}.tmp")
-    view = memoryview(payload).cast("B")
-    header = pack_header(key, view)
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileNotFoundError:  # first block of this fan-out directory
-        os.makedirs(directory, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        try:
-            for buf in (memoryview(header), view):
-                while buf:
-                    n = os.write(fd, buf)
-                    buf = buf[n:]
-            if fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.rename(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
-def _read_job(path: str, key: bytes, dst: memoryview) -> tuple[str, str]:
-    """Reads and verifies the block file at `path` into `dst`; returns (outcome, reason)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return MISSING, "no file"
-    try:
-        size = os.fstat(fd).st_size
-        if size != HEADER_BYTES + len(dst):
-            return CORRUPT, f"file size {size} != {HEADER_BYTES + len(dst)}"
-        crc, reason = check_header(os.pread(fd, HEADER_BYTES, 0), key, len(dst))
-        if crc is None:
-            return CORRUPT, reason
-        got = 0
-        while got < len(dst):
-            n = os.preadv(fd, [dst[got:]], HEADER_BYTES + got)
-            if n == 0:
-                return CORRUPT, f"truncated at {got} of {len(dst)} bytes"
-            got += n
-        if zlib.crc32(dst) != crc:
-            return CORRUPT, "payload checksum mismatch"
-        return OK, ""
-    finally:
-        os.close(fd)
-
-
-def _scan_job(directory: str) -> list[tuple[float, bytes, int, str]]:
-    """(mtime, key, size, path) of every block file; removes leftover temp files."""
-    found = []
-    if not os.path.isdir(directory):
-        return found
-    for sub in os.scandir(directory):
-        if not sub.is_dir(follow_symlinks=False):
-            continue
-        for entry in os.scandir(sub.path):
-            name = entry.name
-            if name.endswith(".tmp"):
-                try:
-                    os.unlink(entry.path)
-                except OSError:
-                    pass
-                continue
-            if not name.endswith(".kv"):
-                continue
-            try:
-                key = bytes.fromhex(name[:-3])
-                st = entry.stat(follow_symlinks=False)
-            except (ValueError, OSError):
-                continue
-            found.append((st.st_mtime, key, st.st_size, entry.path))
-    found.sort()
-    return found
-
-
-# ---------------------------------------------------------------------------- the tier
+def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
+    while buf:
+        n = os.pwrite(fd, buf, offset)
+        buf, offset = buf[n:], offset + n
 
 
 class SsdTier:
-    """Block files in `directory`, at most `capacity_bytes` of them (headers included).
+    """Block slots in one file under `directory`, at most `capacity_bytes` of them.
 
     Args:
-        directory: where block files live (created if missing).
-        capacity_bytes: most bytes of block files kept; older blocks are evicted
-            (by `policy`) to make room, never one for which `can_evict` is false.
+        directory: where the slot and header files live (created if missing).
+        capacity_bytes: bytes of the slot file; `capacity_bytes // slot_bytes` slots.
         block_bytes: payload bytes of one block.
         can_evict: predicate from the store (false for pinned/leased keys).
         on_evict: called with the keys evicted to make room (for events/metrics).
         policy: "lru", "sieve" or "fifo".
-        fsync: fsync each block file before renaming it into place (durable
-            across power loss; off by default since the tier is a cache).
+        fsync: fdatasync after each block (durable across power loss; off by
+            default since the tier is a cache).
         io_threads: threads doing file I/O.
     Use `await open()` before anything else and `close()` at the end.
     """
@@ -212,192 +147,313 @@ class SsdTier:
                  can_evict: Callable[[bytes], bool], on_evict: Callable[[list[bytes]], None],
                  policy: str = "lru", fsync: bool = False, io_threads: int = 4):
         self.directory = os.path.abspath(directory)
-        self.capacity_bytes = capacity_bytes
         self.block_bytes = block_bytes
-        self.file_bytes = HEADER_BYTES + block_bytes
+        self.slot_bytes = -(-block_bytes // ALIGN) * ALIGN
+        self.num_slots = capacity_bytes // self.slot_bytes
+        self.capacity_bytes = self.num_slots * self.slot_bytes
+        self.data_path = os.path.join(self.directory, f"kv-{block_bytes}.dat")
+        self.index_path = os.path.join(self.directory, f"kv-{block_bytes}.idx")
         self._can_evict = can_evict
         self._on_evict = on_evict
         self.fsync = fsync
         self.policy: EvictionPolicy = make_policy(policy)
-        self._size: dict[bytes, int] = {}
-        self.used_bytes = 0
+        self._slot: dict[bytes, tuple[int, tuple[int, int]]] = {}  # key -> (slot, checksum)
+        self._free: list[int] = []
+        self._data_fd = -1
+        self._idx_fd = -1
+        self.io_threads = io_threads
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kv-ssd")
-        self.error = ""  # why the tier cannot write, as found by open() (empty if fine)
+        self.error = ""  # why the tier cannot write (empty if it can)
+        self.corrupt_at_open = 0  # invalid headers found (and freed) by open()
         self._last_errno: int | None = None
 
-    def path_of(self, key: bytes) -> str:
-        """Path of the block file of `key`."""
-        h = key.hex()
-        return os.path.join(self.directory, h[:2], h + ".kv")
+    # ------------------------------------------------------------------ lifecycle
 
     async def _run(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def open(self) -> None:
-        """Creates the directory if needed and indexes the blocks already there.
+        """Opens (or creates) the slot and header files and indexes the blocks in them.
 
-        Never raises for an unusable directory: the reason is logged and kept in
-        `error`, existing blocks stay readable if they can be, and puts fail
-        with that reason.
+        An unwritable directory or file is not fatal: the reason is logged and
+        kept in `error`, blocks already there are served if the files can be read,
+        and puts fail with that reason.
+        Raises: StoreError if another process holds the directory's lock.
         """
         t0 = time.perf_counter()
-        try:
-            await self._run(os.makedirs, self.directory, 0o700, True)
-        except OSError as e:
-            self.error = errno_reason(e)
-        try:
-            found = await self._run(_scan_job, self.directory)
-        except OSError as e:
-            found = []
-            self.error = self.error or errno_reason(e)
-        for _mtime, key, size, path in found:  # oldest first, so LRU order is kept
-            if len(key) > MAX_KEY_BYTES:
-                continue
-            # A short (torn) file is indexed too: its first read reports it as corrupt.
-            self._size[key] = size
-            self.used_bytes += size
-            self.policy.insert(key)
-        if not self.error:
-            try:
-                await self._run(_probe_job, self.directory)
-            except OSError as e:
-                self.error = errno_reason(e)
+        await self._run(self._open_files)
+        if self._idx_fd >= 0:
+            entries = await self._run(self._read_index)
+            self._load_index(entries)
         if self.error:
             log.error("ssd_tier_not_writable", dir=self.directory, reason=self.error)
-        log.info("ssd_tier_opened", dir=self.directory, blocks=len(self._size),
-                 used_bytes=self.used_bytes, capacity_bytes=self.capacity_bytes,
-                 scan_s=round(time.perf_counter() - t0, 3))
-        if self.used_bytes > self.capacity_bytes:
-            # A smaller capacity than last run: shrink now.
-            victims = self._reserve(0)
-            if victims:
-                await self._run(_unlink_all, [self.path_of(k) for k in victims])
+        log.info("ssd_tier_opened", dir=self.directory, blocks=len(self._slot),
+                 slots=self.num_slots, slot_bytes=self.slot_bytes,
+                 corrupt_headers=self.corrupt_at_open, open_s=round(time.perf_counter() - t0, 3))
+
+    def _open_files(self) -> None:
+        try:
+            os.makedirs(self.directory, 0o700, exist_ok=True)
+        except OSError:
+            pass  # opening the files below reports the real reason
+        fds = []
+        for path in (self.index_path, self.data_path):
+            try:
+                fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            except OSError as e:
+                self.error = self.error or errno_reason(e)
+                try:  # read-only media or files: serve what is there
+                    fds.append(os.open(path, os.O_RDONLY))
+                except OSError:
+                    fds.append(-1)
+        self._idx_fd, self._data_fd = fds
+        if self._idx_fd >= 0:
+            try:
+                fcntl.flock(self._idx_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                self._close_files()
+                raise StoreError(f"SSD tier {self.directory} is in use by another process") from None
+        if self._data_fd < 0 and self._idx_fd >= 0:
+            os.close(self._idx_fd)
+            self._idx_fd = -1
+
+    def _read_index(self) -> list[bytes]:
+        raw = b""
+        size = os.fstat(self._idx_fd).st_size
+        if size:
+            raw = os.pread(self._idx_fd, size, 0)
+        return [raw[i: i + HEADER_BYTES] for i in range(0, len(raw) - HEADER_BYTES + 1, HEADER_BYTES)]
+
+    def _load_index(self, entries: list[bytes]) -> None:
+        found = []
+        stale = []  # slots to zero: invalid headers, duplicates, beyond capacity
+        for i, raw in enumerate(entries):
+            if raw == _ZERO_HEADER:
+                continue
+            h = unpack_header(raw)
+            if h is None or h[1] != self.block_bytes or i >= self.num_slots:
+                if h is None:
+                    self.corrupt_at_open += 1
+                stale.append(i)
+                continue
+            found.append((h[3], i, h[0], h[2]))
+        found.sort()  # oldest first, so the eviction order starts from the oldest block
+        used = set()
+        for _ns, slot, key, csum in found:
+            if key in self._slot:
+                stale.append(slot)
+                continue
+            self._slot[key] = (slot, csum)
+            self.policy.insert(key)
+            used.add(slot)
+        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
+        if self.error or not stale:
+            return
+        try:
+            for slot in stale:
+                os.pwrite(self._idx_fd, _ZERO_HEADER, slot * HEADER_BYTES)
+            if len(entries) > self.num_slots:  # the capacity shrank: give the space back
+                os.ftruncate(self._idx_fd, self.num_slots * HEADER_BYTES)
+                os.ftruncate(self._data_fd, self.num_slots * self.slot_bytes)
+        except OSError as e:
+            log.warning("ssd_index_cleanup_failed", reason=errno_reason(e))
+
+    def _close_files(self) -> None:
+        for fd in (self._data_fd, self._idx_fd):
+            if fd >= 0:
+                os.close(fd)  # also releases the flock
+        self._data_fd = self._idx_fd = -1
 
     def close(self) -> None:
-        """Waits for running I/O and stops the threads."""
+        """Waits for running I/O, stops the threads and closes the files (blocking)."""
         self._pool.shutdown(wait=True)
+        self._close_files()
+
+    # ------------------------------------------------------------------ index
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._size
+        return key in self._slot
 
     def __len__(self) -> int:
-        return len(self._size)
+        return len(self._slot)
 
     def keys(self) -> list[bytes]:
         """Every key held, in no particular order."""
-        return list(self._size)
+        return list(self._slot)
 
-    def _reserve(self, nbytes: int) -> list[bytes] | None:
-        """Evicts (from the index) until `nbytes` more fit; returns the evicted keys, or
-        None (nothing changed) if pinned blocks leave too little room."""
-        victims: list[bytes] = []
-        while self.used_bytes + nbytes > self.capacity_bytes:
-            key = self.policy.victim(lambda k: self._can_evict(k) and k not in victims)
-            if key is None:
-                for k in victims:  # undo: nothing was unlinked yet
-                    self.policy.insert(k)
-                    self.used_bytes += self._size[k]
-                return None
-            victims.append(key)
-            self.used_bytes -= self._size[key]
-            self.policy.remove(key)
-        for k in victims:
-            del self._size[k]
-        self.used_bytes += nbytes
-        if victims:
-            self._on_evict(victims)
-        return victims
+    def offset_of(self, key: bytes) -> int | None:
+        """Byte offset of `key`'s slot in `data_path`, or None."""
+        entry = self._slot.get(key)
+        return None if entry is None else entry[0] * self.slot_bytes
 
-    async def write(self, key: bytes, payload: np.ndarray) -> str:
-        """Stores one block; returns "" on success or the reason it was not stored.
-
-        `payload` ([block_bytes] uint8, or any buffer of that many bytes) must not
-        change until this returns. Evicts older blocks to make room (never a
-        pinned one). Never raises for I/O errors (ENOSPC, EACCES, ENOTDIR...):
-        they are returned as the reason, counted by the caller and logged.
-        """
-        if len(key) > MAX_KEY_BYTES:
-            return f"key longer than {MAX_KEY_BYTES} bytes"
-        if key in self._size:
-            return ""
-        size = HEADER_BYTES + memoryview(payload).nbytes
-        if size > self.capacity_bytes:
-            return f"block of {size} bytes exceeds SSD capacity {self.capacity_bytes}"
-        victims = self._reserve(size)
-        if victims is None:
-            return "SSD tier full of pinned blocks"
-        try:
-            await self._run(_write_job, self.path_of(key), key, payload,
-                            [self.path_of(k) for k in victims], self.fsync)
-        except OSError as e:
-            self.used_bytes -= size
-            reason = errno_reason(e)
-            if e.errno != self._last_errno:  # log each new kind of failure once in a row
-                log.error("ssd_write_failed", dir=self.directory, reason=reason)
-                self._last_errno = e.errno
-            return reason
-        self._last_errno = None
-        self._size[key] = size
-        self.policy.insert(key)
-        return ""
-
-    async def read_into(self, key: bytes, dst: memoryview) -> tuple[str, str]:
-        """Reads block `key` into `dst` (exactly block_bytes long) and verifies it.
-
-        Returns (outcome, reason): OK, MISSING (not indexed or no file), CORRUPT
-        (bad header, length or checksum: the file is deleted and unindexed; `dst`
-        holds garbage and must not be used) or ERROR (an OSError such as EACCES;
-        the block stays indexed). The caller must keep `key` pinned meanwhile.
-        """
-        if key not in self._size:
-            return MISSING, "not indexed"
-        path = self.path_of(key)
-        try:
-            outcome, reason = await self._run(_read_job, path, key, dst)
-        except OSError as e:
-            return ERROR, errno_reason(e)
-        if outcome == OK:
-            self.policy.touch(key)
-        elif key in self._size:  # missing or corrupt file: forget it
-            self.used_bytes -= self._size.pop(key)
-            self.policy.remove(key)
-            if outcome == CORRUPT:
-                log.warning("ssd_block_corrupt", key=key.hex(), path=path, reason=reason)
-                try:
-                    await self._run(os.unlink, path)
-                except OSError:
-                    pass
-        return outcome, reason
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of slots holding blocks."""
+        return len(self._slot) * self.slot_bytes
 
     def touch(self, key: bytes) -> None:
         """Records a use of `key` for the eviction order."""
         self.policy.touch(key)
 
-    async def remove(self, key: bytes) -> bool:
-        """Deletes block `key`; True if it was held. The caller checks pins first."""
-        size = self._size.pop(key, None)
-        if size is None:
-            return False
-        self.used_bytes -= size
+    def _take_slot(self) -> tuple[int, bool] | None:
+        """(slot, was_in_use) for a new block, evicting one if needed; None if all pinned."""
+        if self._free:
+            return self._free.pop(), False
+        key = self.policy.victim(self._can_evict)
+        if key is None:
+            return None
+        slot, _csum = self._slot.pop(key)
         self.policy.remove(key)
-        try:
-            await self._run(_unlink_all, [self.path_of(key)])
-        except OSError as e:
-            log.warning("ssd_remove_failed", key=key.hex(), reason=errno_reason(e))
+        self._on_evict([key])
+        return slot, True
+
+    # ------------------------------------------------------------------ I/O
+
+    def _write_job(self, slot: int, reused: bool, key: bytes, payload: np.ndarray
+                   ) -> tuple[int, int]:
+        view = memoryview(payload).cast("B")
+        if reused:  # a crash must not leave the old header over new bytes
+            os.pwrite(self._idx_fd, _ZERO_HEADER, slot * HEADER_BYTES)
+        csum = (CSUM_KIND, checksum(CSUM_KIND, view))
+        _pwrite_all(self._data_fd, view, slot * self.slot_bytes)
+        if self.fsync:
+            os.fdatasync(self._data_fd)
+        os.pwrite(self._idx_fd, pack_header(key, len(view), csum, time.time_ns()), slot * HEADER_BYTES)
+        if self.fsync:
+            os.fdatasync(self._idx_fd)
+        return csum
+
+    def _read_job(self, slot: int, csum: tuple[int, int], dst: memoryview) -> tuple[str, str]:
+        got, off = 0, slot * self.slot_bytes
+        while got < len(dst):
+            n = os.preadv(self._data_fd, [dst[got:]], off + got)
+            if n == 0:
+                return CORRUPT, f"truncated slot: {got} of {len(dst)} bytes"
+            got += n
+        value = checksum(csum[0], dst)
+        if value is None:
+            return CORRUPT, f"checksum kind {csum[0]} not available"
+        if value != csum[1]:
+            return CORRUPT, "payload checksum mismatch"
+        return OK, ""
+
+    def _write_chunk(self, items: list[tuple[int, int, bool, bytes, np.ndarray]]) -> list:
+        """Runs in one I/O thread: writes several blocks; per item its checksum or OSError."""
+        out = []
+        for _i, slot, reused, key, payload in items:
+            try:
+                out.append(self._write_job(slot, reused, key, payload))
+            except OSError as e:
+                out.append(e)
+        return out
+
+    def _read_chunk(self, items: list[tuple[int, int, tuple[int, int], memoryview]]) -> list:
+        """Runs in one I/O thread: reads and verifies several blocks."""
+        out = []
+        for _i, slot, csum, dst in items:
+            try:
+                out.append(self._read_job(slot, csum, dst))
+            except OSError as e:
+                out.append((ERROR, errno_reason(e)))
+        return out
+
+    async def _run_chunked(self, fn, items: list) -> list:
+        """Runs `fn` over `items` split into at most io_threads contiguous chunks (one
+        executor hop per chunk, not per block); results in item order."""
+        if not items:
+            return []
+        n = min(self.io_threads, len(items))
+        size = -(-len(items) // n)
+        chunks = [items[i: i + size] for i in range(0, len(items), size)]
+        parts = await asyncio.gather(*(self._run(fn, c) for c in chunks))
+        return [r for part in parts for r in part]
+
+    async def write_many(self, keys: list[bytes], payloads: list[np.ndarray]) -> list[str]:
+        """Stores blocks; per key "" on success (or already held) or the reason it was not.
+
+        Payloads (block_bytes bytes each) must not change until this returns. Takes a
+        free slot or evicts the policy's victim per block (never a pinned one). Never
+        raises for I/O errors (ENOSPC, EACCES, EPERM...): they are the reasons.
+        """
+        reasons = [""] * len(keys)
+        jobs = []
+        for i, (key, payload) in enumerate(zip(keys, payloads)):
+            if key in self._slot:
+                continue
+            if len(key) > MAX_KEY_BYTES:
+                reasons[i] = f"key longer than {MAX_KEY_BYTES} bytes"
+            elif self.error:
+                reasons[i] = self.error
+            elif memoryview(payload).nbytes != self.block_bytes:
+                reasons[i] = f"block of {memoryview(payload).nbytes} bytes, tier holds {self.block_bytes}"
+            else:
+                taken = self._take_slot()
+                if taken is None:
+                    reasons[i] = "SSD tier full of pinned blocks" if self.num_slots else \
+                        "SSD tier has no slots"
+                else:
+                    jobs.append((i, taken[0], taken[1], key, payload))
+        results = await self._run_chunked(self._write_chunk, jobs)
+        for (i, slot, _reused, key, _payload), res in zip(jobs, results):
+            if isinstance(res, OSError):
+                self._free.append(slot)
+                reasons[i] = errno_reason(res)
+                if res.errno != self._last_errno:  # log each new kind of failure once in a row
+                    log.error("ssd_write_failed", dir=self.directory, reason=reasons[i])
+                    self._last_errno = res.errno
+            else:
+                self._last_errno = None
+                self._slot[key] = (slot, res)
+                self.policy.insert(key)
+        return reasons
+
+    async def write(self, key: bytes, payload: np.ndarray) -> str:
+        """`write_many` for one block: "" on success, else the reason."""
+        return (await self.write_many([key], [payload]))[0]
+
+    async def read_many(self, keys: list[bytes], dsts: list[memoryview]) -> list[tuple[str, str]]:
+        """Reads blocks into `dsts` (block_bytes each) and verifies them.
+
+        Per key (outcome, reason): OK, MISSING (not held), CORRUPT (short read or
+        checksum mismatch: the slot is freed; that dst holds garbage and must not be
+        used) or ERROR (an OSError; the block stays indexed). The caller must keep
+        the keys pinned meanwhile so their slots are not reused.
+        """
+        out: list[tuple[str, str]] = [(MISSING, "not held")] * len(keys)
+        jobs = []
+        for i, (key, dst) in enumerate(zip(keys, dsts)):
+            entry = self._slot.get(key)
+            if entry is not None:
+                jobs.append((i, entry[0], entry[1], dst))
+        results = await self._run_chunked(self._read_chunk, jobs)
+        for (i, slot, csum, _dst), (outcome, reason) in zip(jobs, results):
+            key = keys[i]
+            out[i] = (outcome, reason)
+            if outcome == OK:
+                self.policy.touch(key)
+            elif outcome == CORRUPT and self._slot.get(key) == (slot, csum):
+                log.warning("ssd_block_corrupt", key=key.hex(), slot=slot, reason=reason)
+                await self._free_slot(key)
+        return out
+
+    async def read_into(self, key: bytes, dst: memoryview) -> tuple[str, str]:
+        """`read_many` for one block."""
+        return (await self.read_many([key], [dst]))[0]
+
+    async def _free_slot(self, key: bytes) -> None:
+        slot, _csum = self._slot.pop(key)
+        self.policy.remove(key)
+        if not self.error:
+            try:
+                await self._run(os.pwrite, self._idx_fd, _ZERO_HEADER, slot * HEADER_BYTES)
+            except OSError as e:
+                log.warning("ssd_header_clear_failed", slot=slot, reason=errno_reason(e))
+        self._free.append(slot)
+
+    async def remove(self, key: bytes) -> bool:
+        """Deletes block `key` (its header is zeroed, so a restart does not bring it
+        back); True if it was held. The caller checks pins first."""
+        if key not in self._slot:
+            return False
+        await self._free_slot(key)
         return True
-
-
-def _probe_job(directory: str) -> None:
-    """Raises OSError if a file cannot be created in `directory`."""
-    path = os.path.join(directory, f".probe.{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    os.close(fd)
-    os.unlink(path)
-
-
-def _unlink_all(paths: list[str]) -> None:
-    for p in paths:
-        try:
-            os.unlink(p)
-        except FileNotFoundError:
-            pass

@@ -314,37 +314,46 @@ class BlockStore:
         victim = self.dram.policy.victim(lambda k: self._can_evict(k) and k in self.ssd)
         return None if victim is None else self._drop_dram(victim)
 
-    async def _dram_slot(self) -> int | None:
-        """A DRAM slot for a new block, demoting least-recently-used blocks to SSD (or
-        dropping them without an SSD tier). None if every block is pinned."""
-        for _ in range(16):
+    async def _dram_slots(self, n: int) -> list[int]:
+        """Up to `n` DRAM slots for new blocks: free ones, then slots of the least
+        recently used blocks, which are first demoted to SSD in one batch (or
+        dropped without an SSD tier). Fewer than `n` when the rest are pinned."""
+        slots: list[int] = []
+        while len(slots) < n:
             slot = self.dram.alloc()
-            if slot is not None:
-                return slot
+            if slot is None:
+                break
+            slots.append(slot)
+        victims: list[bytes] = []
+        while len(slots) + len(victims) < n:
             victim = self.dram.policy.victim(self._can_evict)
             if victim is None:
-                return None
-            if self.ssd is not None and victim not in self.ssd:
-                self._pin(victim)  # keeps its slot intact while the SSD write reads it
-                try:
-                    reason = await self.ssd.write(victim, self.dram.view(self.dram.slot_of(victim)))
-                finally:
-                    self._unpin(victim)
-                if reason:
-                    # A cache may drop its least valuable block; the loss is counted.
-                    self.metrics.demote_failed += 1
-                else:
-                    self.metrics.demotions += 1
-                    self.events.emit(STORED, SSD, victim)
-                if victim not in self.dram or not self._can_evict(victim):
-                    continue  # removed or leased meanwhile: pick another victim
-            return self._drop_dram(victim)
-        return None
+                break
+            self._pin(victim)  # keeps its slot intact while the SSD write reads it
+            victims.append(victim)
+        try:
+            dirty = [v for v in victims if self.ssd is not None and v not in self.ssd]
+            if dirty:
+                reasons = await self.ssd.write_many(
+                    dirty, [self.dram.view(self.dram.slot_of(v)) for v in dirty])
+                for v, reason in zip(dirty, reasons):
+                    if reason:  # a cache may drop its least valuable block; counted
+                        self.metrics.demote_failed += 1
+                    else:
+                        self.metrics.demotions += 1
+                        self.events.emit(STORED, SSD, v)
+        finally:
+            for v in victims:
+                self._unpin(v)
+        for v in victims:
+            if v in self.dram and self._can_evict(v):  # not removed or leased meanwhile
+                slots.append(self._drop_dram(v))
+        return slots
 
     # ------------------------------------------------------------------ put
 
     def _check_key(self, key: bytes) -> None:
-        if not isinstance(key, (bytes, bytearray)) or not 1 <= len(key) <= ssd_mod.MAX_KEY_BYTES:
+        if not isinstance(key, bytes) or not 1 <= len(key) <= ssd_mod.MAX_KEY_BYTES:
             raise ValueError(f"a block key is 1..{ssd_mod.MAX_KEY_BYTES} bytes, got {key!r:.40}")
 
     def _check_len(self, arr: np.ndarray) -> None:
@@ -361,33 +370,67 @@ class BlockStore:
         store or an I/O error.
         Raises: ValueError for a bad key or a buffer that is not `block_bytes` long.
         """
-        self._check_key(key)
-        arr = as_u8(src)
-        self._check_len(arr)
-        tier = self.tier_of(key)
-        if tier is not None:
-            self.metrics.put_exists += 1
-            return PutResult(PutStatus.EXISTS, tier)
-        pending = self._inflight.get(key)
-        if pending is not None:
-            first: PutResult = await asyncio.shield(pending)
+        return (await self.put_many([key], [src]))[0]
+
+    async def put_many(self, keys: Sequence[bytes], srcs: Sequence[Any]) -> list[PutResult]:
+        """Stores blocks (e.g. a finished request's full blocks); one PutResult per key
+        (see `put`). Blocks go to free DRAM slots at once; if DRAM is full, the least
+        recently used blocks are demoted to SSD in one batch to make room, and what
+        still does not fit goes to SSD directly. Then the keys are touched
+        deepest-first, so eviction takes a prefix's tail before its head (a block is
+        useless without its prefix).
+        Raises: ValueError (before storing anything) for a bad key, a buffer that is
+            not `block_bytes` long, or lengths that differ.
+        """
+        if len(keys) != len(srcs):
+            raise ValueError(f"{len(keys)} keys but {len(srcs)} buffers")
+        arrs = []
+        for key, src in zip(keys, srcs):
+            self._check_key(key)
+            arr = as_u8(src)
+            self._check_len(arr)
+            arrs.append(arr)
+        results: list[PutResult | None] = [None] * len(keys)
+        waits: list[tuple[int, asyncio.Future]] = []
+        slow: list[int] = []
+        seen: dict[bytes, int] = {}
+        for i, key in enumerate(keys):
+            tier = self.tier_of(key)
+            if tier is not None:
+                self.metrics.put_exists += 1
+                results[i] = PutResult(PutStatus.EXISTS, tier)
+            elif key in self._inflight:
+                waits.append((i, self._inflight[key]))
+            elif key in seen:  # a duplicate within this batch
+                waits.append((i, None))
+            else:
+                seen[key] = i
+                slot = self.dram.alloc()  # fast path: no await, nothing can interleave
+                if slot is not None:
+                    results[i] = self._fill_slot(key, slot, arrs[i])
+                else:
+                    slow.append(i)
+        if slow:
+            loop = asyncio.get_running_loop()
+            futs = {keys[i]: loop.create_future() for i in slow}
+            self._inflight.update(futs)
+            try:
+                await self._put_slow(keys, arrs, slow, results)
+            finally:
+                for i in slow:
+                    del self._inflight[keys[i]]
+                    if results[i] is None:  # cancelled
+                        results[i] = PutResult(PutStatus.FAILED, None, "cancelled")
+                    futs[keys[i]].set_result(results[i])
+        for i, fut in waits:
+            first = results[seen[keys[i]]] if fut is None else await asyncio.shield(fut)
             if first.ok:
                 self.metrics.put_exists += 1
-                return PutResult(PutStatus.EXISTS, first.tier)
-            return first
-        # Fast path: a free DRAM slot, no await, so nothing can interleave.
-        slot = self.dram.alloc()
-        if slot is not None:
-            return self._fill_slot(key, slot, arr)
-        fut = asyncio.get_running_loop().create_future()
-        self._inflight[key] = fut
-        result = PutResult(PutStatus.FAILED, None, "internal error")
-        try:
-            result = await self._put_slow(key, arr)
-        finally:
-            del self._inflight[key]
-            fut.set_result(result)
-        return result
+                results[i] = PutResult(PutStatus.EXISTS, first.tier)
+            else:
+                results[i] = first
+        self._touch_chain(keys)
+        return results
 
     def _fill_slot(self, key: bytes, slot: int, arr: np.ndarray) -> PutResult:
         np.copyto(self.dram.view(slot), arr)
@@ -396,34 +439,30 @@ class BlockStore:
         self.events.emit(STORED, DRAM, key)
         return PutResult(PutStatus.STORED, DRAM)
 
-    async def _put_slow(self, key: bytes, arr: np.ndarray) -> PutResult:
-        slot = await self._dram_slot()
-        if slot is not None:
-            return self._fill_slot(key, slot, arr)
+    async def _put_slow(self, keys: Sequence[bytes], arrs: list[np.ndarray], idx: list[int],
+                        results: list) -> None:
+        slots = await self._dram_slots(len(idx))
+        for i, slot in zip(idx, slots):
+            results[i] = self._fill_slot(keys[i], slot, arrs[i])
+        rest = idx[len(slots):]
+        if not rest:
+            return
         if self.ssd is None:
             reason = "DRAM pool full of pinned blocks" if self.dram.num_slots else \
                 "no DRAM pool and no SSD tier"
+            reasons = [reason] * len(rest)
         else:
-            reason = await self.ssd.write(key, arr)
-            if not reason:
+            reasons = await self.ssd.write_many([keys[i] for i in rest], [arrs[i] for i in rest])
+        for i, reason in zip(rest, reasons):
+            if reason:
+                self.metrics.put_failed += 1
+                if self.ssd is not None:
+                    self.metrics.io_errors += 1
+                results[i] = PutResult(PutStatus.FAILED, None, reason)
+            else:
                 self.metrics.puts[SSD] += 1
-                self.events.emit(STORED, SSD, key)
-                return PutResult(PutStatus.STORED, SSD)
-            self.metrics.io_errors += 1
-        self.metrics.put_failed += 1
-        return PutResult(PutStatus.FAILED, None, reason)
-
-    async def put_many(self, keys: Sequence[bytes], srcs: Sequence[Any]) -> list[PutResult]:
-        """Stores blocks in order (e.g. a finished request's full blocks); one
-        PutResult per key. Then touches them deepest-first, so that eviction takes a
-        prefix's tail before its head (a block is useless without its prefix).
-        Raises: ValueError if the lengths differ or a buffer is not `block_bytes` long.
-        """
-        if len(keys) != len(srcs):
-            raise ValueError(f"{len(keys)} keys but {len(srcs)} buffers")
-        results = [await self.put(k, s) for k, s in zip(keys, srcs)]
-        self._touch_chain(keys)
-        return results
+                self.events.emit(STORED, SSD, keys[i])
+                results[i] = PutResult(PutStatus.STORED, SSD)
 
     def _touch_chain(self, keys: Sequence[bytes]) -> None:
         for key in reversed(keys):
@@ -438,81 +477,128 @@ class BlockStore:
         """Copies block `key` into `dst` (block_bytes, writable).
 
         Returns the tier it came from (DRAM or SSD) or None on a miss. A corrupt SSD
-        file is a miss (counted in `metrics.corrupt`, logged, deleted): `dst` may then
-        hold garbage and must not be used. An SSD hit is also copied into DRAM when
-        `promote` (default `settings.promote_on_get`) and a slot can be had without
-        writing another block to SSD.
+        block is a miss (counted in `metrics.corrupt`, logged, its slot freed): `dst`
+        may then hold garbage and must not be used. An SSD hit is also copied into
+        DRAM when `promote` (default `settings.promote_on_get`): at once if a slot can
+        be had without writing another block to SSD, else by a background task that
+        demotes the least recently used block first.
         Raises: ValueError for a bad key or buffer.
         """
-        self._check_key(key)
-        out = as_u8(dst, writable=True)
-        self._check_len(out)
-        slot = self.dram.slot_of(key)
-        if slot is not None:
-            np.copyto(out, self.dram.view(slot))
-            self.dram.policy.touch(key)
-            self.metrics.hits[DRAM] += 1
-            return DRAM
-        if self.ssd is None or key not in self.ssd:
-            self.metrics.misses += 1
-            return None
-        promote = self.settings.promote_on_get if promote is None else promote
-        return await self._get_from_ssd(key, out, promote)
-
-    async def _get_from_ssd(self, key: bytes, out: np.ndarray | None, promote: bool) -> str | None:
-        """Reads `key` from SSD into `out` and/or a DRAM slot (promotion); the tier or None."""
-        self._pin(key)
-        slot = self._clean_dram_slot() if promote else None
-        try:
-            target = self.dram.view(slot) if slot is not None else out
-            if target is None:
-                return None
-            outcome, reason = await self.ssd.read_into(key, memoryview(target))
-        finally:
-            self._unpin(key)
-        if outcome != ssd_mod.OK:
-            if slot is not None:
-                self.dram.free(slot)
-            if outcome == ssd_mod.CORRUPT:
-                self.metrics.corrupt += 1
-            elif outcome == ssd_mod.ERROR:
-                self.metrics.io_errors += 1
-                log.warning("ssd_read_failed", key=key.hex(), reason=reason)
-            if key not in self.ssd:  # the tier dropped it (corrupt or vanished file)
-                self.events.emit(EVICTED, SSD, key)
-            self.metrics.misses += 1
-            return None
-        if slot is not None:
-            if key in self.dram:  # promoted concurrently by another reader
-                self.dram.free(slot)
-                slot = self.dram.slot_of(key)
-            else:
-                self.dram.insert(key, slot)
-                self.metrics.promotions += 1
-                self.events.emit(STORED, DRAM, key)
-            if out is not None:
-                np.copyto(out, self.dram.view(slot))
-        elif promote and len(self._background) < self.settings.ssd_io_threads:
-            # No slot without an SSD write: promote in the background, off the read path.
-            task = asyncio.get_running_loop().create_task(self._promote(key))
-            self._background.add(task)
-            task.add_done_callback(self._background.discard)
-        self.metrics.hits[SSD] += 1
-        return SSD
+        return (await self.get_many([key], [dst], promote))[0]
 
     async def get(self, key: bytes) -> bytes | None:
         """Block `key` as new bytes, or None on a miss (see `get_into`)."""
         buf = bytearray(self.block_bytes)
         return bytes(buf) if await self.get_into(key, buf) else None
 
-    async def get_many(self, keys: Sequence[bytes], dsts: Sequence[Any]) -> list[str | None]:
-        """`get_into` for many blocks; SSD reads run concurrently. One tier (or None for
-        a miss) per key. Touches the keys deepest-first (see `put_many`)."""
+    async def get_many(self, keys: Sequence[bytes], dsts: Sequence[Any],
+                       promote: bool | None = None) -> list[str | None]:
+        """`get_into` for many blocks: one tier (or None for a miss) per key. SSD reads
+        are batched over the I/O threads. Touches the keys deepest-first (see
+        `put_many`).
+        Raises: ValueError for a bad key or buffer, or lengths that differ.
+        """
         if len(keys) != len(dsts):
             raise ValueError(f"{len(keys)} keys but {len(dsts)} buffers")
-        results = await asyncio.gather(*(self.get_into(k, d) for k, d in zip(keys, dsts)))
+        outs = []
+        for key, dst in zip(keys, dsts):
+            self._check_key(key)
+            out = as_u8(dst, writable=True)
+            self._check_len(out)
+            outs.append(out)
+        results: list[str | None] = [None] * len(keys)
+        on_ssd = []
+        for i, key in enumerate(keys):
+            slot = self.dram.slot_of(key)
+            if slot is not None:
+                np.copyto(outs[i], self.dram.view(slot))
+                self.metrics.hits[DRAM] += 1
+                results[i] = DRAM
+            elif self.ssd is not None and key in self.ssd:
+                on_ssd.append(i)
+            else:
+                self.metrics.misses += 1
+        if on_ssd:
+            promote = self.settings.promote_on_get if promote is None else promote
+            got = await self._read_ssd([keys[i] for i in on_ssd], [outs[i] for i in on_ssd],
+                                       promote)
+            for i, ok in zip(on_ssd, got):
+                results[i] = SSD if ok else None
         self._touch_chain(keys)
-        return list(results)
+        return results
+
+    async def _read_ssd(self, keys: list[bytes], outs: list[np.ndarray | None],
+                        promote: bool) -> list[bool]:
+        """Reads SSD blocks into `outs` (None: into DRAM only), promoting into DRAM
+        slots that cost no SSD write; True per block read and verified."""
+        for k in keys:
+            self._pin(k)
+        slots: list[int | None] = []
+        for _ in keys:
+            slots.append(self._clean_dram_slot() if promote and (not slots or
+                                                                 slots[-1] is not None) else None)
+        try:
+            targets = [self.dram.view(s) if s is not None else o for s, o in zip(slots, outs)]
+            outcomes = await self.ssd.read_many(
+                keys, [memoryview(t) if t is not None else None for t in targets])
+        finally:
+            for k in keys:
+                self._unpin(k)
+        ok: list[bool] = []
+        later: list[bytes] = []
+        for key, out, slot, (outcome, reason) in zip(keys, outs, slots, outcomes):
+            if outcome != ssd_mod.OK:
+                if slot is not None:
+                    self.dram.free(slot)
+                if outcome == ssd_mod.CORRUPT:
+                    self.metrics.corrupt += 1
+                elif outcome == ssd_mod.ERROR:
+                    self.metrics.io_errors += 1
+                    log.warning("ssd_read_failed", key=key.hex(), reason=reason)
+                if key not in self.ssd:  # the tier dropped it (corrupt)
+                    self.events.emit(EVICTED, SSD, key)
+                self.metrics.misses += 1
+                ok.append(False)
+                continue
+            if slot is not None:
+                if key in self.dram:  # promoted concurrently by another reader
+                    self.dram.free(slot)
+                    slot = self.dram.slot_of(key)
+                else:
+                    self.dram.insert(key, slot)
+                    self.metrics.promotions += 1
+                    self.events.emit(STORED, DRAM, key)
+                if out is not None:
+                    np.copyto(out, self.dram.view(slot))
+            elif promote:
+                later.append(key)
+            self.metrics.hits[SSD] += 1
+            ok.append(True)
+        if later and len(self._background) < self.settings.ssd_io_threads:
+            # No slot without an SSD write: promote in the background, off the read path.
+            task = asyncio.get_running_loop().create_task(self._promote_many(later))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return ok
+
+    async def _promote_many(self, keys: list[bytes]) -> None:
+        """Brings SSD-only blocks into DRAM, demoting others if needed."""
+        keys = [k for k in dict.fromkeys(keys) if k not in self.dram and self.ssd is not None
+                and k in self.ssd]
+        if not keys:
+            return
+        for k in keys:
+            self._pin(k)
+        try:
+            slots = await self._dram_slots(len(keys))
+        finally:
+            for k in keys:
+                self._unpin(k)
+        for s in slots:
+            self.dram.free(s)  # _read_ssd takes them again without an await in between
+        todo = [k for k in keys[:len(slots)] if k not in self.dram and k in self.ssd]
+        if todo:
+            await self._read_ssd(todo, [None] * len(todo), promote=True)
 
     async def load_prefix(self, keys: Sequence[bytes], dsts: Sequence[Any]) -> int:
         """Loads the longest held prefix of `keys` into `dsts` (one buffer per key);
@@ -559,47 +645,20 @@ class BlockStore:
         brought into DRAM); the lease pins every located block. The reader copies
         (segment, offset, length) through the transfer engine, then calls
         `release(lease)`; LeaseExpired there means the copy must be discarded.
+        Raises: ValueError for a bad key or ttl.
         """
-        pinned: list[bytes] = []
-        locs: list[Location | None] = []
-        try:
-            for key in keys:
-                self._check_key(key)
-                if key not in self.dram and self.ssd is not None and key in self.ssd:
-                    await self._promote(key)
-                loc = self.dram.location(key)
-                if loc is not None:
-                    self._pin(key)  # held until converted into the lease below
-                    pinned.append(key)
-                    self.dram.policy.touch(key)
-                locs.append(loc)
-            lease = self._make_lease(tuple(pinned), self.settings.lease_ttl_s if ttl_s is None
-                                     else ttl_s)
-        finally:
-            for key in pinned:
-                self._unpin(key)
+        for key in keys:
+            self._check_key(key)
+        ttl = self.settings.lease_ttl_s if ttl_s is None else ttl_s
+        if ttl <= 0:
+            raise ValueError(f"lease ttl must be > 0 seconds, got {ttl}")
+        if self.ssd is not None:
+            await self._promote_many([k for k in keys if k not in self.dram and k in self.ssd])
+        # No await from here on: the locations and the lease are taken atomically.
+        locs = [self.dram.location(k) for k in keys]
+        lease = self._make_lease(tuple(dict.fromkeys(k for k, loc in zip(keys, locs) if loc)), ttl)
         self._touch_chain(keys)
         return locs, lease
-
-    async def _promote(self, key: bytes) -> bool:
-        """Brings an SSD-only block into DRAM, demoting another if needed."""
-        if key in self.dram:
-            return True
-        self._pin(key)
-        try:
-            slot = await self._dram_slot()
-        finally:
-            self._unpin(key)
-        if slot is None:
-            return False
-        if key in self.dram:  # promoted meanwhile
-            self.dram.free(slot)
-            return True
-        if key not in self.ssd:
-            self.dram.free(slot)
-            return False
-        self.dram.free(slot)  # _get_from_ssd takes the free slot again without an await
-        return await self._get_from_ssd(key, None, promote=True) is not None and key in self.dram
 
 
 __all__ = ["BlockStore", "Lease", "as_u8", "StoreError", "LeaseExpired", "BlockPinned"]

@@ -1,0 +1,279 @@
+"""`mooncake bench store`: the KV store's tiers against plain memcpy and plain file I/O.
+
+Throughput (same run, same bytes, same block sizes):
+  - DRAM put / get (BlockStore.put / get_into into a pre-faulted pool) vs
+    numpy memcpy of the same blocks between the same kinds of buffers;
+  - SSD put (a checksummed slot in the tier's slot file + its header) vs writing
+    the same bytes sequentially into one plain file;
+  - SSD get, cold (page cache dropped for both sides with fsync +
+    posix_fadvise(DONTNEED), so the device is read) and warm (page cache hot)
+    vs reading that plain file sequentially.
+Targets (issue 5): SSD >= 0.7x plain file, DRAM >= 0.5x memcpy.
+
+Eviction study: prefix hit rate (cached prompt tokens / prompt tokens, the
+paper's definition) of each eviction policy on the conversation trace's
+`hash_ids` (512-token blocks), for several cache capacities, with the
+store's deepest-first touch order and with plain chain order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import orjson
+
+from mooncaked.config import StoreSettings
+from mooncaked.store.keys import block_keys, make_salt
+from mooncaked.store.policy import POLICIES, make_policy
+from mooncaked.store.ssd import HEADER_BYTES
+from mooncaked.store.store import BlockStore
+
+SMOLLM2_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers*K/V*block_size 16*kv heads*head_dim*fp32
+DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def _drop_cache(path: str) -> None:
+    """Writes back and drops one file's page cache (no privileges needed)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _row(tier: str, op: str, block_bytes: int, ours_s: float, base_s: float, nbytes: int,
+         baseline: str) -> dict:
+    ours, base = _gbps(nbytes, ours_s), _gbps(nbytes, base_s)
+    return {"tier": tier, "op": op, "block_bytes": block_bytes, "ours_gbps": round(ours, 3),
+            "baseline_gbps": round(base, 3), "ratio": round(ours / base, 3), "baseline": baseline}
+
+
+async def _dram_case(block_bytes: int, n: int, reps: int) -> list[dict]:
+    rng = np.random.default_rng(0)
+    srcs = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(n)]
+    dsts = [np.ones(block_bytes, np.uint8) for _ in range(n)]
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    pool = np.ones(n * block_bytes, np.uint8)  # baseline's "pool", pre-faulted like ours
+    nbytes = n * block_bytes
+    put_o, put_b, get_o, get_b = [], [], [], []
+    async with BlockStore(block_bytes, StoreSettings(dram_bytes=nbytes)) as st:
+        st.subscribe()  # events are part of the put path
+        for rep in range(reps + 1):  # rep 0 faults the pool's pages in and warms up
+            for k in keys:
+                await st.remove(k)
+            t = time.perf_counter()
+            for k, s in zip(keys, srcs):
+                await st.put(k, s)
+            t_put = time.perf_counter() - t
+            t = time.perf_counter()
+            for i, s in enumerate(srcs):
+                np.copyto(pool[i * block_bytes:(i + 1) * block_bytes], s)
+            t_put_b = time.perf_counter() - t
+            t = time.perf_counter()
+            for k, d in zip(keys, dsts):
+                if await st.get_into(k, d) is None:
+                    raise RuntimeError("DRAM tier lost a block during the benchmark")
+            t_get = time.perf_counter() - t
+            t = time.perf_counter()
+            for i, d in enumerate(dsts):
+                np.copyto(d, pool[i * block_bytes:(i + 1) * block_bytes])
+            t_get_b = time.perf_counter() - t
+            if rep:
+                put_o.append(t_put), put_b.append(t_put_b), get_o.append(t_get), get_b.append(t_get_b)
+        if any(d.tobytes() != s.tobytes() for d, s in zip(dsts, srcs)):
+            raise RuntimeError("DRAM tier returned wrong bytes")
+    med = statistics.median
+    return [_row("dram", "put", block_bytes, med(put_o), med(put_b), nbytes, "memcpy"),
+            _row("dram", "get", block_bytes, med(get_o), med(get_b), nbytes, "memcpy")]
+
+
+def _plain_write(path: str, srcs: list[np.ndarray]) -> float:
+    t = time.perf_counter()
+    with open(path, "wb", buffering=0) as f:
+        for s in srcs:
+            f.write(s)
+    return time.perf_counter() - t
+
+
+def _plain_read(path: str, dsts: list[np.ndarray]) -> float:
+    t = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        for d in dsts:
+            f.readinto(d)
+    return time.perf_counter() - t
+
+
+async def _ssd_case(block_bytes: int, n: int, reps: int, directory: str) -> list[dict]:
+    rng = np.random.default_rng(1)
+    srcs = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(n)]
+    dsts = [np.ones(block_bytes, np.uint8) for _ in range(n)]
+    keys = [i.to_bytes(16, "little") for i in range(n)]
+    nbytes = n * block_bytes
+    plain = os.path.join(directory, "plain.bin")
+    s = StoreSettings(dram_bytes=0, ssd_bytes=n * (block_bytes + HEADER_BYTES),
+                      promote_on_get=False)
+    times: dict[str, list[float]] = {k: [] for k in
+                                     ("put", "put_b", "cold", "cold_b", "warm", "warm_b")}
+    async with BlockStore(block_bytes, s, ssd_dir=os.path.join(directory, "ssd")) as st:
+        for _rep in range(reps):
+            for k in keys:
+                await st.remove(k)
+            if os.path.exists(plain):
+                os.unlink(plain)
+            t = time.perf_counter()
+            results = await st.put_many(keys, srcs)
+            times["put"].append(time.perf_counter() - t)
+            if not all(r.status.value == "stored" for r in results):
+                raise RuntimeError(f"SSD tier refused a block: {results[0]}")
+            times["put_b"].append(_plain_write(plain, srcs))
+            _drop_cache(st.ssd.data_path)
+            _drop_cache(plain)
+            t = time.perf_counter()
+            got = await st.get_many(keys, dsts)
+            times["cold"].append(time.perf_counter() - t)
+            times["cold_b"].append(_plain_read(plain, dsts))
+            t = time.perf_counter()
+            got += await st.get_many(keys, dsts)
+            times["warm"].append(time.perf_counter() - t)
+            times["warm_b"].append(_plain_read(plain, dsts))
+            if got.count("ssd") != 2 * n:
+                raise RuntimeError("SSD tier missed a block during the benchmark")
+        for k, d, src in zip(keys, dsts, srcs):
+            await st.get_into(k, d)
+            if d.tobytes() != src.tobytes():
+                raise RuntimeError("SSD tier returned wrong bytes")
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return [_row("ssd", "put", block_bytes, med["put"], med["put_b"], nbytes, "sequential file write"),
+            _row("ssd", "get_cold", block_bytes, med["cold"], med["cold_b"], nbytes,
+                 "sequential file read, page cache dropped"),
+            _row("ssd", "get_warm", block_bytes, med["warm"], med["warm_b"], nbytes,
+                 "sequential file read, page cache hot")]
+
+
+# ---------------------------------------------------------------------------- eviction study
+
+
+def load_trace(path: str) -> list[tuple[int, list[int]]]:
+    """(input_length, hash_ids) per request of a Mooncake trace (JSON lines)."""
+    out = []
+    with open(path, "rb") as f:
+        for line in f:
+            if line.strip():
+                r = orjson.loads(line)
+                out.append((int(r["input_length"]), list(r["hash_ids"])))
+    return out
+
+
+def simulate_hit_rate(trace: list[tuple[int, list[int]]], capacity_blocks: int, policy: str,
+                      deepest_first: bool = True, block_tokens: int = 512) -> float:
+    """Prefix hit rate of one cache of `capacity_blocks` blocks replaying `trace`.
+
+    Per request: count the cached prefix (walk hash_ids until the first miss),
+    then insert/touch every block of the prompt (it was computed or loaded), in
+    deepest-first order (as BlockStore.put_many/get_many do) or chain order,
+    evicting by `policy` when full. Returns cached tokens / prompt tokens.
+    """
+    cache = make_policy(policy)
+    hit_tokens = total_tokens = 0
+    always = lambda _k: True  # noqa: E731 - nothing is pinned in the simulation
+    for input_len, ids in trace:
+        n = 0
+        for h in ids:
+            if h not in cache:
+                break
+            n += 1
+        hit_tokens += min(n * block_tokens, input_len)
+        total_tokens += input_len
+        for h in (reversed(ids) if deepest_first else ids):
+            if h in cache:
+                cache.touch(h)
+            else:
+                if len(cache) >= capacity_blocks:
+                    cache.remove(cache.victim(always))
+                cache.insert(h)
+    return hit_tokens / total_tokens if total_tokens else 0.0
+
+
+def eviction_study(trace_path: str, capacities: list[int], max_requests: int = 0) -> dict:
+    """Hit rate per (policy, touch order, capacity) on `trace_path`, plus the unbounded cache."""
+    trace = load_trace(trace_path)
+    if max_requests:
+        trace = trace[:max_requests]
+    unbounded = simulate_hit_rate(trace, 1 << 62, "fifo")
+    rows = []
+    for cap in capacities:
+        for name in POLICIES:
+            for deepest in (True, False):
+                rows.append({"capacity_blocks": cap, "capacity_tokens": cap * 512, "policy": name,
+                             "touch": "deepest_first" if deepest else "chain_order",
+                             "hit_rate": round(simulate_hit_rate(trace, cap, name, deepest), 4)})
+    return {"trace": trace_path, "requests": len(trace), "unbounded_hit_rate": round(unbounded, 4),
+            "rows": rows}
+
+
+# ---------------------------------------------------------------------------- entry point
+
+
+def run(block_sizes: tuple[int, ...] = (16, 64), total_mb: int = 64, reps: int = 5,
+        directory: str | None = None, trace: str | None = DEFAULT_TRACE,
+        capacities: tuple[int, ...] = (1024, 4096, 16384, 65536)) -> dict:
+    """Runs every case; returns {"benchmark", "config", "results", "eviction"}."""
+    workdir = tempfile.mkdtemp(prefix="bench-store-", dir=directory)
+    results = []
+    try:
+        for bs in block_sizes:
+            block_bytes = SMOLLM2_BLOCK // 16 * bs
+            n = max(4, total_mb * 1024 * 1024 // block_bytes)
+            results += asyncio.run(_dram_case(block_bytes, n, reps))
+            results += asyncio.run(_ssd_case(block_bytes, n, reps, workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    out = {"benchmark": "store",
+           "config": {"block_sizes_tokens": list(block_sizes), "model": "SmolLM2-135M fp32",
+                      "bytes_per_case": total_mb * 1024 * 1024, "reps": reps,
+                      "dir": directory or tempfile.gettempdir(), "statistic": "median"},
+           "results": results}
+    if trace and Path(trace).exists():
+        out["eviction"] = eviction_study(trace, list(capacities))
+    return out
+
+
+def main(json_out: bool = False, **kw) -> dict:
+    """Runs the benchmark and prints a table (or one JSON object with `json_out`)."""
+    res = run(**kw)
+    if json_out:
+        print(orjson.dumps(res).decode())
+        return res
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    con = Console()
+    t = Table(title="KV store tiers vs plain memcpy / file I/O (GB/s, median)")
+    for col in ("tier", "op", "block bytes", "ours", "baseline", "ratio", "baseline is"):
+        t.add_column(col)
+    for r in res["results"]:
+        t.add_row(r["tier"], r["op"], f"{r['block_bytes']:,}", f"{r['ours_gbps']:.2f}",
+                  f"{r['baseline_gbps']:.2f}", f"{r['ratio']:.2f}", r["baseline"])
+    con.print(t)
+    ev = res.get("eviction")
+    if ev:
+        t = Table(title=f"Prefix hit rate by eviction policy, {ev['requests']} requests "
+                        f"(unbounded cache: {ev['unbounded_hit_rate']:.3f})")
+        for col in ("capacity (blocks of 512 tokens)", "policy", "touch order", "hit rate"):
+            t.add_column(col)
+        for r in ev["rows"]:
+            t.add_row(f"{r['capacity_blocks']:,}", r["policy"], r["touch"], f"{r['hit_rate']:.4f}")
+        con.print(t)
+    return res
