@@ -277,7 +277,7 @@ def run(device: torch.device, shape: Shape = Shape(), decode_batches=DECODE_BATC
         "flashinfer": getattr(fi, "__version__", "unknown") if fi else None,
         "shape": {"num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                   "block_size": shape.block_size, "dtype": str(shape.dtype).removeprefix("torch.")},
-        "iters": iters, "decode": [], "prefill": [], "skipped": [],
+        "iters": iters, "decode": [], "prefill": [], "skipped": [], "errors": [],
     }
     out["copy_GBps"] = copy_bandwidth(device, timer) / 1e9
 
@@ -294,6 +294,8 @@ def run(device: torch.device, shape: Shape = Shape(), decode_batches=DECODE_BATC
             into.append(fn())
         except torch.cuda.OutOfMemoryError:
             out["skipped"].append(f"{what} (out of memory)")
+        except Exception as e:  # noqa: BLE001 - one failing row must not lose the others
+            out["errors"].append(f"{what}: {type(e).__name__}: {e}"[:500])
         finally:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -367,6 +369,8 @@ def render(result: dict) -> None:
         if "flashinfer_error" in r:
             con.print(f"[yellow]FlashInfer failed[/]: {r['flashinfer_error']}")
             break
+    for err in result["errors"]:
+        con.print(f"[red]error[/]: {err}")
     if result["skipped"]:
         con.print(f"[yellow]skipped[/] (time budget or memory): {', '.join(result['skipped'])}")
     sm = result["summary"]
@@ -396,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shape = Shape(dtype=getattr(torch, args.dtype), block_size=args.block_size)
     result = run(torch.device("cuda"), shape, budget_s=args.budget)
+    code = 1 if result["errors"] else 0
     text = json.dumps(result)
     if args.json_file:
         with open(args.json_file, "w") as f:
@@ -404,7 +409,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write(text + "\n")
     else:
         render(result)
-    return 0
+    return code
 
 
 if __name__ == "__main__":
