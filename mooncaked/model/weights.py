@@ -220,6 +220,12 @@ def _load_safetensors_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tens
                 elif ours == "wk":
                     t = interleave_rotary(t, n_kv)
                 tensors[f"layers.{idx}.{ours}"] = t
+    # transformers >= 5 writes rope settings under "rope_parameters".
+    rope = hf.get("rope_parameters") or {}
+    rope_theta = hf.get("rope_theta") or rope.get("rope_theta") or 10000.0
+    scaling = hf.get("rope_scaling")
+    if scaling is None and rope.get("rope_type", "default") != "default":
+        scaling = rope
     eos = hf.get("eos_token_id")
     tie = bool(hf.get("tie_word_embeddings", "lm_head" not in tensors))
     if tie:
@@ -233,10 +239,10 @@ def _load_safetensors_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tens
         num_kv_heads=n_kv,
         head_dim=hf.get("head_dim") or hf["hidden_size"] // n_heads,
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-5)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=float(rope_theta),
         max_position_embeddings=int(hf.get("max_position_embeddings", 2048)),
         tie_word_embeddings=tie,
-        rope_scaling=hf.get("rope_scaling"),
+        rope_scaling=scaling,
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
         name=path.name,
