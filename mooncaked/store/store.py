@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
-from typing import Any, Iterable, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -278,6 +278,10 @@ class BlockStore:
             self.metrics.lease_expired += 1
             log.warning("store_lease_expired", lease=lease.id, blocks=len(lease.keys))
 
+    def lease_by_id(self, lease_id: int) -> Lease | None:
+        """The held lease with this id, or None (released, expired or never made)."""
+        return self._leases.get(lease_id)
+
     def check_lease(self, lease: Lease) -> None:
         """Raises LeaseExpired if the lease's deadline has passed (even if its timer has
         not fired yet, e.g. on a busy loop)."""
@@ -470,6 +474,75 @@ class BlockStore:
                 self.dram.policy.touch(key)
             elif self.ssd is not None and key in self.ssd:
                 self.ssd.touch(key)
+
+    async def put_from(self, keys: Sequence[bytes],
+                       fill: Callable[[list[bytes], list[np.ndarray]], Awaitable[list[str]]]
+                       ) -> list[PutResult]:
+        """Stores blocks whose bytes `fill` writes straight into reserved DRAM slots
+        (e.g. a transfer-engine READ from a peer's pool: no bounce buffer).
+
+        `fill(keys, views)` gets the keys not yet held and one writable
+        [block_bytes] uint8 view per key, and returns one reason per key ("" when
+        that view now holds the block). Only then are the blocks indexed; a block
+        whose fill failed is not stored. Keys already held are EXISTS; keys that
+        find no DRAM slot (all pinned) are FAILED.
+        Raises: ValueError for a bad key; whatever `fill` raises (after freeing the
+            slots and failing the blocks).
+        """
+        for key in keys:
+            self._check_key(key)
+        results: dict[bytes, PutResult] = {}
+        waits = []
+        todo = []
+        for key in dict.fromkeys(keys):
+            tier = self.tier_of(key)
+            if tier is not None:
+                self.metrics.put_exists += 1
+                results[key] = PutResult(PutStatus.EXISTS, tier)
+            elif key in self._inflight:
+                waits.append((key, self._inflight[key]))
+            else:
+                todo.append(key)
+        loop = asyncio.get_running_loop()
+        futs = {k: loop.create_future() for k in todo}
+        self._inflight.update(futs)
+        slots: list[int] = []
+        try:
+            slots = await self._dram_slots(len(todo))
+            for key in todo[len(slots):]:
+                self.metrics.put_failed += 1
+                results[key] = PutResult(PutStatus.FAILED, None, "DRAM pool full of pinned blocks")
+            filled = todo[:len(slots)]
+            reasons = await fill(filled, [self.dram.view(s) for s in slots]) if filled else []
+            if len(reasons) != len(filled):
+                raise RuntimeError(f"fill returned {len(reasons)} results for {len(filled)} blocks")
+            for key, slot, reason in zip(filled, slots, reasons):
+                if reason:
+                    self.dram.free(slot)
+                    self.metrics.put_failed += 1
+                    results[key] = PutResult(PutStatus.FAILED, None, reason)
+                else:
+                    self.dram.insert(key, slot)
+                    self.metrics.puts[DRAM] += 1
+                    self.events.emit(STORED, DRAM, key)
+                    results[key] = PutResult(PutStatus.STORED, DRAM)
+            slots = []
+        finally:
+            for slot in slots:  # fill raised or was cancelled
+                self.dram.free(slot)
+            for key in todo:
+                del self._inflight[key]
+                res = results.setdefault(key, PutResult(PutStatus.FAILED, None, "fill failed"))
+                futs[key].set_result(res)
+        for key, fut in waits:
+            first = await asyncio.shield(fut)
+            if not first.ok:
+                results[key] = first
+            else:
+                self.metrics.put_exists += 1
+                results[key] = PutResult(PutStatus.EXISTS, first.tier)
+        self._touch_chain(keys)
+        return [results[k] for k in keys]
 
     # ------------------------------------------------------------------ get
 
