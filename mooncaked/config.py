@@ -172,7 +172,8 @@ class StoreSettings:
 
     dram_bytes: int = opt(1024 * 1024 * 1024, "DRAM lent to the cluster-wide KV block pool, bytes "
                                                "(a whole number of blocks is used).", min=0)
-    ssd_bytes: int = opt(0, "Most bytes of block files in the SSD tier; 0 disables the tier.", min=0)
+    ssd_bytes: int = opt(0, "Size of the SSD tier's slot file, bytes (one slot per block, block "
+                            "bytes rounded up to 4 KiB); 0 disables the tier.", min=0)
     ssd_dir: str = opt("", "Directory of the SSD tier; empty means <node.state_dir>/kvstore.")
     ssd_fsync: bool = opt(False, "fsync every block file before renaming it into place (durable "
                                  "across power loss; slower). Corrupt files are misses either way.")

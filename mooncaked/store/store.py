@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import sys
 from typing import Any, Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
@@ -61,7 +62,8 @@ def as_u8(buf: Any, writable: bool = False) -> np.ndarray:
             raise TypeError(f"store buffers must be in CPU memory, got a {buf.device} tensor")
         if not buf.is_contiguous():
             raise ValueError("store buffers must be contiguous")
-        arr = buf.detach().numpy()
+        # Reinterpret as bytes first: numpy has no bfloat16.
+        arr = buf.detach().reshape(-1).view(torch_uint8(buf)).numpy()
     else:
         arr = np.frombuffer(buf, dtype=np.uint8)
     if not arr.flags.c_contiguous:
@@ -70,6 +72,19 @@ def as_u8(buf: Any, writable: bool = False) -> np.ndarray:
     if writable and not arr.flags.writeable:
         raise ValueError("destination buffer is read-only")
     return arr
+
+
+def torch_uint8(tensor: Any) -> Any:
+    """torch.uint8, taken from the tensor's own module (torch stays an optional import)."""
+    return sys.modules[type(tensor).__module__.split(".")[0]].uint8
+
+
+def kv_block_bytes(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                   itemsize: int) -> int:
+    """Bytes of one KV block in the engine's layout: every layer's K and V for
+    `block_size` tokens (`kv_cache[block]` of [num_blocks, num_layers, 2, block_size,
+    num_kv_heads, head_dim]), e.g. SmolLM2-135M fp32 at block_size 16: 737,280."""
+    return num_layers * 2 * block_size * num_kv_heads * head_dim * itemsize
 
 
 class Lease:
