@@ -190,6 +190,29 @@ class StoreSettings:
 
 
 @dataclass
+class ConductorSettings:
+    """Placement of requests on prefill/decode nodes (Mooncake Algorithm 1, section 4)."""
+
+    policy: str = opt("global_cache_aware", "random | load_balancing (least queued work) | "
+                                            "local_cache_aware (own cache only) | "
+                                            "global_cache_aware (Algorithm 1 with cache load "
+                                            "balancing).",
+                      choices=("random", "load_balancing", "local_cache_aware",
+                               "global_cache_aware"))
+    cache_balance_threshold: float = opt(1.5, "A prefill node fetches a longer prefix held "
+                                              "elsewhere when best/own prefix length exceeds this "
+                                              "and the transfer beats recomputing.", min=1.0)
+    ttft_slo_s: float = opt(30.0, "Reject (429) a request whose predicted TTFT exceeds this, "
+                                  "seconds (the paper's TTFT threshold).", min=0.001)
+    tbt_slo_s: float = opt(1.0, "Reject (429) a request whose predicted TBT exceeds this, seconds "
+                                "(the paper uses 0.1-0.3 on GPUs; CPU decode steps are slower).",
+                           min=0.001)
+    min_retry_after_s: float = opt(1.0, "Smallest Retry-After of a rejection, seconds.", min=0.0)
+    cost_model: str = opt("", "Cost model JSON written by `mooncaked profile`; empty means "
+                              "<node.state_dir>/cost_model.json.")
+
+
+@dataclass
 class Settings:
     """All settings of one mooncaked process."""
 
@@ -201,6 +224,7 @@ class Settings:
     cluster: ClusterSettings = field(default_factory=ClusterSettings)
     transfer: TransferSettings = field(default_factory=TransferSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
+    conductor: ConductorSettings = field(default_factory=ConductorSettings)
 
 
 # ---------------------------------------------------------------------------- loading
