@@ -172,9 +172,9 @@ def sim(
                                           ttft_threshold),
                  plots.plot_hit_windows(results, plot_dir / "hit_rate_over_time.png")]
         for p, r in results.items():
-            files.append(plots.plot_replicas(r, plot_dir / f"replicas_{p}.png",
-                                             prefill if p != "coupled" else prefill + decode))
-        if len(policies) > 1:
+            if p in ("local_cache_aware", "global_cache_aware"):
+                files.append(plots.plot_replicas(r, plot_dir / f"replicas_{p}.png", prefill))
+        if set(_PAPER_FIG5) <= set(policies):
             files.append(plots.plot_ttft_bars({p: s["ttft_mean_s"] for p, s in summaries.items()},
                                               plot_dir / "ttft_by_policy.png", _PAPER_FIG5))
         for s in summaries.values():

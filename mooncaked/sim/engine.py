@@ -508,7 +508,9 @@ class Simulator:
             "sim_wall_s": wall_s,
             "cost_model": self.cost.name,
         }
-        return SimResult(summary, ttft, tbt, self.replicas, self._hit_windows())
+        windows = self._hit_windows()
+        summary["hit_rate_by_window"] = [[round(t, 1), round(h, 4)] for t, h in windows]
+        return SimResult(summary, ttft, tbt, self.replicas, windows)
 
     def _hit_windows(self) -> list[tuple[float, float]]:
         """Hit rate per window of prefill start times: (window middle, hit rate)."""

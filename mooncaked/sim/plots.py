@@ -31,7 +31,8 @@ def plot_distributions(results: Mapping[str, SimResult], path: str | Path,
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for name, r in results.items():
         _cdf(a1, r.ttft_s, name)
-        _cdf(a2, r.tbt_s * 1000, name)
+        if len(r.tbt_s) and r.tbt_s.max() > 0:      # prefill-only runs have no TBT
+            _cdf(a2, r.tbt_s * 1000, name)
     a1.axvline(ttft_threshold_s, color="grey", ls=":", lw=1)
     for t in tbt_thresholds_s:
         a2.axvline(t * 1000, color="grey", ls=":", lw=1)
@@ -39,7 +40,8 @@ def plot_distributions(results: Mapping[str, SimResult], path: str | Path,
     a2.set(xscale="log", xlabel="TBT, mean of the longest 10% gaps (ms)", title="TBT")
     for a in (a1, a2):
         a.grid(alpha=0.3)
-        a.legend(fontsize=8)
+        if a.get_legend_handles_labels()[0]:
+            a.legend(fontsize=8)
     fig.tight_layout()
     return _save(fig, path)
 
