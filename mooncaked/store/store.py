@@ -526,7 +526,8 @@ class BlockStore:
             slots = await self._dram_slots(len(todo))
             for key in todo[len(slots):]:
                 self.metrics.put_failed += 1
-                results[key] = PutResult(PutStatus.FAILED, None, "DRAM pool full of pinned blocks")
+                results[key] = PutResult(PutStatus.FAILED, None, "DRAM pool full of pinned blocks"
+                                         if self.dram.num_slots else "no DRAM pool")
             filled = todo[:len(slots)]
             reasons = await fill(filled, [self.dram.view(s) for s in slots]) if filled else []
             if len(reasons) != len(filled):
@@ -617,24 +618,27 @@ class BlockStore:
 
     async def _read_ssd(self, keys: list[bytes], outs: list[np.ndarray | None],
                         promote: bool) -> list[bool]:
-        """Reads SSD blocks into `outs` (None: into DRAM only), promoting into DRAM
-        slots that cost no SSD write; True per block read and verified."""
-        for k in keys:
-            self._pin(k)
+        """Reads SSD blocks into `outs` (None: into a DRAM slot only), promoting into
+        DRAM slots that cost no SSD write; True per block read and verified."""
         slots: list[int | None] = []
-        for _ in keys:
-            slots.append(self._clean_dram_slot() if promote and (not slots or
-                                                                 slots[-1] is not None) else None)
+        for out in outs:
+            # Stop asking once no clean slot is left (each ask scans the LRU order).
+            want = promote and (not slots or slots[-1] is not None)
+            slots.append(self._clean_dram_slot() if want or out is None else None)
+        targets = [self.dram.view(s) if s is not None else o for s, o in zip(slots, outs)]
+        todo = [i for i, t in enumerate(targets) if t is not None]
+        for i in todo:
+            self._pin(keys[i])
         try:
-            targets = [self.dram.view(s) if s is not None else o for s, o in zip(slots, outs)]
-            outcomes = await self.ssd.read_many(
-                keys, [memoryview(t) if t is not None else None for t in targets])
+            outcomes = await self.ssd.read_many([keys[i] for i in todo],
+                                                [memoryview(targets[i]) for i in todo])
         finally:
-            for k in keys:
-                self._unpin(k)
-        ok: list[bool] = []
+            for i in todo:
+                self._unpin(keys[i])
+        ok = [False] * len(keys)
         later: list[bytes] = []
-        for key, out, slot, (outcome, reason) in zip(keys, outs, slots, outcomes):
+        for i, (outcome, reason) in zip(todo, outcomes):
+            key, out, slot = keys[i], outs[i], slots[i]
             if outcome != ssd_mod.OK:
                 if slot is not None:
                     self.dram.free(slot)
@@ -646,7 +650,6 @@ class BlockStore:
                 if key not in self.ssd:  # the tier dropped it (corrupt)
                     self.events.emit(EVICTED, SSD, key)
                 self.metrics.misses += 1
-                ok.append(False)
                 continue
             if slot is not None:
                 if key in self.dram:  # promoted concurrently by another reader
@@ -661,7 +664,7 @@ class BlockStore:
             elif promote:
                 later.append(key)
             self.metrics.hits[SSD] += 1
-            ok.append(True)
+            ok[i] = True
         if later and len(self._background) < self.settings.ssd_io_threads:
             # No slot without an SSD write: promote in the background, off the read path.
             task = asyncio.get_running_loop().create_task(self._promote_many(later))
