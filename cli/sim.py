@@ -181,7 +181,8 @@ def sim(
             s["plots"] = [str(f) for f in files]
     if json_out:
         if len(policies) == 1:
-            out = dict(summaries[policies[0]], config=config_dict(dataclasses.replace(base, policy=policies[0])))
+            out = dict(summaries[policies[0]],
+                       config=config_dict(dataclasses.replace(base, policy=policies[0])))
         else:
             out = {"config": config_dict(base), "runs": summaries}
         print(json.dumps(_jsonable(out)))

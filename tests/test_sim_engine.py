@@ -1,5 +1,6 @@
 """The cluster simulator: hand-computed timelines, the trace's hit rate, ordering on the real trace."""
 
+import dataclasses
 import json
 import math
 import os
@@ -136,21 +137,33 @@ def test_sweep_finds_a_higher_capacity_for_disaggregation():
     assert out["ratio_vs_coupled"]["global_cache_aware"]["0.1"] > 1
 
 
+def _mooncake(*args):
+    return subprocess.run([sys.executable, "-c", "from mooncaked.cli.main import main; main()",
+                           *map(str, args)], capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, MPLBACKEND="Agg"))
+
+
 @needs_trace
 def test_cli_json(tmp_path):
-    env = dict(os.environ, MPLBACKEND="Agg")
-    out = subprocess.run([sys.executable, "-c", "from mooncaked.cli.main import main; main()",
-                          "sim", str(TRACE), "--policy", "global_cache_aware", "--prefill", "4",
-                          "--decode", "2", "--cache-tokens", "3M", "--time-scale", "0.5",
-                          "--limit", "300", "--json", "--plot-dir", str(tmp_path)],
-                         capture_output=True, text=True, timeout=120, env=env)
+    cost = tmp_path / "cost.json"
+    dataclasses.replace(FLAT, name="flat test model").save(cost)
+    out = _mooncake("sim", TRACE, "--policy", "global_cache_aware", "--prefill", "4",
+                    "--decode", "2", "--cache-tokens", "3M", "--time-scale", "0.5",
+                    "--limit", "300", "--json", "--plot-dir", tmp_path, "--cost-model", cost)
     assert out.returncode == 0, out.stderr
     s = json.loads(out.stdout)
     assert s["requests"] == 300 and s["config"]["cache_tokens"] == 3e6
+    assert s["cost_model"] == "flat test model"
     assert 0 < s["cache_hit_rate"] < 1 and s["ttft_p90_s"] >= s["ttft_p50_s"]
     assert (tmp_path / "ttft_tbt_cdf.png").stat().st_size > 10_000
     assert (tmp_path / "replicas_global_cache_aware.png").exists()
-    bad = subprocess.run([sys.executable, "-c", "from mooncaked.cli.main import main; main()",
-                          "sim", str(TRACE), "--policy", "fastest"], capture_output=True, text=True,
-                         timeout=120)
+    bad = _mooncake("sim", TRACE, "--policy", "fastest")
     assert bad.returncode != 0 and "unknown policy" in bad.stderr
+    curve = _mooncake("sim", TRACE, "--policy", "global_cache_aware", "--limit", "300",
+                      "--output-tokens", "1", "--hit-curve", "100k,inf", "--json")
+    assert curve.returncode == 0, curve.stderr
+    c = json.loads(curve.stdout)
+    assert c["capacities_tokens"] == [1e5, "inf"]
+    small, unbounded = c["sequential_hit_rate"]
+    assert small <= unbounded == c["unbounded_hit_rate"]
+    assert 0 < c["simulated_hit_rate"]["global_cache_aware"][1] <= unbounded

@@ -274,9 +274,9 @@ def paper_cost_model(setting: PaperSetting | None = None) -> CostModel:
     """
     s = setting or PaperSetting()
     g = s.gpu_flops * s.prefill_mfu
-    l, d = s.layers, s.d_model
-    prefill = PolyModel(PREFILL_TERMS, (0.0, l * s.b * d * d / g, 0.0, l * s.a * d / g,
-                                        2 * l * s.a * d / g))
+    layers, d = s.layers, s.d_model
+    prefill = PolyModel(PREFILL_TERMS, (0.0, layers * s.b * d * d / g, 0.0, layers * s.a * d / g,
+                                        2 * layers * s.a * d / g))
     hbm = s.hbm_bytes_per_s * s.hbm_efficiency
     decode = PolyModel(DECODE_TERMS, (s.decode_overhead_s + 2 * s.params / hbm,
                                       2 * s.params / (s.gpu_flops * s.decode_mfu),

@@ -87,7 +87,7 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
             raise ValueError(f"unknown policy {self.policy!r}; choose one of {', '.join(SIM_POLICIES)}")
-        if self.prefill < 1 or self.decode < 0 or (self.policy == "coupled" and self.prefill + self.decode < 1):
+        if self.prefill < 1 or self.decode < 0:
             raise ValueError("need at least one prefill instance and zero or more decode instances")
         if self.decode == 0 and self.policy != "coupled" and self.output_tokens != 1:
             raise ValueError("decode = 0 needs output_tokens = 1 (prefill only) or the coupled policy")
