@@ -8,6 +8,8 @@ Throughput (same run, same bytes, same block sizes):
   - SSD get, cold (page cache dropped for both sides with fsync +
     posix_fadvise(DONTNEED), so the device is read) and warm (page cache hot)
     vs reading that plain file sequentially.
+Ours and the baseline run back to back in every repetition, alternating which
+goes first; dirty pages are written back (untimed) before each timed write.
 Targets (issue 5): SSD >= 0.7x plain file, DRAM >= 0.5x memcpy.
 
 Eviction study: prefix hit rate (cached prompt tokens / prompt tokens, the
@@ -60,6 +62,23 @@ def _row(tier: str, op: str, block_bytes: int, ours_s: float, base_s: float, nby
             "baseline_gbps": round(base, 3), "ratio": round(ours / base, 3), "baseline": baseline}
 
 
+async def _timed(fn) -> float:
+    t = time.perf_counter()
+    await fn()
+    return time.perf_counter() - t
+
+
+async def _pair(ours, base, rep: int) -> tuple[float, float]:
+    """Times `ours` and `base` (coroutine functions) back to back, alternating which
+    goes first from one repetition to the next so neither always inherits the
+    other's cache or writeback state."""
+    if rep % 2:
+        b = await _timed(base)
+        return await _timed(ours), b
+    o = await _timed(ours)
+    return o, await _timed(base)
+
+
 async def _dram_case(block_bytes: int, n: int, reps: int) -> list[dict]:
     rng = np.random.default_rng(0)
     srcs = [rng.integers(0, 256, block_bytes, dtype=np.uint8) for _ in range(n)]
@@ -67,52 +86,52 @@ async def _dram_case(block_bytes: int, n: int, reps: int) -> list[dict]:
     keys = [i.to_bytes(16, "little") for i in range(n)]
     pool = np.ones(n * block_bytes, np.uint8)  # baseline's "pool", pre-faulted like ours
     nbytes = n * block_bytes
-    put_o, put_b, get_o, get_b = [], [], [], []
+    times: dict[str, list[float]] = {"put": [], "put_b": [], "get": [], "get_b": []}
     async with BlockStore(block_bytes, StoreSettings(dram_bytes=nbytes)) as st:
         st.subscribe()  # events are part of the put path
+
+        async def put():
+            results = await st.put_many(keys, srcs)
+            if results[-1].status.value != "stored":
+                raise RuntimeError(f"DRAM tier refused a block: {results[-1]}")
+
+        async def put_b():
+            for i, src in enumerate(srcs):
+                np.copyto(pool[i * block_bytes:(i + 1) * block_bytes], src)
+
+        async def get():
+            if None in await st.get_many(keys, dsts):
+                raise RuntimeError("DRAM tier lost a block during the benchmark")
+
+        async def get_b():
+            for i, dst in enumerate(dsts):
+                np.copyto(dst, pool[i * block_bytes:(i + 1) * block_bytes])
+
         for rep in range(reps + 1):  # rep 0 faults the pool's pages in and warms up
-            for k in keys:
-                await st.remove(k)
-            t = time.perf_counter()
-            for k, s in zip(keys, srcs):
-                await st.put(k, s)
-            t_put = time.perf_counter() - t
-            t = time.perf_counter()
-            for i, s in enumerate(srcs):
-                np.copyto(pool[i * block_bytes:(i + 1) * block_bytes], s)
-            t_put_b = time.perf_counter() - t
-            t = time.perf_counter()
-            for k, d in zip(keys, dsts):
-                if await st.get_into(k, d) is None:
-                    raise RuntimeError("DRAM tier lost a block during the benchmark")
-            t_get = time.perf_counter() - t
-            t = time.perf_counter()
-            for i, d in enumerate(dsts):
-                np.copyto(d, pool[i * block_bytes:(i + 1) * block_bytes])
-            t_get_b = time.perf_counter() - t
+            await st.remove_many(keys)
+            o, b = await _pair(put, put_b, rep)
+            go, gb = await _pair(get, get_b, rep)
             if rep:
-                put_o.append(t_put), put_b.append(t_put_b), get_o.append(t_get), get_b.append(t_get_b)
-        if any(d.tobytes() != s.tobytes() for d, s in zip(dsts, srcs)):
+                times["put"].append(o), times["put_b"].append(b)
+                times["get"].append(go), times["get_b"].append(gb)
+        await get()
+        if any(d.tobytes() != src.tobytes() for d, src in zip(dsts, srcs)):
             raise RuntimeError("DRAM tier returned wrong bytes")
-    med = statistics.median
-    return [_row("dram", "put", block_bytes, med(put_o), med(put_b), nbytes, "memcpy"),
-            _row("dram", "get", block_bytes, med(get_o), med(get_b), nbytes, "memcpy")]
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return [_row("dram", "put", block_bytes, med["put"], med["put_b"], nbytes, "memcpy"),
+            _row("dram", "get", block_bytes, med["get"], med["get_b"], nbytes, "memcpy")]
 
 
-def _plain_write(path: str, srcs: list[np.ndarray]) -> float:
-    t = time.perf_counter()
+def _plain_write(path: str, srcs: list[np.ndarray]) -> None:
     with open(path, "wb", buffering=0) as f:
-        for s in srcs:
-            f.write(s)
-    return time.perf_counter() - t
+        for src in srcs:
+            f.write(src)
 
 
-def _plain_read(path: str, dsts: list[np.ndarray]) -> float:
-    t = time.perf_counter()
+def _plain_read(path: str, dsts: list[np.ndarray]) -> None:
     with open(path, "rb", buffering=0) as f:
         for d in dsts:
             f.readinto(d)
-    return time.perf_counter() - t
 
 
 async def _ssd_case(block_bytes: int, n: int, reps: int, directory: str) -> list[dict]:
@@ -122,40 +141,58 @@ async def _ssd_case(block_bytes: int, n: int, reps: int, directory: str) -> list
     keys = [i.to_bytes(16, "little") for i in range(n)]
     nbytes = n * block_bytes
     plain = os.path.join(directory, "plain.bin")
-    s = StoreSettings(dram_bytes=0, ssd_bytes=n * (block_bytes + HEADER_BYTES),
+    s = StoreSettings(dram_bytes=0, ssd_bytes=n * (block_bytes + HEADER_BYTES + 4096),
                       promote_on_get=False)
     times: dict[str, list[float]] = {k: [] for k in
                                      ("put", "put_b", "cold", "cold_b", "warm", "warm_b")}
     async with BlockStore(block_bytes, s, ssd_dir=os.path.join(directory, "ssd")) as st:
-        for _rep in range(reps):
-            for k in keys:
-                await st.remove(k)
-            if os.path.exists(plain):
-                os.unlink(plain)
-            t = time.perf_counter()
+        async def put():
             results = await st.put_many(keys, srcs)
-            times["put"].append(time.perf_counter() - t)
             if not all(r.status.value == "stored" for r in results):
                 raise RuntimeError(f"SSD tier refused a block: {results[0]}")
-            times["put_b"].append(_plain_write(plain, srcs))
-            _drop_cache(st.ssd.data_path)
-            _drop_cache(plain)
-            t = time.perf_counter()
-            got = await st.get_many(keys, dsts)
-            times["cold"].append(time.perf_counter() - t)
-            times["cold_b"].append(_plain_read(plain, dsts))
-            t = time.perf_counter()
-            got += await st.get_many(keys, dsts)
-            times["warm"].append(time.perf_counter() - t)
-            times["warm_b"].append(_plain_read(plain, dsts))
-            if got.count("ssd") != 2 * n:
+
+        async def put_b():
+            _plain_write(plain, srcs)
+
+        async def get():
+            if (await st.get_many(keys, dsts)).count("ssd") != n:
                 raise RuntimeError("SSD tier missed a block during the benchmark")
-        for k, d, src in zip(keys, dsts, srcs):
-            await st.get_into(k, d)
-            if d.tobytes() != src.tobytes():
-                raise RuntimeError("SSD tier returned wrong bytes")
+
+        async def get_b():
+            _plain_read(plain, dsts)
+
+        def settle():
+            """Untimed: write everything back and drop it from the page cache, so each
+            timed write starts without dirty pages and each cold read hits the device."""
+            for path in (st.ssd.data_path, st.ssd.index_path, plain):
+                if os.path.exists(path):
+                    _drop_cache(path)
+
+        for rep in range(reps):
+            await st.remove_many(keys)
+            if os.path.exists(plain):
+                os.unlink(plain)
+            settle()
+            if rep % 2:
+                b = await _timed(put_b)
+                settle()
+                o = await _timed(put)
+            else:
+                o = await _timed(put)
+                settle()
+                b = await _timed(put_b)
+            settle()
+            times["put"].append(o), times["put_b"].append(b)
+            o, b = await _pair(get, get_b, rep)  # cold: both were just dropped
+            times["cold"].append(o), times["cold_b"].append(b)
+            o, b = await _pair(get, get_b, rep)  # warm: both now in the page cache
+            times["warm"].append(o), times["warm_b"].append(b)
+        await get()
+        if any(d.tobytes() != src.tobytes() for d, src in zip(dsts, srcs)):
+            raise RuntimeError("SSD tier returned wrong bytes")
     med = {k: statistics.median(v) for k, v in times.items()}
-    return [_row("ssd", "put", block_bytes, med["put"], med["put_b"], nbytes, "sequential file write"),
+    return [_row("ssd", "put", block_bytes, med["put"], med["put_b"], nbytes,
+                 "sequential file write (page cache)"),
             _row("ssd", "get_cold", block_bytes, med["cold"], med["cold_b"], nbytes,
                  "sequential file read, page cache dropped"),
             _row("ssd", "get_warm", block_bytes, med["warm"], med["warm_b"], nbytes,
