@@ -32,7 +32,6 @@ import numpy as np
 import orjson
 
 from mooncaked.config import StoreSettings
-from mooncaked.store.keys import block_keys, make_salt
 from mooncaked.store.policy import POLICIES, make_policy
 from mooncaked.store.ssd import HEADER_BYTES
 from mooncaked.store.store import BlockStore

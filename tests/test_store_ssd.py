@@ -90,7 +90,7 @@ def test_restart_new_process_serves_ssd_blocks(tmp_path):
 
 def _corrupt_cases(st, ks):
     """Damages the slots of ks[:4] in different ways (in the slot file); returns their keys."""
-    data_path, slot = st.ssd.data_path, st.ssd.slot_bytes
+    data_path = st.ssd.data_path
     off = {k: st.ssd.offset_of(k) for k in ks}
     with open(data_path, "r+b") as f:
         f.seek(off[ks[0]] + 1234)  # a flipped payload byte
@@ -208,7 +208,8 @@ def test_permission_denied_is_reported_and_old_blocks_served(tmp_path):
                 assert await st.get(k) == d.tobytes()
             for k, d in zip(ks[2:], data[2:]):
                 r = await st.put(k, d)
-                assert r.status is PutStatus.FAILED and r.reason.split(":")[0] in ("EPERM", "EACCES")
+                assert r.status is PutStatus.FAILED
+                assert r.reason.split(":")[0] in ("EPERM", "EACCES")
                 assert not st.exists(k)
             assert st.metrics.put_failed == 2
 

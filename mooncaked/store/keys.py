@@ -27,7 +27,8 @@ SALT_BYTES = 32
 """Length of a salt from `make_salt`, bytes (blake2b keys may be up to 64)."""
 
 
-def make_salt(model_id: str, block_size: int, kv_dtype: str, cache_salt: str | None = None) -> bytes:
+def make_salt(model_id: str, block_size: int, kv_dtype: str,
+              cache_salt: str | None = None) -> bytes:
     """The salt that keeps blocks of different models, layouts or tenants apart.
 
     Args:

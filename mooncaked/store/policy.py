@@ -177,4 +177,5 @@ def make_policy(name: str) -> EvictionPolicy:
     try:
         return POLICIES[name]()
     except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})") from None
+        known = ", ".join(POLICIES)
+        raise ValueError(f"unknown eviction policy {name!r} (known: {known})") from None

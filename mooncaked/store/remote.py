@@ -30,7 +30,7 @@ import numpy as np
 
 from mooncaked.cluster import ClusterError, ControlClient, ControlServer
 from mooncaked.log import get_logger
-from mooncaked.transfer import TransferEngine, TransferError, TransferOp, TransferRequest
+from mooncaked.transfer import TransferEngine, TransferOp, TransferRequest
 
 from .store import BlockStore, as_u8
 from .types import BlockPinned, LeaseExpired, PutResult, PutStatus

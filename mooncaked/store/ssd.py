@@ -212,7 +212,8 @@ class SsdTier:
                 fcntl.flock(self._idx_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 self._close_files()
-                raise StoreError(f"SSD tier {self.directory} is in use by another process") from None
+                raise StoreError(f"SSD tier {self.directory} is in use by another "
+                                 "process") from None
         if self._data_fd < 0 and self._idx_fd >= 0:
             os.close(self._idx_fd)
             self._idx_fd = -1
@@ -222,7 +223,8 @@ class SsdTier:
         size = os.fstat(self._idx_fd).st_size
         if size:
             raw = os.pread(self._idx_fd, size, 0)
-        return [raw[i: i + HEADER_BYTES] for i in range(0, len(raw) - HEADER_BYTES + 1, HEADER_BYTES)]
+        n = len(raw) // HEADER_BYTES
+        return [raw[i * HEADER_BYTES: (i + 1) * HEADER_BYTES] for i in range(n)]
 
     def _load_index(self, entries: list[bytes]) -> None:
         found = []
@@ -318,7 +320,8 @@ class SsdTier:
         _pwrite_all(self._data_fd, view, slot * self.slot_bytes)
         if self.fsync:
             os.fdatasync(self._data_fd)
-        os.pwrite(self._idx_fd, pack_header(key, len(view), csum, time.time_ns()), slot * HEADER_BYTES)
+        header = pack_header(key, len(view), csum, time.time_ns())
+        os.pwrite(self._idx_fd, header, slot * HEADER_BYTES)
         if self.fsync:
             os.fdatasync(self._idx_fd)
         return csum
@@ -385,7 +388,8 @@ class SsdTier:
             elif self.error:
                 reasons[i] = self.error
             elif memoryview(payload).nbytes != self.block_bytes:
-                reasons[i] = f"block of {memoryview(payload).nbytes} bytes, tier holds {self.block_bytes}"
+                reasons[i] = (f"block of {memoryview(payload).nbytes} bytes, tier holds "
+                              f"{self.block_bytes}")
             else:
                 taken = self._take_slot()
                 if taken is None:

@@ -162,7 +162,8 @@ class BlockStore:
         if self.ssd is not None:
             await self.ssd.open()
         log.info("store_started", node=self.node_id, block_bytes=self.block_bytes,
-                 dram_slots=self.dram.num_slots, ssd_blocks=len(self.ssd) if self.ssd is not None else 0)
+                 dram_slots=self.dram.num_slots,
+                 ssd_blocks=len(self.ssd) if self.ssd is not None else 0)
         return self
 
     async def close(self) -> None:
