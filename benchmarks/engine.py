@@ -1,0 +1,295 @@
+"""`mooncake bench engine`: our LLMEngine against Hugging Face transformers' `generate`.
+
+Both sides run in this one process, on the same bundled GGUF model, the same
+weight dtype, the same prompts and the same torch thread count, driven
+synchronously (no HTTP), interleaved rep by rep so that noise from other
+processes on the machine hits both alike. Every case is warmed up first and
+reports the median over `reps` repetitions. Decoding is greedy with EOS
+ignored (ours: `ignore_eos`; transformers: `min_new_tokens`), so both sides
+emit the same number of tokens.
+
+Cases (issue 2):
+  1. decode_batch1: tokens/s of decoding `decode_tokens` tokens after a short chat
+     prompt, prefill excluded: (N - 1) / (t_last_token - t_first_token). TTFT is
+     reported beside it. transformers' token times come from a streamer.
+     Target: ours / transformers >= 2.5.
+  2. concurrent_32: 32 requests of different prompt lengths. Ours: all added at
+     once, continuous batching; transformers: one left-padded batch of the same
+     32 prompts with an attention mask. Output tokens / wall time (prefill
+     included). Target: ours / transformers >= 1.5.
+  3. ttft_prefix_cached: TTFT of a 1,000-token prompt whose first 960 tokens
+     (60 blocks of 16) were cached by an earlier request, against the same
+     prompt cold (first token changed, so no block key matches). Target: warm /
+     cold <= 0.2. Also ours cold against transformers' TTFT (`generate` of one
+     token) on the same prompt: ttft_cold_vs_transformers.
+
+Ratios: throughput rows are ours / baseline (higher is better); TTFT rows are
+ours / baseline too (lower is better); each row says so in `ratio_means`.
+Every rep of ours uses a fresh `cache_salt`, so no rep reuses another's blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+
+import numpy as np
+import orjson
+import torch
+
+from mooncaked.config import load_settings
+from mooncaked.engine.llm_engine import LLMEngine
+from mooncaked.engine.types import SamplingParams
+from mooncaked.model.weights import bundled_model_path
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+SHORT_PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+
+
+class _Run:
+    """Request ids and cache salts that never repeat within one benchmark run."""
+
+    def __init__(self):
+        self.n = 0
+
+    def next(self, what: str) -> str:
+        self.n += 1
+        return f"{what}-{self.n}"
+
+
+# -- ours
+
+
+def _ours_generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, salt: str,
+                   ids: _Run) -> tuple[float, list[list[float]]]:
+    """Adds every prompt at once, steps until all finish.
+
+    Returns (t0, per request the perf_counter() time of each output token), seconds.
+    """
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    rids = [ids.next("req") for _ in prompts]
+    times: dict[str, list[float]] = {r: [] for r in rids}
+    t0 = time.perf_counter()
+    for rid, p in zip(rids, prompts):
+        engine.add_request(rid, p, params, cache_salt=salt)
+    while engine.has_work():
+        outs = engine.step()
+        now = time.perf_counter()
+        for o in outs:
+            times[o.request_id].extend([now] * len(o.new_token_ids))
+    return t0, [times[r] for r in rids]
+
+
+# -- transformers
+
+
+def _hf_load(dtype: str):
+    import transformers  # noqa: PLC0415
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    path = bundled_model_path()
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                              dtype=DTYPES[dtype])
+    model.eval()
+    return model, transformers
+
+
+def _hf_generate(model, prompts: list[list[int]], n: int, pad_id: int, streamer=None) -> float:
+    """Greedy `generate` of exactly n tokens for a left-padded batch. Returns wall seconds."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, pad_token_id=pad_id, streamer=streamer)
+    dt = time.perf_counter() - t0
+    assert out.shape[1] == width + n, out.shape
+    return dt
+
+
+def _hf_streamer(transformers):
+    class TokenTimes(transformers.generation.streamers.BaseStreamer):
+        """Records when generate hands out each new token (its first put is the prompt)."""
+
+        def __init__(self):
+            self.times: list[float] = []
+            self._prompt_seen = False
+
+        def put(self, value):
+            if self._prompt_seen:
+                self.times.append(time.perf_counter())
+            self._prompt_seen = True
+
+        def end(self):
+            pass
+
+    return TokenTimes()
+
+
+# -- the cases
+
+
+def _random_prompt(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
+    # Ordinary (non-special) token ids; random text is as costly to run as real text.
+    return rng.integers(100, vocab - 100, n).tolist()
+
+
+def _decode_rate(times: list[float]) -> float:
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurrent: int = 32,
+        concurrent_tokens: int = 32, concurrent_max_prompt: int = 128, ttft_prompt: int = 1000,
+        ttft_cached: int = 960, kv_cache_bytes: int = 512 * 1024 * 1024) -> dict:
+    """Runs the three cases on both sides and returns the result object (see module doc).
+
+    Args:
+        dtype: weight/activation dtype of both sides, "float32" or "bfloat16".
+        reps: timed repetitions per case (medians are reported), after one warm-up.
+        decode_tokens: tokens generated in case 1.
+        concurrent, concurrent_tokens, concurrent_max_prompt: case 2's request count,
+            output tokens per request, and longest prompt (prompt lengths spread evenly
+            from 16 tokens up to it).
+        ttft_prompt, ttft_cached: case 3's prompt length and cached prefix, tokens.
+        kv_cache_bytes: our engine's KV page budget, bytes.
+    Raises: ValueError for an unknown dtype; ModelLoadError if the bundled model is missing.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    settings = load_settings(None, {"model.dtype": dtype, "engine.kv_cache_bytes": kv_cache_bytes})
+    engine = LLMEngine(settings)
+    hf, transformers = _hf_load(dtype)
+    ids = _Run()
+    vocab = engine.cfg.vocab_size
+    pad_id = min(engine.tokenizer.eos_token_ids)
+    rng = np.random.default_rng(0)
+
+    short = engine.tokenizer.apply_chat_template(SHORT_PROMPT)
+    lengths = np.linspace(16, concurrent_max_prompt, concurrent).round().astype(int).tolist()
+    rng.shuffle(lengths)
+    batch = [_random_prompt(rng, n, vocab) for n in lengths]
+    long_prompt = _random_prompt(rng, ttft_prompt, vocab)
+
+    # Warm-up: every kernel shape family once on both sides (decode, short and long prefill,
+    # batched decode, cached-prefix prefill).
+    _ours_generate(engine, [short], 4, ids.next("salt"), ids)
+    _ours_generate(engine, batch[:4], 4, ids.next("salt"), ids)
+    salt = ids.next("salt")
+    _ours_generate(engine, [long_prompt[:ttft_cached]], 1, salt, ids)
+    _ours_generate(engine, [long_prompt], 1, salt, ids)
+    _hf_generate(hf, [short], 4, pad_id)
+    _hf_generate(hf, batch[:4], 4, pad_id)
+    _hf_generate(hf, [long_prompt], 1, pad_id)
+
+    c1 = {"ours_tps": [], "ours_ttft": [], "hf_tps": [], "hf_ttft": []}
+    c2 = {"ours": [], "hf": []}
+    c3 = {"warm": [], "cold": [], "hf": []}
+    for _ in range(reps):
+        # 1. decode at batch 1
+        t0, (times,) = _ours_generate(engine, [short], decode_tokens, ids.next("salt"), ids)
+        assert len(times) == decode_tokens
+        c1["ours_tps"].append(_decode_rate(times))
+        c1["ours_ttft"].append(times[0] - t0)
+        st = _hf_streamer(transformers)
+        t0 = time.perf_counter()
+        _hf_generate(hf, [short], decode_tokens, pad_id, streamer=st)
+        assert len(st.times) == decode_tokens
+        c1["hf_tps"].append(_decode_rate(st.times))
+        c1["hf_ttft"].append(st.times[0] - t0)
+
+        # 2. concurrent requests, continuous batching vs one padded batch
+        t0, times = _ours_generate(engine, batch, concurrent_tokens, ids.next("salt"), ids)
+        wall = max(t[-1] for t in times) - t0
+        assert all(len(t) == concurrent_tokens for t in times)
+        c2["ours"].append(concurrent * concurrent_tokens / wall)
+        c2["hf"].append(concurrent * concurrent_tokens / _hf_generate(hf, batch, concurrent_tokens, pad_id))
+
+        # 3. TTFT: prefix cached vs cold (a different first token changes every block key)
+        salt = ids.next("salt")
+        _ours_generate(engine, [long_prompt[:ttft_cached]], 1, salt, ids)
+        hits0 = engine.stats().prefix_hit_tokens_total
+        t0, (times,) = _ours_generate(engine, [long_prompt], 1, salt, ids)
+        hit = engine.stats().prefix_hit_tokens_total - hits0
+        assert hit == ttft_cached, f"expected {ttft_cached} cached tokens, got {hit}"
+        c3["warm"].append(times[0] - t0)
+        cold_prompt = [long_prompt[0] + 1] + long_prompt[1:]
+        hits0 = engine.stats().prefix_hit_tokens_total
+        t0, (times,) = _ours_generate(engine, [cold_prompt], 1, salt, ids)
+        assert engine.stats().prefix_hit_tokens_total == hits0, "the cold prompt hit the prefix cache"
+        c3["cold"].append(times[0] - t0)
+        c3["hf"].append(_hf_generate(hf, [long_prompt], 1, pad_id))
+
+    med = statistics.median
+
+    def row(case, unit, ours, base, baseline, target, means, **extra):
+        r = {"case": case, "unit": unit, "ours": round(ours, 4), "baseline": round(base, 4),
+             "ratio": round(ours / base, 3), "ratio_means": means, "baseline_name": baseline,
+             "target": target}
+        op, val = target.split()
+        r["meets_target"] = r["ratio"] >= float(val) if op == ">=" else r["ratio"] <= float(val)
+        return r | extra
+
+    results = [
+        row("decode_batch1", "tokens/s", med(c1["ours_tps"]), med(c1["hf_tps"]),
+            "transformers generate (greedy, batch 1)", ">= 2.5", "ours / baseline (speedup)",
+            decode_tokens=decode_tokens, prompt_tokens=len(short),
+            ours_ttft_s=round(med(c1["ours_ttft"]), 4), baseline_ttft_s=round(med(c1["hf_ttft"]), 4)),
+        row(f"concurrent_{concurrent}", "tokens/s", med(c2["ours"]), med(c2["hf"]),
+            "transformers generate on one left-padded batch", ">= 1.5", "ours / baseline (speedup)",
+            requests=concurrent, output_tokens_each=concurrent_tokens,
+            prompt_tokens_min=min(lengths), prompt_tokens_max=max(lengths),
+            prompt_tokens_total=sum(lengths)),
+        row("ttft_prefix_cached", "s", med(c3["warm"]), med(c3["cold"]),
+            f"ours, cold (no cached prefix)", "<= 0.2", "warm TTFT / cold TTFT",
+            prompt_tokens=ttft_prompt, cached_tokens=ttft_cached),
+        row("ttft_cold_vs_transformers", "s", med(c3["cold"]), med(c3["hf"]),
+            "transformers generate of 1 token (no prefix cache)", "<= 1.0",
+            "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt),
+    ]
+    return {
+        "benchmark": "engine", "dtype": dtype, "model": bundled_model_path().name, "reps": reps,
+        "statistic": "median", "torch_threads": torch.get_num_threads(),
+        "transformers_version": transformers.__version__, "torch_version": torch.__version__,
+        "engine": {"block_size": settings.engine.block_size, "kv_cache_bytes": kv_cache_bytes,
+                   "max_num_batched_tokens": settings.engine.max_num_batched_tokens,
+                   "max_num_seqs": settings.engine.max_num_seqs},
+        "loadavg_1m_before": round(load_before[0], 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
+        "cpu_count": os.cpu_count(), "wall_s": round(time.perf_counter() - t_start, 1),
+        "results": results,
+        "samples": {"decode_batch1": c1, f"concurrent_{concurrent}": c2, "ttft": c3},
+    }
+
+
+def main(json_out: bool = False, dtype: str = "float32", **kw) -> dict:
+    """Runs the benchmark and prints a rich table (or one JSON object with `json_out`)."""
+    res = run(dtype=dtype, **kw)
+    if json_out:
+        print(orjson.dumps(res).decode())
+        return res
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    t = Table(title=f"Engine vs transformers: {res['model']}, {res['dtype']} both sides, "
+                    f"{res['torch_threads']} torch threads, median of {res['reps']}, "
+                    f"load avg {res['loadavg_1m_before']} -> {res['loadavg_1m_after']}")
+    for c in ("case", "unit", "ours", "baseline", "ratio", "target", ""):
+        t.add_column(c, justify="right" if c in ("ours", "baseline", "ratio") else "left", no_wrap=True)
+    for i, r in enumerate(res["results"], 1):
+        t.add_row(f"{r['case']} [{i}]", r["unit"], f"{r['ours']:.4g}", f"{r['baseline']:.4g}",
+                  f"{r['ratio']:.3g}", r["target"], "[green]ok[/]" if r["meets_target"] else "[red]missed[/]")
+    con = Console()
+    con.print(t)
+    for i, r in enumerate(res["results"], 1):
+        con.print(f"[{i}] baseline: {r['baseline_name']}; ratio = {r['ratio_means']}")
+    d = res["results"][0]
+    con.print(f"batch-1 TTFT ({d['prompt_tokens']}-token prompt): ours {d['ours_ttft_s'] * 1e3:.1f} ms, "
+              f"transformers {d['baseline_ttft_s'] * 1e3:.1f} ms; whole run {res['wall_s']} s")
+    return res
