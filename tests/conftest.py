@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from mooncaked.config import load_settings
 
 
 @pytest.fixture(scope="session")
@@ -15,6 +14,3 @@ def bundled_model():
     return bundled_model_path()
 
 
-def make_settings(**overrides):
-    """Settings with dotted overrides, e.g. make_settings(**{"engine.block_size": 16})."""
-    return load_settings(None, overrides)

@@ -76,6 +76,7 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
+    @torch.inference_mode()
     def run(self, batch: list[ScheduledSeq]) -> dict[int, tuple[int, object]]:
         """Runs one step. `batch` must list decodes before prefills (Scheduler.schedule does).
 

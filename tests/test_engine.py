@@ -1,0 +1,163 @@
+"""The engine in-process: prefix caching, preemption, chunked prefill, sampling, stop strings."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.engine.detokenizer import IncrementalDetokenizer
+from mooncaked.engine.llm_engine import LLMEngine
+from mooncaked.engine.types import InvalidRequest, SamplingParams
+
+from mooncaked.config import load_settings
+
+
+def make_settings(**overrides):
+    return load_settings(None, overrides)
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?",
+             "Write one sentence about cats.", "Who wrote Hamlet?", "What is water made of?"]
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, salt=None) -> list[dict]:
+    """Runs prompts to completion together; returns per request tokens, text, cached tokens."""
+    res = {}
+    for i, p in enumerate(prompts):
+        rid = f"r{id(prompts)}-{i}"
+        engine.add_request(rid, p, params, salt)
+        res[rid] = {"tokens": [], "text": "", "cached": None, "reason": None}
+    order = list(res)
+    for _ in range(10_000):
+        if not engine.has_work():
+            break
+        for out in engine.step():
+            r = res[out.request_id]
+            r["tokens"] += out.new_token_ids
+            r["text"] += out.new_text
+            r["cached"] = out.num_cached_tokens
+            r["reason"] = out.finish_reason
+    assert not engine.has_work()
+    return [res[k] for k in order]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return LLMEngine(make_settings(**{"engine.max_num_batched_tokens": 256}))
+
+
+@pytest.fixture(scope="module")
+def chats(engine):
+    return [engine.tokenizer.apply_chat_template([{"role": "user", "content": q}]) for q in QUESTIONS]
+
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0)
+
+
+def test_prefix_cache_hit_gives_same_greedy_output(engine, chats):
+    long = chats[0] + engine.tokenizer.encode(" Also, explain why in detail please." * 4)
+    (cold,) = run(engine, [long], GREEDY)
+    (warm,) = run(engine, [long], GREEDY)
+    assert cold["cached"] == 0
+    assert warm["cached"] >= 16 * ((len(long) - 1) // 16) - 16 and warm["cached"] > 0
+    assert warm["tokens"] == cold["tokens"]
+
+
+def test_cache_salt_separates_tenants(engine, chats):
+    prompt = chats[1] + engine.tokenizer.encode(" Answer in French." * 5)
+    (a,) = run(engine, [prompt], GREEDY, salt="tenant-a")
+    (b,) = run(engine, [prompt], GREEDY, salt="tenant-b")
+    (a2,) = run(engine, [prompt], GREEDY, salt="tenant-a")
+    assert b["cached"] == 0
+    assert a2["cached"] > 0
+    assert a["tokens"] == b["tokens"] == a2["tokens"]
+
+
+def test_batched_equals_alone_and_chunked_prefill(engine, chats):
+    alone = [run(engine, [c], GREEDY)[0]["tokens"] for c in chats]
+    together = [r["tokens"] for r in run(engine, chats, GREEDY)]
+    assert together == alone
+    # A tiny step budget forces prefill in chunks interleaved with decodes.
+    small = LLMEngine(make_settings(**{"engine.max_num_batched_tokens": 7}))
+    assert [r["tokens"] for r in run(small, chats, GREEDY)] == alone
+
+
+def test_tiny_kv_budget_preempts_and_still_completes(engine, chats):
+    """KV room for ~2 requests at once: all six complete with their solo outputs."""
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    alone = [run(engine, [c], params)[0]["tokens"] for c in chats]
+    block = engine.block_bytes
+    tight = LLMEngine(make_settings(**{"engine.kv_cache_bytes": block * 8,
+                                       "engine.enable_prefix_caching": False}))
+    out = run(tight, chats, params)
+    assert [r["tokens"] for r in out] == alone
+    assert tight.stats().num_preemptions_total > 0
+    assert tight.stats().kv_blocks_used == 0
+
+
+def test_seeded_sampling_is_reproducible(engine, chats):
+    p = SamplingParams(max_tokens=16, temperature=1.0, top_p=0.9, top_k=50, seed=1234)
+    a = run(engine, [chats[3]], p)[0]["tokens"]
+    b = run(engine, [chats[3]], p)[0]["tokens"]
+    c = run(engine, [chats[3]], SamplingParams(max_tokens=16, temperature=1.0, seed=99))[0]["tokens"]
+    assert a == b
+    assert a != c
+
+
+def test_top_k_one_and_min_p_one_equal_greedy(engine, chats):
+    g = run(engine, [chats[2]], GREEDY)[0]["tokens"]
+    assert run(engine, [chats[2]], SamplingParams(max_tokens=12, temperature=1.0, top_k=1))[0]["tokens"] == g
+    assert run(engine, [chats[2]], SamplingParams(max_tokens=12, temperature=1.5, min_p=1.0))[0]["tokens"] == g
+
+
+def test_penalties_change_repetitive_output(engine):
+    prompt = engine.tokenizer.encode("the the the the the the the the")
+    plain = run(engine, [prompt], SamplingParams(max_tokens=10, temperature=0.0))[0]["tokens"]
+    pen = run(engine, [prompt], SamplingParams(max_tokens=10, temperature=0.0,
+                                               repetition_penalty=1.8, frequency_penalty=1.5))[0]["tokens"]
+    assert plain != pen
+    assert len(set(pen)) > len(set(plain)) or plain.count(plain[0]) > pen.count(plain[0])
+
+
+def test_logprobs_are_consistent(engine, chats):
+    engine.add_request("lp", chats[0], SamplingParams(max_tokens=3, temperature=0.0, logprobs=5))
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    for o in outs:
+        (lp,) = o.logprobs
+        assert lp.logprob <= 0.0
+        assert len(lp.top) == 5
+        assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+        assert lp.top[0][0] == lp.token_id and abs(lp.top[0][1] - lp.logprob) < 1e-5  # greedy
+
+
+def test_stop_string_spanning_tokens(engine, chats):
+    prompt = engine.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Count from 1 to 20, one number per line."}])
+    full = run(engine, [prompt], SamplingParams(max_tokens=60, temperature=0.0))[0]["text"]
+    stop = "5\n6"
+    assert stop in full
+    r = run(engine, [prompt], SamplingParams(max_tokens=60, temperature=0.0, stop=[stop]))[0]
+    assert r["reason"] == "stop"
+    assert r["text"] == full[: full.index(stop)]
+
+
+def test_detokenizer_holds_back_possible_stop_prefix(engine):
+    tok = engine.tokenizer
+    ids = tok.encode("Hello world, goodbye moon")
+    d = IncrementalDetokenizer(tok, ["goodbye moon"])
+    sent = "".join(d.add(t) for t in ids)
+    assert d.stopped == "goodbye moon"
+    assert sent == "Hello world, "
+    assert "goodbye" not in sent
+
+
+def test_bad_requests_are_refused(engine):
+    with pytest.raises(InvalidRequest):
+        engine.add_request("e1", [], GREEDY)
+    with pytest.raises(InvalidRequest):
+        engine.add_request("e2", [1] * engine.max_model_len, GREEDY)
+    with pytest.raises(InvalidRequest):
+        engine.add_request("e3", [engine.cfg.vocab_size], GREEDY)
+    with pytest.raises(InvalidRequest):
+        engine.add_request("e4", [1, 2], SamplingParams(temperature=-1))
+    assert not engine.has_work()
