@@ -470,6 +470,7 @@ class TransferEngine:
             log.error("transfer_internal_error", exc_info=True, segment=req.segment)
             batch.finish(entry, TransferState.FAILED, f"internal error: {e!r}")
         finally:
+            self._pool.trim()
             if entry.state is TransferState.FAILED:
                 log.warning("transfer_failed", segment=req.segment, op=req.op.value,
                             bytes=view.nbytes, reason=entry.reason,

@@ -30,6 +30,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import orjson
@@ -170,7 +171,30 @@ class PeerProcess:
         return await asyncio.to_thread(self.cmd, **msg)
 
     def signal(self, sig: int) -> None:
+        """Sends `sig` unless the process has already exited. SIGSTOP and SIGCONT return
+        once every thread of the process is stopped / running again (signals are delivered
+        asynchronously; a request could otherwise still be served after SIGSTOP)."""
+        if self.proc.poll() is not None:
+            return
         os.kill(self.proc.pid, sig)
+        if sig not in (signal.SIGSTOP, signal.SIGCONT):
+            return
+        want_stopped = sig == signal.SIGSTOP
+        deadline = time.monotonic() + self.timeout
+        while self._all_stopped() != want_stopped:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer did not {'stop' if want_stopped else 'resume'}")
+            time.sleep(0.001)
+
+    def _all_stopped(self) -> bool:
+        states = []
+        for tid in os.listdir(f"/proc/{self.proc.pid}/task"):
+            try:
+                with open(f"/proc/{self.proc.pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # the thread just exited
+                continue
+        return all(s in ("T", "t") for s in states)
 
     def kill(self) -> None:
         """SIGKILL and reap (idempotent)."""

@@ -51,6 +51,16 @@ class EndpointPool:
             old.close()
         return ep
 
+    def trim(self) -> None:
+        """Evicts idle endpoints while the pool is over capacity (it grows past it only when
+        every endpoint is busy)."""
+        if len(self._cache) <= self._cache.capacity:
+            return
+        for key, ep in self._cache.trim():
+            self.evicted += 1
+            log.debug("endpoint_evicted", key=str(key))
+            ep.close()
+
     def drop(self, key: Hashable, ep: Any) -> None:
         """Removes and closes `ep` (a broken endpoint) if it is still the one pooled at `key`."""
         if self._cache.get(key) is ep:

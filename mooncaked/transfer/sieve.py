@@ -84,6 +84,18 @@ class SieveCache(Generic[K, V]):
             self._oldest = node
         return evicted
 
+    def trim(self) -> list[tuple[K, V]]:
+        """Evicts entries (SIEVE order, evictable ones only) until within capacity; returns
+        them. Entries that had to be kept past capacity while busy go once they are idle."""
+        evicted = []
+        while len(self._map) > self.capacity:
+            victim = self._pick_victim()
+            if victim is None:
+                break
+            self._unlink(victim)
+            evicted.append((victim.key, victim.value))
+        return evicted
+
     def pop(self, key: K) -> V | None:
         """Removes `key`; returns its value, or None when absent."""
         node = self._map.get(key)
