@@ -161,3 +161,37 @@ def test_bad_requests_are_refused(engine):
     with pytest.raises(InvalidRequest):
         engine.add_request("e4", [1, 2], SamplingParams(temperature=-1))
     assert not engine.has_work()
+
+
+def test_prefill_export_then_decode_import_equals_one_engine(engine, chats):
+    """The disaggregated path at engine level: prefill on one engine, decode on another."""
+    from mooncaked.engine.types import KVImport
+
+    prompt = chats[4] + engine.tokenizer.encode(" Answer briefly.")
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    whole = run(engine, [prompt], params)[0]
+
+    engine.add_request("p1", prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    (final,) = [o for o in outs if o.finished]
+    exp = final.kv_export
+    assert exp.num_tokens == len(prompt)
+    assert exp.blocks.shape[0] == -(-len(prompt) // engine.block_size)
+    assert len(exp.keys) == len(prompt) // engine.block_size
+    first = final.new_token_ids[0]
+
+    decoder = LLMEngine(make_settings(**{"engine.enable_prefix_caching": False}))
+    decoder.add_request("d1", prompt, params, kv_import=KVImport(exp.blocks.clone(), exp.num_tokens),
+                        first_token=first)
+    tokens, text, cached = [], "", None
+    while decoder.has_work():
+        for o in decoder.step():
+            tokens += o.new_token_ids
+            text += o.new_text
+            cached = o.num_cached_tokens
+    assert tokens == whole["tokens"]
+    assert text == whole["text"]
+    assert cached == len(prompt)
+    assert decoder.stats().kv_blocks_used == 0

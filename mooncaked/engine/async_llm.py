@@ -14,8 +14,10 @@ from concurrent.futures import ThreadPoolExecutor
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
+import torch
+
 from .llm_engine import LLMEngine
-from .types import EngineStats, RequestOutput, SamplingParams
+from .types import EngineStats, KVExport, KVImport, RequestOutput, SamplingParams
 
 log = get_logger(__name__)
 
@@ -24,10 +26,18 @@ class AsyncLLM:
     """Runs an LLMEngine in the background of an asyncio loop.
 
     Use `from_settings`, `await start()`, then `async for out in generate(...)`.
+
+    With a `store` (mooncaked.store.BlockStore whose block size equals engine.block_bytes),
+    a prompt whose prefix misses the device pages but hits the store is loaded from
+    the store instead of recomputed, and the full blocks of finished requests are
+    offloaded into the store.
     """
 
-    def __init__(self, engine: LLMEngine):
+    def __init__(self, engine: LLMEngine, store=None):
         self.engine = engine
+        self.store = store
+        engine.offload_finished = store is not None
+        self._offloads: set[asyncio.Task] = set()
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -74,6 +84,8 @@ class AsyncLLM:
                     self._fail_all(repr(e))
                     continue
                 for out in outputs:
+                    if out.kv_export is not None and self.store is not None:
+                        self._offload(out.kv_export)
                     q = self._queues.get(out.request_id)
                     if q is not None:
                         q.put_nowait(out)
@@ -84,15 +96,58 @@ class AsyncLLM:
             q.put_nowait(RequestOutput(rid, [], "", True, "abort", error=error))
         # Drop the failed requests' state now: the aborts run before the next schedule.
 
+    def _offload(self, export: KVExport) -> None:
+        """Puts the full blocks of a finished request into the store, in the background."""
+        keys = [k for k in export.keys if not self.store.exists(k)]
+        if not keys:
+            return
+        first = len(export.keys) - len(keys)
+        if export.keys[first:] != keys:  # a hole: put block by block
+            pairs = [(k, export.blocks[i]) for i, k in enumerate(export.keys) if not self.store.exists(k)]
+        else:
+            pairs = list(zip(keys, export.blocks[first:len(export.keys)]))
+        srcs = [b.contiguous().cpu() for _, b in pairs]
+        task = asyncio.create_task(self.store.put_many([k for k, _ in pairs], srcs))
+        self._offloads.add(task)
+        task.add_done_callback(self._offloads.discard)
+
+    async def _load_from_store(self, prompt_token_ids: list[int], cache_salt: str | None) -> KVImport | None:
+        """KV of the prompt's prefix from the store when it beats the device prefix cache."""
+        eng = self.engine
+        keys = eng.block_keys_for(prompt_token_ids[:-1], cache_salt)
+        if not keys:
+            return None
+        on_device = 0
+        while on_device < len(keys) and keys[on_device] in eng.block_manager.key_to_block:
+            on_device += 1
+        in_store = self.store.longest_prefix(keys)
+        if in_store <= on_device:
+            return None
+        c = eng.cfg
+        buf = torch.empty((in_store, c.num_layers, 2, eng.block_size, c.num_kv_heads, c.head_dim),
+                          dtype=eng.dtype)
+        n = await self.store.load_prefix(keys[:in_store], list(buf))
+        if n <= on_device:
+            return None
+        return KVImport(blocks=buf[:n], num_tokens=n * eng.block_size)
+
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: str | None = None, kv_import: KVImport | None = None,
+                       export_kv: bool = False, first_token: int | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Runs one request; yields its output deltas, the last with finished=True.
 
+        Args: see LLMEngine.add_request (kv_import: K/V given for the prompt's first tokens;
+            export_kv: the final output carries all the request's blocks as a KVExport;
+            first_token: the first output token when continuing a prefill node's request).
         Raises: InvalidRequest before the first yield for a bad prompt or parameter.
         Closing the iterator early (client gone) aborts the request and frees its pages.
         """
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        self.engine.add_request(request_id, prompt_token_ids, params, cache_salt)
+        if kv_import is None and self.store is not None and len(prompt_token_ids) > self.engine.block_size:
+            kv_import = await self._load_from_store(prompt_token_ids, cache_salt)
+        self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, kv_import, export_kv,
+                                first_token)
         self._queues[request_id] = q
         self._wake.set()
         finished = False

@@ -15,14 +15,15 @@ from mooncaked.log import get_logger
 from mooncaked.model.llama import LlamaModel
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import ModelConfig, load_weights, resolve_model_path
-from mooncaked.store.keys import make_salt
+from mooncaked.kernels import reference as kv_copy
+from mooncaked.store.keys import block_keys, make_salt
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
 from .model_runner import ModelRunner, block_bytes
 from .scheduler import Scheduler
 from .sequence import Sequence, SeqStatus
-from .types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
+from .types import EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams
 
 log = get_logger(__name__)
 
@@ -85,23 +86,45 @@ class LLMEngine:
         self._pending_abort: deque[str] = deque()
         self._lock = threading.Lock()
         self.last_step = StepTiming()
+        # Export the full blocks of every finished request (to offload them into the store).
+        self.offload_finished = False
         log.info("engine_ready", model=str(path), dtype=ms.dtype, num_blocks=num_blocks,
                  block_size=es.block_size, block_bytes=self.block_bytes, max_model_len=self.max_model_len,
                  load_s=round(time.monotonic() - t0, 2))
 
     # -- requests
 
+    def salt(self, cache_salt: str | None) -> bytes:
+        """The block-key salt of this engine's model, block size and dtype, plus a tenant salt."""
+        return make_salt(self.model_id, self.block_size, str(self.dtype), cache_salt)
+
+    def block_keys_for(self, token_ids: list[int], cache_salt: str | None = None) -> list[bytes]:
+        """Block keys of the full blocks of `token_ids`, as this engine's prefix cache keys them."""
+        return block_keys(token_ids, self.block_size, self.salt(cache_salt))
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    cache_salt: str | None = None) -> None:
+                    cache_salt: str | None = None, kv_import: KVImport | None = None,
+                    export_kv: bool = False, first_token: int | None = None) -> None:
         """Queues a request for the next step.
 
         Args:
             prompt_token_ids: the prompt, token ids in [0, vocab_size).
             cache_salt: per-tenant salt; requests with different salts never share blocks.
-        Raises: InvalidRequest for an empty or too long prompt, an out-of-range token id or
-            a bad sampling parameter; ValueError for a duplicate request_id.
+            kv_import: K/V of the first kv_import.num_tokens prompt tokens (< len(prompt)),
+                copied into pages at admission instead of computed.
+            export_kv: gather all of the request's blocks into its final output (KVExport).
+            first_token: the first output token, already sampled elsewhere (a decode node
+                continuing a prefill node's request; kv_import then covers the whole prompt).
+                It counts toward max_tokens and is reported with the first output.
+        Raises: InvalidRequest for an empty or too long prompt, an out-of-range token id, a
+            bad sampling parameter or a kv_import of the wrong shape; ValueError for a
+            duplicate request_id.
         """
         params.validate(self.max_logprobs)
+        if first_token is not None:
+            if kv_import is None or kv_import.num_tokens != len(prompt_token_ids):
+                raise InvalidRequest("first_token needs kv_import covering the whole prompt", "kv")
+            prompt_token_ids = list(prompt_token_ids) + [first_token]
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", "prompt")
@@ -111,11 +134,25 @@ class LLMEngine:
         vocab = self.cfg.vocab_size
         if any(not isinstance(t, int) or t < 0 or t >= vocab for t in prompt_token_ids):
             raise InvalidRequest(f"token ids must be integers in [0, {vocab})", "prompt")
-        room = self.max_model_len - n
+        room = self.max_model_len - n + (first_token is not None)
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
-        salt = make_salt(self.model_id, self.block_size, str(self.dtype), cache_salt)
+        if kv_import is not None:
+            want = (self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+            blocks = kv_import.blocks
+            if not 0 < kv_import.num_tokens < n:
+                raise InvalidRequest("kv_import must cover between 1 and len(prompt) - 1 tokens", "kv")
+            if (blocks.dim() != 6 or blocks.shape[1:3] != (self.cfg.num_layers, 2)
+                    or tuple(blocks.shape[3:]) != want
+                    or blocks.shape[0] * self.block_size < kv_import.num_tokens):
+                raise InvalidRequest(f"kv_import blocks have shape {tuple(blocks.shape)}; expected "
+                                     f"[n, {self.cfg.num_layers}, 2, {', '.join(map(str, want))}]", "kv")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        seq = Sequence(request_id, prompt_token_ids, params, salt, max_tokens, detok)
+        seq = Sequence(request_id, prompt_token_ids, params, self.salt(cache_salt), max_tokens, detok)
+        seq.kv_import, seq.export_kv = kv_import, export_kv
+        if first_token is not None:
+            seq.num_prompt_tokens -= 1
+            seq.pending_ids = [first_token]
+            seq.pending_text = detok.add(first_token)
         with self._lock:
             if request_id in self.seqs:
                 raise ValueError(f"duplicate request id {request_id}")
@@ -145,12 +182,44 @@ class LLMEngine:
             outs.append(self._finish(seq, [], "", None))
         return outs
 
+    def _export(self, seq: Sequence) -> KVExport | None:
+        """Gathers the request's blocks before its pages are freed (None if nothing to give)."""
+        n_tok = seq.num_computed_tokens
+        if seq.export_kv:
+            n_blocks = -(-n_tok // self.block_size)
+        elif self.offload_finished and seq.finish_reason != "abort":
+            n_blocks = n_tok // self.block_size
+        else:
+            return None
+        if n_blocks == 0:
+            return None
+        n_full = n_tok // self.block_size
+        keys = block_keys(seq.token_ids[: n_full * self.block_size], self.block_size, seq.salt)
+        ids = torch.tensor(seq.block_table[:n_blocks], dtype=torch.long, device=self.model.device)
+        blocks = kv_copy.gather_blocks(self.runner.kv_cache, ids)
+        return KVExport(keys=keys, blocks=blocks, num_tokens=min(n_tok, n_blocks * self.block_size))
+
     def _finish(self, seq: Sequence, new_ids: list[int], text: str, logprobs) -> RequestOutput:
         seq.status = SeqStatus.FINISHED
+        export = self._export(seq) if seq.block_table else None
         self.scheduler.remove(seq)
         with self._lock:
             self.seqs.pop(seq.request_id, None)
-        return self._output(seq, new_ids, text, logprobs, finished=True)
+        out = self._output(seq, new_ids, text, logprobs, finished=True)
+        out.kv_export = export
+        return out
+
+    def _import_pending(self) -> None:
+        """Copies admitted requests' given K/V (KVImport) into their new pages."""
+        for seq, first in self.scheduler.pending_imports:
+            imp = seq.kv_import
+            last = -(-imp.num_tokens // self.block_size)
+            if last > first:
+                ids = torch.tensor(seq.block_table[first:last], dtype=torch.long, device=self.model.device)
+                src = imp.blocks[first:last].to(device=self.model.device, dtype=self.dtype)
+                kv_copy.scatter_blocks(self.runner.kv_cache, ids, src)
+            seq.kv_import = None
+        self.scheduler.pending_imports.clear()
 
     def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs, finished: bool) -> RequestOutput:
         return RequestOutput(
@@ -176,6 +245,7 @@ class LLMEngine:
         """Runs one scheduled step of the model. Returns the outputs it produced."""
         outputs = self._drain()
         batch = self.scheduler.schedule()
+        self._import_pending()
         if not batch:
             return outputs
         t0 = time.perf_counter()
@@ -194,11 +264,16 @@ class LLMEngine:
             token, logprob = sampled[i]
             seq.token_ids.append(token)
             text = seq.detokenizer.add(token)
+            if seq.pending_ids:  # a first token sampled by the prefill node
+                text = seq.pending_text + text
+                token_ids, seq.pending_ids, seq.pending_text = seq.pending_ids + [token], [], ""
+            else:
+                token_ids = [token]
             self.block_manager.commit_full_blocks(seq)
             if self._check_stop(seq, token):
-                outputs.append(self._finish(seq, [token], text + seq.detokenizer.flush(), logprob))
+                outputs.append(self._finish(seq, token_ids, text + seq.detokenizer.flush(), logprob))
             else:
-                outputs.append(self._output(seq, [token], text, logprob, finished=False))
+                outputs.append(self._output(seq, token_ids, text, logprob, finished=False))
         return outputs
 
     def stats(self) -> EngineStats:

@@ -48,6 +48,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens_total = 0
         self.prompt_tokens_total = 0
+        # (seq, first block index) whose given K/V must be copied into pages before the step.
+        self.pending_imports: list[tuple[Sequence, int]] = []
 
     def add(self, seq: Sequence) -> None:
         """Queues a new request."""
@@ -102,6 +104,13 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.bm.allocate_prefix(seq, self.bm.match_prefix(seq))
+            if seq.kv_import is not None and seq.kv_import.num_tokens > seq.num_computed_tokens:
+                first_block = seq.num_computed_tokens // self.bm.block_size
+                if not self.bm.allocate(seq, seq.kv_import.num_tokens - seq.num_computed_tokens):
+                    self.bm.free_seq(seq)
+                    break
+                self.pending_imports.append((seq, first_block))
+                seq.num_computed_tokens = seq.kv_import.num_tokens
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             ok = self.bm.allocate(seq, n)
             if not ok and not self.running:
@@ -111,6 +120,8 @@ class Scheduler:
                 ok = n > 0 and self.bm.allocate(seq, n)
             if not ok:
                 self.bm.free_seq(seq)  # hold no pages while waiting
+                if self.pending_imports and self.pending_imports[-1][0] is seq:
+                    self.pending_imports.pop()
                 break
             self.waiting.popleft()
             if not seq.prefix_hit_counted:

@@ -50,7 +50,10 @@ class Sequence:
             self.generator = torch.Generator().manual_seed(params.seed)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.pending_logprobs: list = []
+        self.kv_import = None               # KVImport to place into pages at admission
+        self.export_kv = False              # gather all blocks into the final output
+        self.pending_ids: list[int] = []    # first token sampled by a prefill node, not yet reported
+        self.pending_text = ""
 
     @property
     def num_tokens(self) -> int:

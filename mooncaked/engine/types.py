@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 
 class InvalidRequest(ValueError):
     """A request the engine cannot run as asked (bad parameter, prompt too long).
@@ -80,6 +82,34 @@ class TokenLogprob:
 
 
 @dataclass
+class KVImport:
+    """K/V handed to a request at admission instead of being computed.
+
+    blocks: [n, num_layers, 2, block_size, num_kv_heads, head_dim] (CPU or the engine's
+    device, any float dtype) covering the first `num_tokens` tokens of the prompt
+    (the last block may be partial). Used by a decode node (KV from the prefill
+    node) and for prefix hits loaded from the store.
+    """
+
+    blocks: torch.Tensor
+    num_tokens: int
+
+
+@dataclass
+class KVExport:
+    """K/V of a finished request, gathered out of the pages before they are freed.
+
+    blocks: [n, num_layers, 2, block_size, num_kv_heads, head_dim], the engine's dtype, on
+    its device, covering the first `num_tokens` tokens (the last block may be partial);
+    keys: block keys of the leading full blocks (len(keys) <= n).
+    """
+
+    keys: list[bytes]
+    blocks: torch.Tensor
+    num_tokens: int
+
+
+@dataclass
 class RequestOutput:
     """What one request produced since its previous output (a streaming delta).
 
@@ -102,6 +132,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     num_output_tokens: int = 0
     error: str | None = None
+    kv_export: KVExport | None = None
 
 
 @dataclass
