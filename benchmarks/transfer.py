@@ -301,10 +301,11 @@ def main(json_out: bool = False, sizes: list[int] | None = None,
     console = Console()
     console.print(table)
     s = out["summary"]
+    met = {True: "met", False: "NOT met"}
     console.print(f"ratio >= 0.8 for >= 1 MiB: min {s['min_ratio_ge_1MiB']}, median "
-                  f"{s['median_ratio_ge_1MiB']} -> {'met' if s['target_ratio_ge_1MiB_met'] else 'NOT met'}; "
+                  f"{s['median_ratio_ge_1MiB']} -> {met[s['target_ratio_ge_1MiB_met']]}; "
                   f"128 KiB p50 <= 2x socket: worst {s['max_p50_ratio_128KiB']} -> "
-                  f"{'met' if s['target_p50_128KiB_met'] else 'NOT met'}")
+                  f"{met[s['target_p50_128KiB_met']]}")
     return out
 
 

@@ -255,8 +255,9 @@ def test_peer_killed_mid_batch_fails_fast_and_a_restart_is_reachable(peers):
             bid = eng.allocate_batch_id()
             eng.submit_transfer(bid, [TransferRequest(TransferOp.WRITE, "b/dram", i * 4 * MiB,
                                                       bytes(4 * MiB)) for i in range(4)]
-                                + [TransferRequest(TransferOp.READ, "b/dram", 16 * MiB + i * 4 * MiB,
-                                                   b) for i, b in enumerate(bufs)]
+                                + [TransferRequest(TransferOp.READ, "b/dram",
+                                                   16 * MiB + i * 4 * MiB, b)
+                                   for i, b in enumerate(bufs)]
                                 + [TransferRequest(TransferOp.READ, "b/dram", 0, bytearray(100))])
             await asyncio.sleep(0)  # let the transfers start sending
             assert all(s.state is TransferState.PENDING for s in eng.get_transfer_status(bid))

@@ -14,7 +14,7 @@ from typing import Any
 
 
 class TransferError(RuntimeError):
-    """A transfer failed; `statuses` holds every entry's TransferStatus when it came from a batch."""
+    """A transfer failed; `statuses` holds every entry's TransferStatus (batch conveniences)."""
 
     def __init__(self, message: str, statuses: list["TransferStatus"] | None = None):
         super().__init__(message)

@@ -657,7 +657,6 @@ class TransferEngine:
         op = Op.READ if read else Op.WRITE
         name = peer.name.encode()
         timeout = self.settings.request_timeout_s
-        loop = asyncio.get_running_loop()
         async with slots:
             for _ in range(attempts):
                 if self._closed:
@@ -730,8 +729,8 @@ class TransferEngine:
                 raise TransferError("transfer engine closed")
             remote = peer.nics[(turn + attempt) % len(peer.nics)]
             pkey = ("rdma", peer.instance, nic_name, remote.name)
-            ep = self._pool.get(pkey, lambda: RdmaEndpoint(rdma.nics[nic_name], peer, remote,
-                                                           self._control, self.instance))
+            ep = self._pool.get(pkey, lambda nic=rdma.nics[nic_name], rn=remote: RdmaEndpoint(
+                nic, peer, rn, self._control, self.instance))
             ep.users += 1
             try:
                 await ep.ensure_connected()

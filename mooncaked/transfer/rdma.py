@@ -53,7 +53,7 @@ class RdmaUnavailable(RuntimeError):
 
 
 class RdmaPathError(ConnectionError):
-    """A work request failed on one path (queue pair error, flush, retry exceeded): retry elsewhere."""
+    """A work request failed on one path (QP error, flush, retry exceeded): try another path."""
 
 
 class RdmaAccessError(RuntimeError):
@@ -73,8 +73,8 @@ def load_pyverbs() -> SimpleNamespace:
         import pyverbs.qp as qp  # noqa: PLC0415
         import pyverbs.wr as wr  # noqa: PLC0415
     except ImportError as e:
-        raise RdmaUnavailable(f"pyverbs is not installed ({e}); install rdma-core's python3-pyverbs "
-                              "(mooncaked/transfer/install_pyverbs.sh)") from e
+        raise RdmaUnavailable(f"pyverbs is not installed ({e}); install rdma-core's "
+                              "python3-pyverbs (mooncaked/transfer/install_pyverbs.sh)") from e
     return SimpleNamespace(addr=addr, cq=cq, device=device, e=enums, mr=mr, pd=pd,
                            errors=errors, qp=qp, wr=wr)
 

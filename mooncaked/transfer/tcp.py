@@ -5,10 +5,18 @@ each segment's bounds and with its access key (anything else is refused with a
 reason and logged, never served), and hands RDMA control requests to the RDMA
 backend. Wire format: protocol.py.
 
-Both ends are asyncio.BufferedProtocol state machines: the event loop reads
-straight into the buffer `get_buffer` returns (a request header, or the very
-bytes of the target segment / the caller's READ buffer), so payloads are never
-copied in Python, and no coroutine wakes up per socket read.
+Server: one thread per connection with blocking sockets (kernel copies run with the
+GIL released, on several cores at once). Client, two kinds of endpoint:
+
+- TcpEndpoint (slices under engine.BULK_MIN_BYTES): an asyncio.BufferedProtocol on
+  the event loop; requests are pipelined and the loop reads answers straight into
+  the buffer `get_buffer` returns (the caller's READ buffer), so no coroutine wakes
+  up per socket read and small transfers pay no thread hand-off;
+- BlockingEndpoint (bulk slices): blocking calls from a worker thread, one slice at a
+  time, so large transfers to one or many peers use several cores.
+
+Either way payloads are never copied in Python: receives go straight into the
+target memoryview, sends hand header + payload views to one vectored write.
 """
 
 from __future__ import annotations
@@ -62,53 +70,6 @@ ControlHandler = Callable[[Op, LocalSegment, dict], Awaitable[dict]]
 
 def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
-
-
-class _Reader(asyncio.BufferedProtocol):
-    """Reads a stream as a sequence of "fill this view, then call that" steps."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self._dst = memoryview(b"")
-        self._pos = 0
-        self._then: Callable[[], None] = lambda: None
-        self._paused: set[str] = set()
-
-    def expect(self, view: memoryview, then: Callable[[], None]) -> None:
-        """Reads exactly `view.nbytes` bytes into `view`, then calls `then()`."""
-        if view.nbytes == 0:
-            then()
-            return
-        self._dst, self._pos, self._then = view, 0, then
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        if not self._dst.nbytes:  # every step sets the next one; bytes now are out of turn
-            raise ProtocolError("data arrived while none was expected")
-        return self._dst[self._pos:] if self._pos else self._dst
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self._pos += nbytes
-        if self._pos >= self._dst.nbytes:
-            self._pos, self._dst = 0, memoryview(b"")
-            try:
-                self._then()
-            except ProtocolError as e:
-                self.protocol_error(e)
-
-    def protocol_error(self, e: ProtocolError) -> None:
-        log.warning("transfer_protocol_error", error=str(e))
-        if self.transport is not None:
-            self.transport.abort()
-
-    def _pause(self, why: str) -> None:
-        if not self._paused and self.transport is not None:
-            self.transport.pause_reading()
-        self._paused.add(why)
-
-    def _resume(self, why: str) -> None:
-        self._paused.discard(why)
-        if not self._paused and self.transport is not None and not self.transport.is_closing():
-            self.transport.resume_reading()
 
 
 # ---------------------------------------------------------------------------- server
@@ -353,6 +314,42 @@ class DataServer:
 
 
 # ---------------------------------------------------------------------------- client
+
+
+class _Reader(asyncio.BufferedProtocol):
+    """Reads a stream as a sequence of "fill this view, then call that" steps."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._dst = memoryview(b"")
+        self._pos = 0
+        self._then: Callable[[], None] = lambda: None
+
+    def expect(self, view: memoryview, then: Callable[[], None]) -> None:
+        """Reads exactly `view.nbytes` bytes into `view`, then calls `then()`."""
+        if view.nbytes == 0:
+            then()
+            return
+        self._dst, self._pos, self._then = view, 0, then
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if not self._dst.nbytes:  # every step sets the next one; bytes now are out of turn
+            raise ProtocolError("data arrived while none was expected")
+        return self._dst[self._pos:] if self._pos else self._dst
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._pos += nbytes
+        if self._pos >= self._dst.nbytes:
+            self._pos, self._dst = 0, memoryview(b"")
+            try:
+                self._then()
+            except ProtocolError as e:
+                self.protocol_error(e)
+
+    def protocol_error(self, e: ProtocolError) -> None:
+        log.warning("transfer_protocol_error", error=str(e))
+        if self.transport is not None:
+            self.transport.abort()
 
 
 class _Pending:
