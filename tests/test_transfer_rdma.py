@@ -65,6 +65,8 @@ def test_require_rdma_refuses_to_start():
             await eng2.start()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+    with pytest.raises(RuntimeError, match="did not start: RdmaUnavailable: no RDMA device"):
+        PeerProcess("b", {"b/dram": 4096}, "--require-rdma")
 
 
 @no_devices

@@ -405,7 +405,9 @@ class TransferEngine:
 
     def stats(self) -> dict:
         """Counters for the inspection API and benchmarks."""
-        return {"backend": self.backend, "segments": len(self._segments),
+        return {"backend": self.backend,
+                "rdma_nics": list(self._rdma.nics) if self._rdma is not None else [],
+                "segments": len(self._segments),
                 "peer_segments": len(self._peers), "batches": len(self._batches),
                 "inflight_requests": len(self._tasks), "endpoints": len(self._pool),
                 "endpoints_made": self._pool.made, "endpoints_evicted": self._pool.evicted,

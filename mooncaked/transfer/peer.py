@@ -6,7 +6,8 @@ Used by the multi-process tests and the benchmark, and handy for manual checks
     python -m mooncaked.transfer.peer --node-id b --segment b/dram=67108864 --fill-seed 1
 
 It prints one JSON line when ready: {"ready": true, "node", "port", "backend",
-"rdma_unavailable_reason", "descriptors": {name: descriptor}}; then answers one JSON
+"rdma_unavailable_reason", "descriptors": {name: descriptor}} (or {"ready": false,
+"error"} and exits with status 2 when the engine cannot start); then answers one JSON
 line per command line (stdin EOF or {"cmd": "quit"} ends it):
 
 - {"cmd": "add_peer", "descriptor": {...}}
@@ -40,6 +41,7 @@ from mooncaked.log import setup_logging
 
 from .batch import TransferOp, TransferRequest
 from .engine import TransferEngine
+from .rdma import RdmaUnavailable
 
 
 def fill_bytes(view: memoryview, seed: int) -> None:
@@ -82,11 +84,16 @@ async def _command(engine: TransferEngine, buffers: dict[str, np.ndarray], msg: 
 async def serve(args: argparse.Namespace) -> None:
     """Runs the peer until stdin closes or a quit command arrives."""
     settings = TransferSettings(host=args.host, port=args.port, backend=args.backend,
+                                require_rdma=args.require_rdma,
                                 connections_per_peer=args.connections,
                                 slice_size_bytes=args.slice_bytes,
                                 request_timeout_s=args.timeout)
     engine = TransferEngine(settings, node_id=args.node_id)
-    await engine.start()
+    try:
+        await engine.start()
+    except (RdmaUnavailable, OSError, ValueError) as e:
+        _emit({"ready": False, "error": f"{type(e).__name__}: {e}"})
+        raise SystemExit(2) from None
     buffers: dict[str, np.ndarray] = {}
     descriptors = {}
     for spec in args.segment:
@@ -137,6 +144,8 @@ class PeerProcess:
         threading.Thread(target=self._pump, daemon=True).start()
         try:
             self.info = self._next_line()
+            if not self.info.get("ready"):
+                raise RuntimeError(f"peer {node_id} did not start: {self.info.get('error')}")
         except BaseException:
             self.kill()
             raise
@@ -154,7 +163,11 @@ class PeerProcess:
         except queue.Empty:
             raise TimeoutError(f"peer gave no answer within {self.timeout} s") from None
         if line is None:
-            raise RuntimeError(f"peer exited (code {self.proc.poll()})")
+            try:
+                code = self.proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            raise RuntimeError(f"peer exited (code {code})")
         return orjson.loads(line)
 
     def cmd(self, **msg) -> dict:
@@ -222,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--backend", default="auto", choices=("auto", "tcp", "rdma"))
+    p.add_argument("--require-rdma", action="store_true", help="refuse to start without RDMA")
     p.add_argument("--connections", type=int, default=TransferSettings.connections_per_peer)
     p.add_argument("--slice-bytes", type=int, default=TransferSettings.slice_size_bytes)
     p.add_argument("--timeout", type=float, default=TransferSettings.request_timeout_s)
