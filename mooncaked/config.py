@@ -132,6 +132,15 @@ class ClusterSettings:
                            "/control/.", min=0, max=65535)
     rpc_max_body_bytes: int = opt(64 * 1024 * 1024, "Largest control request or reply body, "
                                                     "bytes.", min=1024)
+    report_interval_s: float = opt(0.25, "Seconds between a node's reports to the conductor "
+                                         "(load, store events, prefill timings).",
+                                   min=0.01, max=60.0)
+    stream_idle_timeout_s: float = opt(15.0, "A decode stream silent this long (no token, no "
+                                             "keep-alive) is failed, seconds.", min=0.5)
+    stage_ttl_s: float = opt(30.0, "A prefill node keeps a request's exported KV for the decode "
+                                   "node's READ at most this long, seconds.", min=0.5)
+    drain_timeout_s: float = opt(30.0, "On SIGTERM a node takes no new requests and waits this "
+                                       "long for running ones before exiting, seconds.", min=0.0)
 
 
 @dataclass
