@@ -156,8 +156,10 @@ class TransferSettings:
                                "preferred; TCP with a warning when no device exists).",
                        choices=("auto", "tcp", "rdma"))
     require_rdma: bool = opt(False, "Refuse to start when no RDMA device is usable.")
-    connections_per_peer: int = opt(4, "TCP connections (paths) per peer; slices of one request "
-                                       "spread over them.", min=1, max=64)
+    connections_per_peer: int = opt(8, "TCP paths per peer: this many pipelined connections "
+                                       "for small slices and as many for bulk slices (moved "
+                                       "by worker threads); slices of one request spread "
+                                       "over them.", min=1, max=64)
     slice_size_bytes: int = opt(1024 * 1024, "Largest slice of a request on a TCP path, bytes.",
                                 min=4096)
     rdma_slice_size_bytes: int = opt(256 * 1024, "Largest slice (one work request) on an RDMA "
