@@ -232,19 +232,19 @@ def test_free_batch_refuses_pending_and_register_needs_start():
 
 
 def test_resolver_feeds_open_segment():
+    published: dict[str, dict] = {}
+    asked = []
+
+    async def resolver(name):
+        asked.append(name)
+        return published.get(name)
+
     async def main():
-        async with TransferEngine(TransferSettings(backend="tcp"), node_id="a") as a, \
+        async with TransferEngine(TransferSettings(backend="tcp"), node_id="a",
+                                  resolver=resolver) as a, \
                 TransferEngine(TransferSettings(backend="tcp"), node_id="b") as b:
             mem = bytearray(b"x" * 64)
-            desc = b.register_segment("b/dram", mem)
-            published = {"b/dram": desc}
-            asked = []
-
-            async def resolver(name):
-                asked.append(name)
-                return published.get(name)
-
-            a._resolver = resolver
+            published["b/dram"] = b.register_segment("b/dram", mem)
             info = await a.open_segment("b/dram")
             assert info == {"name": "b/dram", "length": 64, "location": "cpu:0",
                             "local": False, "node": "b"}
