@@ -232,7 +232,7 @@ def test_hung_peer_fails_within_the_timeout_then_recovers(peers):
             with pytest.raises(TransferError, match=r"timed out after 1 s"):
                 await eng.read("b/dram", 0, bytearray(100))
             elapsed = time.monotonic() - t0
-            assert 2.0 <= elapsed < 4.0
+            assert 2.0 <= elapsed < 6.0  # two requests, each failed at its 1 s timeout
             peer.signal(signal.SIGCONT)
             await eng.read("b/dram", 0, buf)
             assert buf == seeded(4 * MiB, 4)[:2 * MiB]
@@ -245,7 +245,7 @@ def test_peer_killed_mid_batch_fails_fast_and_a_restart_is_reachable(peers):
     port = peer.port
 
     async def main():
-        async with engine(timeout=5.0) as eng:
+        async with engine(timeout=10.0) as eng:
             local = bytearray(64)
             eng.register_segment("test/dram", local)
             eng.add_peer_segment(peer.descriptors["b/dram"])
@@ -266,7 +266,7 @@ def test_peer_killed_mid_batch_fails_fast_and_a_restart_is_reachable(peers):
             statuses = await eng.wait_batch(bid, timeout=10)
             elapsed = time.monotonic() - t0
             assert all(s.failed for s in statuses)
-            assert elapsed < 5.0  # connection resets and refused dials: well inside the timeout
+            assert elapsed < 5.0  # resets and refused dials, not the 10 s timeout
             assert all("node b at 127.0.0.1" in s.reason and "unreachable" in s.reason
                        for s in statuses), [s.reason for s in statuses]
             eng.free_batch_id(bid)
