@@ -160,8 +160,8 @@ class TransferSettings:
                                        "for small slices and as many for bulk slices (moved "
                                        "by worker threads); slices of one request spread "
                                        "over them.", min=1, max=64)
-    slice_size_bytes: int = opt(1024 * 1024, "Largest slice of a request on a TCP path, bytes.",
-                                min=4096)
+    slice_size_bytes: int = opt(4 * 1024 * 1024, "Largest slice of a request on a TCP path, "
+                                                  "bytes.", min=4096)
     rdma_slice_size_bytes: int = opt(256 * 1024, "Largest slice (one work request) on an RDMA "
                                                  "path, bytes (the paper uses 16 KiB; Python's "
                                                  "per-post cost favours larger ones).", min=4096)
