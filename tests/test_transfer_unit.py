@@ -255,3 +255,43 @@ def test_resolver_feeds_open_segment():
             assert asked == ["b/dram", "c/dram"]
 
     run(main())
+
+
+def test_control_channel_round_trip():
+    """RDMA_CONNECT/RDMA_DISCONNECT travel over the data server to a coroutine on the loop
+    (the queue-pair exchange uses exactly this path), refusals included."""
+    from mooncaked.transfer.tcp import ControlError, DataServer, Refused, TcpEndpoint
+
+    async def main():
+        seg = LocalSegment("n/dram", memoryview(bytearray(16)), "cpu:0")
+        seen = []
+
+        async def control(op, segment, body):
+            seen.append((op, segment.name, body))
+            if body.get("nic") == "nope":
+                raise ControlError(Status.BAD_REQUEST, "no RDMA NIC named 'nope'")
+            return {"qpn": body["qpn"] + 1, "echo": body}
+
+        server = DataServer("127.0.0.1", 0, {"n/dram": seg}.get, control)
+        await server.start()
+        ep = TcpEndpoint("127.0.0.1", server.port)
+        try:
+            reply = await ep.control(Op.RDMA_CONNECT, b"n/dram", seg.access_key,
+                                     {"qpn": 41, "nic": "mlx5_0"})
+            assert reply == {"qpn": 42, "echo": {"qpn": 41, "nic": "mlx5_0"}}
+            with pytest.raises(Refused, match="bad_request: no RDMA NIC named 'nope'"):
+                await ep.control(Op.RDMA_CONNECT, b"n/dram", seg.access_key,
+                                 {"qpn": 1, "nic": "nope"})
+            with pytest.raises(Refused, match="access key mismatch"):
+                await ep.control(Op.RDMA_DISCONNECT, b"n/dram", b"\0" * 16, {"qpn": 1})
+            assert await ep.control(Op.RDMA_DISCONNECT, b"n/dram", seg.access_key,
+                                    {"qpn": 42}) == {"qpn": 43, "echo": {"qpn": 42}}
+            assert [(op, name) for op, name, _ in seen] == [
+                (Op.RDMA_CONNECT, "n/dram"), (Op.RDMA_CONNECT, "n/dram"),
+                (Op.RDMA_DISCONNECT, "n/dram")]
+            assert server.refused == 2
+        finally:
+            ep.close()
+            await server.close()
+
+    run(main())

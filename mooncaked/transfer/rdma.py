@@ -351,7 +351,13 @@ class RdmaEndpoint:
             if self.closed or self.broken:
                 raise RdmaPathError("endpoint broken")
             fut = self.nic.post(self, read, laddr, lkey, length, raddr, rkey)
-            await fut
+            try:
+                await fut
+            except asyncio.CancelledError:
+                # The work request may still run and touch the caller's buffer: destroying
+                # the queue pair stops it before the buffer is handed back.
+                self.close()
+                raise
 
     def close(self) -> None:
         """Destroys the QP and tells the peer to destroy its side (dropped on both sides)."""
