@@ -33,6 +33,8 @@ import socket
 import time
 from typing import Any, Awaitable, Callable
 
+import numpy as np
+
 from mooncaked.config import TransferSettings
 from mooncaked.log import get_logger
 
@@ -453,7 +455,7 @@ class TransferEngine:
         try:
             async with asyncio.timeout(timeout):
                 if isinstance(target, LocalSegment):
-                    self._local_copy(req, target, view)
+                    await self._local(req, target, view)
                     entry.moved = view.nbytes
                 else:
                     await self._remote(entry, target, view)
@@ -487,10 +489,22 @@ class TransferEngine:
     @staticmethod
     def _local_copy(req: TransferRequest, seg: LocalSegment, view: memoryview) -> None:
         region = seg.view[req.remote_offset:req.remote_offset + view.nbytes]
-        if req.op is TransferOp.READ:
-            view[:] = region
-        else:
-            region[:] = view
+        dst, src = (view, region) if req.op is TransferOp.READ else (region, view)
+        # numpy's copy releases the GIL for large arrays (memoryview assignment does not).
+        np.copyto(np.frombuffer(dst, dtype=np.uint8), np.frombuffer(src, dtype=np.uint8))
+
+    async def _local(self, req: TransferRequest, seg: LocalSegment, view: memoryview) -> None:
+        """A request on a segment of this engine: a memcpy (in a worker thread when large,
+        so the loop keeps running)."""
+        if view.nbytes < BULK_MIN_BYTES:
+            self._local_copy(req, seg, view)
+            return
+        job = self._io.submit(self._local_copy, req, seg, view)
+        try:
+            await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            concurrent.futures.wait([job])  # never hand the buffer back mid-copy
+            raise
 
     async def _remote(self, entry: _Entry, peer: PeerSegment, view: memoryview) -> None:
         req = entry.request
