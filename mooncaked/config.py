@@ -156,7 +156,7 @@ class TransferSettings:
                                "preferred; TCP with a warning when no device exists).",
                        choices=("auto", "tcp", "rdma"))
     require_rdma: bool = opt(False, "Refuse to start when no RDMA device is usable.")
-    connections_per_peer: int = opt(8, "TCP paths per peer: this many pipelined connections "
+    connections_per_peer: int = opt(16, "TCP paths per peer: this many pipelined connections "
                                        "for small slices and as many for bulk slices (moved "
                                        "by worker threads); slices of one request spread "
                                        "over them.", min=1, max=64)
