@@ -52,7 +52,7 @@ log = get_logger(__name__)
 
 ATTEMPTS = 3  # paths tried per slice before its request fails (RDMA then also tries TCP)
 BULK_MIN_BYTES = 256 * 1024  # TCP slices this large move in worker threads (GIL released)
-IO_THREADS = 32  # worker threads for bulk TCP slices, all peers together
+IO_THREADS = 64  # worker threads for bulk TCP slices and large local copies, all peers together
 
 Resolver = Callable[[str], Awaitable[dict | None]]
 
