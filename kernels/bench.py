@@ -13,7 +13,11 @@ On one CUDA GPU, in one run:
     over contiguous KV (and FlashInfer's paged prefill when importable);
   * block gather (pages -> contiguous buffer) against torch indexing.
 Times are medians over a few iterations, measured with CUDA events, with the L2 cache
-flushed before each. Each result row also carries the largest |ours - SDPA| difference,
+flushed before each. Decode is timed twice: eager (each call launched from Python, so
+at small batch the host's launch work shows) and as a CUDA-graph replay of the same call
+(the kernels alone, as a serving engine's decode step runs them, e.g. vLLM's); the ratios
+and the summary use the graph times, for SDPA+gather as well, and the eager times stay in
+the table. Each result row also carries the largest |ours - SDPA| difference,
 a sanity check. Shapes default to a Llama-3-8B layer (32 query heads, 8 KV heads,
 head_dim 128, bf16, 16-token blocks). The run stops adding rows after a time budget so
 it finishes within 5 minutes.
@@ -39,6 +43,9 @@ DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_CONTEXTS = (1024, 4096, 8192, 16384, 32768)
 # (batch, new tokens, cached tokens) per sequence
 PREFILL_CASES = ((1, 4096, 0), (1, 8192, 0), (4, 2048, 2048), (8, 512, 3584), (16, 1024, 0))
+# Decode tile sweep (tile tokens, num_warps, num_stages) at (batch, context); the first is built in.
+SWEEP_TILES = ((64, 4, 3), (64, 4, 2), (32, 4, 3), (128, 4, 2), (128, 8, 3))
+DECODE_SWEEP = ((1, 32768), (4, 8192), (16, 8192))
 BUDGET_S = 200.0  # seconds; the rows measured so far take well under a minute on an H200
 
 
@@ -80,6 +87,28 @@ class Timer:
                 fn()
                 times.append(time.perf_counter() - t0)
         return statistics.median(times)
+
+    def graph(self, fn: Callable[[], object]) -> float:
+        """Median time of replaying `fn` captured in a CUDA graph (launch overhead excluded).
+
+        `fn` runs twice on a side stream first (compiles, allocator warm-up), as torch's
+        CUDA-graph docs prescribe. Raises: RuntimeError without CUDA, or what capture raises.
+        """
+        if not self.cuda:
+            raise RuntimeError("CUDA graphs need a CUDA device")
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        try:
+            return self(graph.replay)
+        finally:
+            del graph
 
 
 def copy_bandwidth(device: torch.device, timer: Timer, nbytes: int = 2 << 30) -> float:
@@ -139,9 +168,26 @@ def _flashinfer():
         return None
 
 
+def _graph_time(timer: Timer, fn: Callable[[], object], row: dict, name: str) -> float:
+    """CUDA-graph replay time of `fn`; its eager time (row[name + "_eager_s"]) when capture
+    fails or there is no GPU, with the reason in row[name + "_graph_error"]."""
+    if not timer.cuda:
+        return row[f"{name}_eager_s"]
+    try:
+        return timer.graph(fn)
+    except Exception as e:  # noqa: BLE001 - a capture failure must not lose the row
+        row[f"{name}_graph_error"] = f"{type(e).__name__}: {e}"[:200]
+        torch.cuda.synchronize()
+        return row[f"{name}_eager_s"]
+
+
 def bench_decode(ops, batch: int, context: int, shape: Shape, device: torch.device, timer: Timer,
                  copy_bps: float) -> dict:
-    """One decode row: times (s), achieved bandwidths (bytes/s) and ratios."""
+    """One decode row: times (s), achieved bandwidths (bytes/s) and ratios.
+
+    `<name>_s` is the CUDA-graph replay time (kernels only) and `<name>_eager_s` the time of
+    a call from Python, for name in triton, sdpa_gather, sdpa; ratios use the graph times.
+    """
     kv, k_cache, v_cache, table = _paged_pool(batch, [context] * batch, shape, device)
     lens = torch.full((batch,), context, dtype=torch.int32, device=device)
     q = torch.randn(batch, shape.num_heads, shape.head_dim, device=device, dtype=shape.dtype)
@@ -154,16 +200,17 @@ def bench_decode(ops, batch: int, context: int, shape: Shape, device: torch.devi
     if hasattr(ops, "decode_plan"):
         row["splits"] = ops.decode_plan(batch, shape.num_kv_heads, table.shape[1] * shape.block_size,
                                         shape.head_dim, shape.dtype, device)[0]
-    row["triton_s"] = timer(lambda: ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale))
-
+    triton_fn = lambda: ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale)  # noqa: E731
     q4 = q[:, :, None, :]
     gather_sdpa = lambda: _sdpa(q4, _gathered(k_cache, table, context), _gathered(v_cache, table, context), scale)  # noqa: E731
-    row["sdpa_gather_s"] = timer(gather_sdpa)
     k_dense = _gathered(k_cache, table, context).contiguous()
     v_dense = _gathered(v_cache, table, context).contiguous()
     want = _sdpa(q4, k_dense, v_dense, scale)[:, :, 0]
     row["max_abs_diff"] = float((ours.float() - want.float()).abs().max())
-    row["sdpa_s"] = timer(lambda: _sdpa(q4, k_dense, v_dense, scale))
+    sdpa_fn = lambda: _sdpa(q4, k_dense, v_dense, scale)  # noqa: E731
+    for name, fn in (("triton", triton_fn), ("sdpa_gather", gather_sdpa), ("sdpa", sdpa_fn)):
+        row[f"{name}_eager_s"] = timer(fn)
+        row[f"{name}_s"] = _graph_time(timer, fn, row, name)
     del k_dense, v_dense
 
     fi = _flashinfer()
@@ -184,10 +231,39 @@ def bench_decode(ops, batch: int, context: int, shape: Shape, device: torch.devi
         if f"{name}_s" in row:
             row[f"{name}_GBps"] = nbytes / row[f"{name}_s"] / 1e9
     row["triton_pct_of_copy"] = 100 * nbytes / row["triton_s"] / copy_bps
+    row["triton_eager_pct_of_copy"] = 100 * nbytes / row["triton_eager_s"] / copy_bps
+    row["speedup_vs_sdpa_gather_eager"] = row["sdpa_gather_eager_s"] / row["triton_eager_s"]
     row["speedup_vs_sdpa_gather"] = row["sdpa_gather_s"] / row["triton_s"]
     row["speedup_vs_sdpa"] = row["sdpa_s"] / row["triton_s"]
-    if "flashinfer_s" in row:
-        row["speedup_vs_flashinfer"] = row["flashinfer_s"] / row["triton_s"]
+    if "flashinfer_s" in row:  # FlashInfer is timed eagerly only: compare eager with eager
+        row["speedup_vs_flashinfer"] = row["flashinfer_s"] / row["triton_eager_s"]
+    return row
+
+
+def bench_decode_tiles(ops, batch: int, context: int, shape: Shape, device: torch.device, timer: Timer,
+                       copy_bps: float, tiles=None) -> dict:
+    """Decode at one shape with each (tile tokens, num_warps, num_stages) of `tiles` (CUDA-graph
+    time, % of copy bandwidth): data for choosing the built-in decode tile on a new GPU."""
+    kv, k_cache, v_cache, table = _paged_pool(batch, [context] * batch, shape, device, seed=2)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    q = torch.randn(batch, shape.num_heads, shape.head_dim, device=device, dtype=shape.dtype)
+    scale = shape.head_dim ** -0.5
+    nbytes = (2 * batch * context * shape.num_kv_heads + batch * shape.num_heads) * shape.head_dim * kv.element_size()
+    want = ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale).float()
+    row: dict = {"batch": batch, "context": context, "pct_of_copy": {}, "errors": {}}
+    for cfg in tiles or SWEEP_TILES:
+        name = "/".join(map(str, cfg))
+        fn = lambda cfg=cfg: ops.paged_decode_attention(q, k_cache, v_cache, table, lens, scale, tile_config=cfg)  # noqa: E731
+        try:
+            diff = float((fn().float() - want).abs().max())
+            if diff > 0.05:
+                raise AssertionError(f"differs from the built-in tile by {diff}")
+            t = timer.graph(fn) if timer.cuda else timer(fn)
+            row["pct_of_copy"][name] = 100 * nbytes / t / copy_bps
+        except Exception as e:  # noqa: BLE001 - a tile that does not fit is a result, not a failure
+            row["errors"][name] = f"{type(e).__name__}: {e}"[:160]
+            if device.type == "cuda":
+                torch.cuda.synchronize()
     return row
 
 
@@ -257,12 +333,14 @@ def bench_gather(ops, shape: Shape, device: torch.device, timer: Timer, num_bloc
 
 
 def run(device: torch.device, shape: Shape = Shape(), decode_batches=DECODE_BATCHES,
-        decode_contexts=DECODE_CONTEXTS, prefill_cases=PREFILL_CASES, iters: int = 10,
-        budget_s: float = BUDGET_S, gather: tuple[int, int] = (256, 32), ops=None) -> dict:
+        decode_contexts=DECODE_CONTEXTS, prefill_cases=PREFILL_CASES, iters: int = 20,
+        budget_s: float = BUDGET_S, gather: tuple[int, int] = (256, 32), ops=None,
+        decode_sweep=DECODE_SWEEP) -> dict:
     """Runs every measurement and returns one JSON-able dict (times in s, rates in GB/s, TFLOP/s).
 
     gather: (blocks, layers) of the block-gather measurement. ops: the kernel module
-    (default: triton_ops). Rows past `budget_s` seconds are listed under "skipped".
+    (default: triton_ops). decode_sweep: (batch, context) pairs of the decode tile
+    sweep (x SWEEP_TILES), CUDA only. Rows past `budget_s` seconds are listed under "skipped".
     """
     if ops is None:
         from . import triton_ops as ops  # noqa: PLC0415
@@ -277,7 +355,7 @@ def run(device: torch.device, shape: Shape = Shape(), decode_batches=DECODE_BATC
         "flashinfer": getattr(fi, "__version__", "unknown") if fi else None,
         "shape": {"num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                   "block_size": shape.block_size, "dtype": str(shape.dtype).removeprefix("torch.")},
-        "iters": iters, "decode": [], "prefill": [], "skipped": [], "errors": [],
+        "iters": iters, "decode": [], "decode_tiles": [], "prefill": [], "skipped": [], "errors": [],
     }
     out["copy_GBps"] = copy_bandwidth(device, timer) / 1e9
 
@@ -308,6 +386,11 @@ def run(device: torch.device, shape: Shape = Shape(), decode_batches=DECODE_BATC
     for batch, new, cached in prefill_cases:
         attempt(f"prefill b={batch} new={new} cached={cached}",
                 lambda: bench_prefill(ops, batch, new, cached, shape, device, timer), out["prefill"])
+    if device.type == "cuda" and hasattr(ops, "decode_plan"):
+        for batch, context in decode_sweep:
+            attempt(f"decode tiles b={batch} ctx={context}",
+                    lambda: bench_decode_tiles(ops, batch, context, shape, device, timer, out["copy_GBps"] * 1e9),
+                    out["decode_tiles"])
     gathered: list = []
     attempt("gather_blocks", lambda: bench_gather(ops, shape, device, timer, *gather), gathered)
     out["gather"] = gathered[0] if gathered else None
@@ -317,67 +400,103 @@ def run(device: torch.device, shape: Shape = Shape(), decode_batches=DECODE_BATC
         "decode_min_pct_of_copy_at_8k_plus": min((r["triton_pct_of_copy"] for r in long), default=None),
         "decode_faster_than_sdpa_gather_everywhere": all(r["speedup_vs_sdpa_gather"] > 1 for r in out["decode"]),
         "decode_faster_than_sdpa_everywhere": all(r["speedup_vs_sdpa"] > 1 for r in out["decode"]),
+        "decode_eager_min_pct_of_copy_at_8k_plus": min((r["triton_eager_pct_of_copy"] for r in long), default=None),
+        "decode_eager_faster_than_sdpa_gather_everywhere": all(r["speedup_vs_sdpa_gather_eager"] > 1
+                                                               for r in out["decode"]),
         "prefill_min_speedup_vs_sdpa": min((r["speedup_vs_sdpa"] for r in out["prefill"]), default=None),
     }
     out["elapsed_s"] = time.perf_counter() - t_start
     return out
 
 
-def render(result: dict) -> None:
-    """Prints the result as rich tables."""
-    from rich.console import Console  # noqa: PLC0415
-    from rich.table import Table  # noqa: PLC0415
+def _table(title: str, headers: list[str], rows: list[list[str]]) -> str:
+    """Plain-text table with right-aligned columns as narrow as their contents (fits a log)."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    lines = [title, "  ".join(h.rjust(w) for h, w in zip(headers, widths))]
+    lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(lines)
 
-    con = Console()
+
+def _f(row: dict, key: str, fmt: str, mul: float = 1.0) -> str:
+    return format(row[key] * mul, fmt) if row.get(key) is not None else "-"
+
+
+def summary_text(result: dict) -> str:
+    """The compact summary: targets of issue 3 and the headline ratios, a few short lines."""
+    sm = result["summary"]
+    pct = sm.get("decode_min_pct_of_copy_at_8k_plus")
+    pct_e = sm.get("decode_eager_min_pct_of_copy_at_8k_plus")
+    lines = ["summary (decode: CUDA-graph times; eager in brackets):",
+             f"  decode min % of copy bandwidth at >= 8k context: {pct or 0:.0f}% [{pct_e or 0:.0f}%] (target 70%)",
+             f"  decode faster than SDPA+gather at every size: {sm['decode_faster_than_sdpa_gather_everywhere']} "
+             f"[{sm.get('decode_eager_faster_than_sdpa_gather_everywhere')}]; than SDPA on contiguous KV: "
+             f"{sm['decode_faster_than_sdpa_everywhere']}",
+             f"  prefill min x SDPA: {sm['prefill_min_speedup_vs_sdpa'] or 0:.2f}; errors {len(result['errors'])}, "
+             f"skipped {len(result['skipped'])}, elapsed {result['elapsed_s']:.0f} s"]
+    for r in result.get("decode_tiles", []):
+        best = max(r["pct_of_copy"].items(), key=lambda kv: kv[1], default=("-", 0.0))
+        lines.append(f"  decode tile sweep b={r['batch']} ctx={r['context']}: best {best[0]} at {best[1]:.0f}% "
+                     f"(built-in {r['pct_of_copy'].get('/'.join(map(str, SWEEP_TILES[0])), 0):.0f}%)")
+    return "\n".join(lines)
+
+
+def render_text(result: dict) -> str:
+    """The result as plain-text tables (narrow columns, no terminal width needed)."""
     s = result["shape"]
-    con.print(f"[bold]{result['device']}[/] torch {result['torch']} triton {result['triton']} "
-              f"flashinfer {result['flashinfer'] or 'not installed'}; heads {s['num_heads']}/{s['num_kv_heads']} "
-              f"head_dim {s['head_dim']} block {s['block_size']} {s['dtype']}; "
-              f"device copy bandwidth {result['copy_GBps']:.0f} GB/s (read + write)")
-
-    def us(row, key):
-        return f"{row[key] * 1e6:.1f}" if key in row else "-"
-
-    t = Table(title="decode attention (time in µs; GB/s = K, V, Q bytes read / time)")
-    for col in ("batch", "context", "splits", "triton µs", "triton GB/s", "% of copy", "SDPA+gather µs",
-                "SDPA µs", "FlashInfer µs", "x SDPA+gather", "x SDPA", "x FlashInfer", "max diff"):
-        t.add_column(col, justify="right")
+    out = [f"{result['device']} torch {result['torch']} triton {result['triton']} "
+           f"flashinfer {result['flashinfer'] or 'not installed'}; heads {s['num_heads']}/{s['num_kv_heads']} "
+           f"head_dim {s['head_dim']} block {s['block_size']} {s['dtype']}; "
+           f"device copy bandwidth {result['copy_GBps']:.0f} GB/s (read + write)", ""]
+    rows = [[str(r["batch"]), str(r["context"]), str(r.get("splits", "-")), _f(r, "triton_s", ".1f", 1e6),
+             _f(r, "triton_eager_s", ".1f", 1e6), _f(r, "triton_GBps", ".0f"), _f(r, "triton_pct_of_copy", ".0f"),
+             _f(r, "triton_eager_pct_of_copy", ".0f"), _f(r, "sdpa_gather_s", ".1f", 1e6),
+             _f(r, "sdpa_gather_eager_s", ".1f", 1e6), _f(r, "sdpa_s", ".1f", 1e6), _f(r, "flashinfer_s", ".1f", 1e6),
+             _f(r, "speedup_vs_sdpa_gather", ".2f"), _f(r, "speedup_vs_sdpa_gather_eager", ".2f"),
+             _f(r, "speedup_vs_sdpa", ".2f"), _f(r, "speedup_vs_flashinfer", ".2f"), _f(r, "max_abs_diff", ".1e")]
+            for r in result["decode"]]
+    out.append(_table("decode attention (us; graph = CUDA-graph replay, eager = launched from Python; "
+                      "GB/s = K, V, Q bytes / graph time; %cp = % of copy bandwidth)",
+                      ["batch", "ctx", "splits", "graph", "eager", "GB/s", "%cp", "%cp-e", "SDPA+g", "SDPA+g-e",
+                       "SDPA", "FI-e", "xSDPA+g", "xSDPA+g-e", "xSDPA", "xFI-e", "maxdiff"], rows))
     for r in result["decode"]:
-        t.add_row(str(r["batch"]), str(r["context"]), str(r.get("splits", "-")), us(r, "triton_s"),
-                  f"{r['triton_GBps']:.0f}", f"{r['triton_pct_of_copy']:.0f}%", us(r, "sdpa_gather_s"),
-                  us(r, "sdpa_s"), us(r, "flashinfer_s"), f"{r['speedup_vs_sdpa_gather']:.2f}",
-                  f"{r['speedup_vs_sdpa']:.2f}",
-                  f"{r['speedup_vs_flashinfer']:.2f}" if "speedup_vs_flashinfer" in r else "-",
-                  f"{r['max_abs_diff']:.1e}")
-    con.print(t)
-
-    t = Table(title="prefill attention, causal over cached + new tokens (TFLOP/s)")
-    for col in ("batch", "new", "cached", "triton ms", "triton TFLOP/s", "SDPA ms", "SDPA TFLOP/s",
-                "FlashInfer TFLOP/s", "x SDPA", "max diff"):
-        t.add_column(col, justify="right")
-    for r in result["prefill"]:
-        t.add_row(str(r["batch"]), str(r["new"]), str(r["cached"]), f"{r['triton_s'] * 1e3:.2f}",
-                  f"{r['triton_TFLOPs']:.1f}", f"{r['sdpa_s'] * 1e3:.2f}", f"{r['sdpa_TFLOPs']:.1f}",
-                  f"{r['flashinfer_TFLOPs']:.1f}" if "flashinfer_TFLOPs" in r else "-",
-                  f"{r['speedup_vs_sdpa']:.2f}", f"{r['max_abs_diff']:.1e}")
-    con.print(t)
+        errs = [f"{k}: {v}" for k, v in r.items() if k.endswith("_graph_error")]
+        if errs:
+            out.append("CUDA graph capture failed (eager time used): " + "; ".join(errs))
+            break
+    rows = [[str(r["batch"]), str(r["new"]), str(r["cached"]), _f(r, "triton_s", ".2f", 1e3),
+             _f(r, "triton_TFLOPs", ".1f"), _f(r, "sdpa_s", ".2f", 1e3), _f(r, "sdpa_TFLOPs", ".1f"),
+             _f(r, "flashinfer_TFLOPs", ".1f"), _f(r, "speedup_vs_sdpa", ".2f"), _f(r, "max_abs_diff", ".1e")]
+            for r in result["prefill"]]
+    out += ["", _table("prefill attention, causal over cached + new tokens (TFLOP/s)",
+                       ["batch", "new", "cached", "ms", "TFLOP/s", "SDPA ms", "SDPA TF/s", "FI TF/s", "xSDPA",
+                        "maxdiff"], rows)]
+    if result.get("decode_tiles"):
+        names = ["/".join(map(str, t)) for t in SWEEP_TILES]
+        rows = [[str(r["batch"]), str(r["context"])] + [_f(r["pct_of_copy"], n, ".0f") for n in names]
+                for r in result["decode_tiles"]]
+        out += ["", _table("decode tile sweep: % of copy bandwidth (CUDA graph) per tile/num_warps/num_stages "
+                           f"(built in: {names[0]})", ["batch", "ctx"] + names, rows)]
+        for r in result["decode_tiles"]:
+            for name, err in r["errors"].items():
+                out.append(f"  tile {name} at b={r['batch']} ctx={r['context']}: {err}")
     g = result.get("gather")
     if g:
-        con.print(f"gather_blocks: {g['blocks']} blocks of {g['block_bytes'] >> 10} KiB: triton "
-                  f"{g['triton_GBps']:.0f} GB/s, torch indexing {g['torch_GBps']:.0f} GB/s (x{g['speedup']:.2f})")
+        out += ["", f"gather_blocks: {g['blocks']} blocks of {g['block_bytes'] >> 10} KiB: triton "
+                f"{g['triton_GBps']:.0f} GB/s, torch indexing {g['torch_GBps']:.0f} GB/s (x{g['speedup']:.2f})"]
     for r in result["decode"] + result["prefill"]:
         if "flashinfer_error" in r:
-            con.print(f"[yellow]FlashInfer failed[/]: {r['flashinfer_error']}")
+            out.append(f"FlashInfer failed: {r['flashinfer_error']}")
             break
-    for err in result["errors"]:
-        con.print(f"[red]error[/]: {err}")
+    out += [f"error: {err}" for err in result["errors"]]
     if result["skipped"]:
-        con.print(f"[yellow]skipped[/] (time budget or memory): {', '.join(result['skipped'])}")
-    sm = result["summary"]
-    con.print(f"summary: decode min {sm['decode_min_pct_of_copy_at_8k_plus'] or 0:.0f}% of copy bandwidth at >= 8k "
-              f"(target 70%); faster than SDPA+gather everywhere: {sm['decode_faster_than_sdpa_gather_everywhere']}; "
-              f"than SDPA on contiguous KV: {sm['decode_faster_than_sdpa_everywhere']}; "
-              f"elapsed {result['elapsed_s']:.0f} s")
+        out.append(f"skipped (time budget or memory): {', '.join(result['skipped'])}")
+    out.append(summary_text(result))
+    return "\n".join(out)
+
+
+def render(result: dict) -> None:
+    """Prints the result as plain-text tables and the summary."""
+    print(render_text(result), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,7 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--json-file", help="also write the JSON object to this file (tables still print)")
     p.add_argument("--budget", type=float, default=BUDGET_S, help="seconds after which no new rows start")
+    p.add_argument("--summary-of", metavar="JSON_FILE",
+                   help="print the tables and summary of a saved --json-file result and exit (no GPU needed)")
     args = p.parse_args(argv)
+    if args.summary_of:
+        with open(args.summary_of) as f:
+            render(json.load(f))
+        return 0
     if not torch.cuda.is_available():
         print("mooncaked.kernels.bench: no CUDA device; the kernel benchmark needs a GPU "
               "(the CPU path uses the torch references, see tests/test_kernels_*.py)", file=sys.stderr)

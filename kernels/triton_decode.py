@@ -19,6 +19,7 @@ because `tl.dot` needs M >= 16 on tensor cores.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -29,10 +30,13 @@ from .triton_util import dot_in_fp32, interpreting, launch, page_rows, pow2, sm_
 
 LOG2E = 1.4426950408889634
 
-# A split shorter than this many tokens costs more in the merge than it gains.
-MIN_TOKENS_PER_SPLIT = 256
-# Aim for this many programs per SM before splitting stops paying.
-PROGRAMS_PER_SM = 2
+# A split shorter than this many tokens costs more (its partial output, the merge) than the
+# parallelism it adds: 128 tokens of one KV head are 64 KiB of bf16 K and V at head_dim 128.
+MIN_TOKENS_PER_SPLIT = 128
+# Aim for about this many programs per SM: with two or three resident per SM (shared memory
+# for the pipelined K/V tiles), that is a few waves, so the last wave's tail stays small.
+PROGRAMS_PER_SM = 4
+# The merge kernel holds [MAX_SPLITS, head_dim] fp32 partial outputs in registers.
 MAX_SPLITS = 64
 
 
@@ -140,9 +144,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_cou
                       tile: int) -> tuple[int, int]:
     """How many ranges to split each context into, and how many tokens each covers.
 
-    Splitting pays when the (sequence, KV head) programs alone cannot fill the GPU
-    (fewer than PROGRAMS_PER_SM per SM) and the context is long enough that every
-    split still reads at least MIN_TOKENS_PER_SPLIT tokens.
+    The (sequence, KV head) programs alone leave most SMs idle at small batch (batch 1 with
+    8 KV heads is 8 programs on 132 SMs), so each context is split until there are about
+    PROGRAMS_PER_SM programs per SM (rounded to the nearest count, so a batch that nearly
+    fills the GPU is not doubled), as long as every split still reads at least
+    MIN_TOKENS_PER_SPLIT tokens; at most MAX_SPLITS.
 
     Args:
         num_seqs, num_kv_heads: the grid's first two dimensions.
@@ -154,35 +160,74 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, sm_cou
     """
     max_context = max(int(max_context), 1)
     programs = max(num_seqs * num_kv_heads, 1)
-    wanted = math.ceil(PROGRAMS_PER_SM * sm_count / programs)
-    most = max_context // MIN_TOKENS_PER_SPLIT
+    wanted = int(PROGRAMS_PER_SM * sm_count / programs + 0.5)
+    most = max_context // max(MIN_TOKENS_PER_SPLIT, tile)
     splits = max(1, min(wanted, most, MAX_SPLITS))
     tokens = triton.cdiv(triton.cdiv(max_context, splits), tile) * tile
     return triton.cdiv(max_context, tokens), tokens
+
+
+def _launch_configs(dtype: torch.dtype, head_dim: int, interpret: bool) -> tuple[int, list[dict]]:
+    """(tile, [launch options from fastest to safest]) of the decode kernel.
+
+    16-bit K/V with head_dim <= 128 on a GPU: 64-token tiles, 4 warps, 3 pipeline stages
+    (two 16 KiB K/V tiles per stage at head_dim 128: two or three programs fit per SM on
+    an H100/H200); the later entries need less shared memory. fp32 or wider heads: 32-token
+    tiles. The interpreter prefers small tiles (numpy cost grows with the tile).
+    """
+    d_pad = pow2(head_dim, 16)
+    tile = 32 if dtype.itemsize * d_pad > 256 or interpret else 64
+    return tile, [dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=2),
+                  dict(num_warps=4, num_stages=1)]
 
 
 def decode_plan(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: torch.dtype,
                 device: torch.device, num_splits: int | None = None) -> tuple[int, int, int]:
     """The decode launch: (num_splits, tokens_per_split, tile) for a batch.
 
-    tile: tokens per loop step, 64 for fp16/bf16 with head_dim <= 128 on a GPU, else 32
-    (fp32 or wide heads would not fit two stages of K/V tiles in shared memory; the
-    interpreter prefers small tiles). num_splits: forced if given, else `decode_num_splits`.
+    tile: tokens per loop step (see `_launch_configs`). num_splits: forced if given, else
+    `decode_num_splits`.
     """
-    d_pad = pow2(head_dim, 16)
-    tile = 32 if dtype.itemsize * d_pad > 256 or interpreting(_decode_kernel) else 64
+    return _plan(num_seqs, num_kv_heads, max(int(max_context), 1), head_dim, dtype, torch.device(device),
+                 None if num_splits is None else max(1, int(num_splits)), None)[:3]
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: torch.dtype,
+          device: torch.device, num_splits: int | None,
+          tile_config: tuple[int, int, int] | None) -> tuple[int, int, int, list[dict]]:
+    """`decode_plan` plus the launch options, cached: a decode step repeats the same shapes,
+    and host time between launches is what small-batch decode waits on."""
+    if tile_config is None:
+        tile, configs = _launch_configs(dtype, head_dim, interpreting(_decode_kernel))
+    else:
+        tile, configs = int(tile_config[0]), [dict(num_warps=int(tile_config[1]), num_stages=int(tile_config[2]))]
     if num_splits is None:
         splits, per_split = decode_num_splits(num_seqs, num_kv_heads, max_context, sm_count(device), tile)
     else:
-        per_split = triton.cdiv(triton.cdiv(max(max_context, 1), max(1, int(num_splits))), tile) * tile
-        splits = triton.cdiv(max(max_context, 1), per_split)
-    return splits, per_split, tile
+        per_split = triton.cdiv(triton.cdiv(max_context, num_splits), tile) * tile
+        splits = triton.cdiv(max_context, per_split)
+    return splits, per_split, tile, configs
+
+
+@functools.lru_cache(maxsize=1024)
+def _constexprs(group: int, head_dim: int, block_size: int, tile: int, dot_f32: bool,
+                split: bool) -> dict:
+    """The decode kernel's compile-time arguments (cached: building them costs host time)."""
+    return dict(GROUP=group, GROUP_PAD=pow2(group, 16), HEAD_DIM=head_dim, D_PAD=pow2(head_dim, 16),
+                BLOCK_SIZE=block_size, TILE=tile, DOT_F32=dot_f32, SPLIT=split)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float, *, num_splits: int | None = None) -> torch.Tensor:
+                           scale: float, *, num_splits: int | None = None,
+                           tile_config: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton paged decode attention; same contract as `reference.paged_decode_attention`.
+
+    Host work per call is a few shape checks, cached plan look-ups, at most three
+    allocations (output, partial outputs, their log-sum-exps) and one or two kernel
+    launches; no device-to-host synchronisation, so the call can be captured in a CUDA
+    graph (warm it up once first, so that Triton compiles outside the capture).
 
     Args:
         q: [num_seqs, num_heads, head_dim], fp32/fp16/bf16, last dim contiguous.
@@ -194,6 +239,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         num_splits: force the flash-decoding split count (tests, benchmarks); None lets
             `decode_num_splits` choose from block_tables' width (no host sync), so pass
             tables trimmed to the batch's longest sequence.
+        tile_config: (tokens per tile, num_warps, num_stages) instead of the built-in
+            choice (the benchmark's tile sweep); None for the built-in choice.
     Returns: [num_seqs, num_heads, head_dim], q's dtype (fp32 accumulation).
     Raises: ValueError on mismatched shapes or dtypes.
     """
@@ -208,39 +255,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"q is {q.dtype} but the cache is {k_cache.dtype}/{v_cache.dtype}")
     if block_tables.shape[0] != num_seqs or context_lens.shape[0] != num_seqs:
         raise ValueError("block_tables and context_lens need one row per sequence")
-    q = q if q.stride(-1) == 1 else q.contiguous()
+    if q.stride(-1) != 1:
+        q = q.contiguous()
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need a contiguous head_dim")
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    block_tables = block_tables.to(q.device)
-    context_lens = context_lens.to(q.device)
+    device = q.device
+    if block_tables.device != device:
+        block_tables = block_tables.to(device)
+    if context_lens.device != device:
+        context_lens = context_lens.to(device)
 
     group = num_heads // num_kv_heads
-    d_pad = pow2(head_dim, 16)
-    splits, per_split, tile = decode_plan(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
-                                          head_dim, q.dtype, q.device, num_splits)
+    splits, per_split, tile, configs = _plan(num_seqs, num_kv_heads, max(block_tables.shape[1] * block_size, 1),
+                                             head_dim, q.dtype, device,
+                                             None if num_splits is None else max(1, int(num_splits)),
+                                             None if tile_config is None else tuple(tile_config))
     dot_f32 = dot_in_fp32(_decode_kernel, q.dtype)
-
-    common = dict(GROUP=group, GROUP_PAD=pow2(group, 16), HEAD_DIM=head_dim, D_PAD=d_pad,
-                  BLOCK_SIZE=block_size, TILE=tile, DOT_F32=dot_f32)
-    configs = [dict(num_warps=4, num_stages=3), dict(num_warps=4, num_stages=2), dict(num_warps=4, num_stages=1)]
     kv_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
                   v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0))
     scale_log2 = float(scale) * LOG2E
     if splits == 1:
         args = (q, k_cache, v_cache, block_tables, context_lens, out, out, scale_log2, per_split,
                 q.stride(0), q.stride(1), *kv_strides, out.stride(0), out.stride(1), 0, 0, 0)
-        launch(_decode_kernel, (num_seqs, num_kv_heads, 1), args, [dict(c, SPLIT=False, **common) for c in configs])
+        launch(_decode_kernel, (num_seqs, num_kv_heads, 1), args, configs,
+               _constexprs(group, head_dim, block_size, tile, dot_f32, False))
         return out
 
-    part = torch.empty(num_seqs, num_heads, splits, d_pad, dtype=torch.float32, device=q.device)
-    lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=q.device)
+    d_pad = pow2(head_dim, 16)
+    part = torch.empty(num_seqs, num_heads, splits, d_pad, dtype=torch.float32, device=device)
+    lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=device)
     args = (q, k_cache, v_cache, block_tables, context_lens, part, lse, scale_log2, per_split,
             q.stride(0), q.stride(1), *kv_strides, part.stride(0), part.stride(1), part.stride(2),
             lse.stride(0), lse.stride(1))
-    launch(_decode_kernel, (num_seqs, num_kv_heads, splits), args, [dict(c, SPLIT=True, **common) for c in configs])
+    launch(_decode_kernel, (num_seqs, num_kv_heads, splits), args, configs,
+           _constexprs(group, head_dim, block_size, tile, dot_f32, True))
     _decode_merge_kernel[(num_seqs, num_heads)](
         part, lse, context_lens, out, per_split,
         part.stride(0), part.stride(1), part.stride(2), lse.stride(0), lse.stride(1),

@@ -46,20 +46,32 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def launch(kernel, grid, args: tuple, configs: list[dict]) -> None:
-    """Launches `kernel[grid](*args, **config)` with the first config that fits the device.
+# (kernel, compile-time arguments) -> index of the first launch config that fit the device.
+_FITS: dict[tuple, int] = {}
+
+
+def launch(kernel, grid, args: tuple, configs: list[dict], constexprs: dict | None = None) -> None:
+    """Launches `kernel[grid](*args, **constexprs, **config)` with the first config that fits.
 
     The configs go from fastest to safest; a config whose tiles do not fit in shared
-    memory raises OutOfResources at compile time, and the next one is tried.
+    memory raises OutOfResources at compile time, and the next one is tried. Which one
+    fit is remembered per (kernel, constexprs), so later calls launch it directly instead
+    of recompiling the ones that failed.
     Raises: the last OutOfResources when none fits.
     """
-    for i, config in enumerate(configs):
+    constexprs = constexprs or {}
+    key = (id(kernel), getattr(args[0], "dtype", None), tuple(constexprs.items()))
+    first = _FITS.get(key, 0)
+    for i in range(first, len(configs)):
         try:
-            kernel[grid](*args, **config)
-            return
+            kernel[grid](*args, **constexprs, **configs[i])
         except OutOfResources:
             if i == len(configs) - 1:
                 raise
+            continue
+        if i != first:
+            _FITS[key] = i
+        return
 
 
 # Shared by the attention kernels: where a token's K/V row lives in the paged layout.

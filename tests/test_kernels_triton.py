@@ -235,14 +235,22 @@ def test_attention_rejects_mismatched_heads(ops):
 
 def test_split_heuristic(ops):
     split = ops.decode_num_splits
-    # Enough (sequence, KV head) programs to fill 132 SMs: one pass.
+    # Enough (sequence, KV head) programs to fill 132 SMs (about 4 per SM): one pass.
     assert split(64, 8, 32768, 132, 64) == (1, 32768)
-    # Short contexts are never split.
-    assert split(1, 8, 256, 132, 64)[0] == 1
-    # One long sequence on a big GPU: split, every split at least 256 tokens and a multiple of the tile.
+    # Short contexts are never split: every split reads at least 128 tokens.
+    assert split(1, 8, 255, 132, 64)[0] == 1
+    assert split(1, 8, 256, 132, 64) == (2, 128)
+    # One long sequence on a big GPU: ~4 programs per SM, capped at 64 splits.
     n, tokens = split(1, 8, 32768, 132, 64)
-    assert 1 < n <= 64 and tokens % 64 == 0 and tokens >= 256 and n * tokens >= 32768 > (n - 1) * tokens
-    assert split(4, 8, 16384, 132, 64)[0] < n
+    assert n == 64 and tokens == 512
+    n, tokens = split(1, 8, 8192, 132, 64)
+    assert n == 64 and tokens == 128 and n * tokens >= 8192 > (n - 1) * tokens
+    # Batch 4: 32 programs -> 16 splits (512 programs); batch 16: 128 programs -> 4 splits.
+    assert split(4, 8, 8192, 132, 64) == (16, 512)
+    assert split(16, 8, 16384, 132, 64) == (4, 4096)
+    # Splits are whole tiles and cover the context.
+    n, tokens = split(3, 5, 10001, 132, 64)
+    assert tokens % 64 == 0 and tokens >= 128 and n * tokens >= 10001 > (n - 1) * tokens
 
 
 def test_attention_ops_selects_backend():
@@ -269,17 +277,21 @@ def test_bench_runs_on_tiny_shapes(ops, capsys):
     dtype = torch.bfloat16 if ON_GPU else torch.float32
     shape = bench.Shape(num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=dtype)
     result = bench.run(torch.device(DEVICE), shape, decode_batches=(2,), decode_contexts=(40,),
-                       prefill_cases=((2, 20, 12),), iters=1, gather=(3, 2), ops=ops)
+                       prefill_cases=((2, 20, 12),), iters=1, gather=(3, 2), ops=ops,
+                       decode_sweep=((2, 300),) if ON_GPU else ())
     (dec,), (pre,) = result["decode"], result["prefill"]
     diff = TOL[dtype][0] * 2  # ours vs SDPA: both round their outputs
     assert dec["batch"] == 2 and dec["context"] == 40 and dec["max_abs_diff"] < diff
     assert dec["bytes"] == (2 * 2 * 40 * 2 + 2 * 4) * 64 * dtype.itemsize
     assert pre["flops"] == 4 * 2 * 4 * 64 * (20 * 12 + 20 * 21 // 2) and pre["max_abs_diff"] < diff
+    assert result["decode_tiles"] == [] or set(result["decode_tiles"][0]["pct_of_copy"]) | set(
+        result["decode_tiles"][0]["errors"]) == {"/".join(map(str, t)) for t in bench.SWEEP_TILES}
     assert result["gather"]["blocks"] == 3 and result["skipped"] == [] and result["errors"] == []
     assert set(result["summary"]) >= {"decode_min_pct_of_copy_at_8k_plus", "decode_faster_than_sdpa_everywhere"}
     bench.render(result)
     printed = capsys.readouterr().out
     assert "decode attention" in printed and "prefill attention" in printed and "gather_blocks" in printed
+    assert "summary" in printed and max(map(len, printed.splitlines())) < 200
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a GPU")
