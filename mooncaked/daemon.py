@@ -1,15 +1,30 @@
-"""One mooncaked process: builds the engine and the API from settings and owns their lifecycles.
+"""One mooncaked process: builds the node for its role from settings and owns the lifecycles.
 
-`run_daemon(settings)` runs a uvloop event loop until SIGTERM or SIGINT, then shuts
-down gracefully: stop accepting connections, report /health 503, give in-flight
-requests a short grace period to finish, abort what is left (the engine frees
-their KV blocks), stop the engine, exit 0.
+`run_daemon(settings)` runs a uvloop event loop until SIGTERM or SIGINT.
+
+Role `all` (the single-machine default) is one process with engine and API and no
+coordinator: on a signal it stops accepting connections, reports /health 503,
+gives in-flight requests a short grace period, aborts what is left (the engine
+frees their KV blocks), stops the engine and exits 0.
+
+Roles `prefill`, `decode` and `cache` form a cluster (mooncaked/cluster/node.py):
+the node registers with the coordinator, campaigns for the conductor, serves the
+OpenAI API through the cluster front end and its internal routes (control RPC
+under /control/, the decode stream under /internal/) on the API port, or the
+control plane on cluster.rpc_port when set. On a signal it drains (no new
+requests are placed on it; running ones finish within cluster.drain_timeout_s),
+leaves the cluster and exits 0.
+
+Under systemd (Type=notify) the daemon sends READY=1 once it serves and
+STOPPING=1 when it begins to drain (sd_notify through the `sdnotify` package;
+a no-op without $NOTIFY_SOCKET).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import socket
 
 import uvloop
 from aiohttp import web
@@ -26,16 +41,56 @@ def _url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+def _advertise(host: str) -> str:
+    """The address peers dial for a listen address (a wildcard advertises the host name)."""
+    return socket.gethostname() if host in ("0.0.0.0", "::", "") else host
+
+
+def _addr(host: str, port: int) -> str:
+    """"host:port" (IPv6 in brackets) of a listen address, as peers dial it."""
+    host = _advertise(host)
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _notify(state: str) -> None:
+    """sd_notify(3) to systemd; silently nothing when not started by systemd."""
+    try:
+        import sdnotify  # noqa: PLC0415
+    except ImportError:
+        return
+    sdnotify.SystemdNotifier().notify(state)
+
+
+def _stop_event() -> asyncio.Event:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _listen(app: web.Application, host: str, port: int) -> web.AppRunner | None:
+    """Starts serving app on host:port; None (logged) when it cannot listen."""
+    # handler_cancellation: a client that disconnects cancels its handler, which
+    # closes the engine generator (or the remote calls) and aborts the request.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_GRACE_S)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port).start()
+    except OSError as e:
+        log.error("listen_failed", host=host, port=port, error=str(e))
+        await runner.cleanup()
+        return None
+    return runner
+
+
 async def _serve(settings: Settings) -> int:
     from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
     from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
     from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-
+    stop = _stop_event()
     # Loading takes seconds and blocks the loop; a signal meanwhile is handled right after.
     try:
         engine = AsyncLLM.from_settings(settings)
@@ -48,22 +103,15 @@ async def _serve(settings: Settings) -> int:
         if stop.is_set():
             return 0
         app = build_app(engine, request_timeout_s=settings.server.request_timeout_s)
-        # handler_cancellation: a client that disconnects cancels its handler, which
-        # closes the engine generator and aborts the request.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                               shutdown_timeout=SHUTDOWN_GRACE_S)
-        await runner.setup()
-        site = web.TCPSite(runner, settings.server.host, settings.server.port)
-        try:
-            await site.start()
-        except OSError as e:
-            log.error("listen_failed", host=settings.server.host, port=settings.server.port,
-                      error=str(e))
+        runner = await _listen(app, settings.server.host, settings.server.port)
+        if runner is None:
             return 1
         host, port = runner.addresses[0][:2]
         log.info("ready", url=_url(host, port), model=engine.model_name,
                  role=settings.node.role, max_model_len=engine.max_model_len)
+        _notify("READY=1")
         await stop.wait()
+        _notify("STOPPING=1")
         log.info("shutting_down", grace_s=SHUTDOWN_GRACE_S)
         app[SERVER_KEY].begin_drain()
     finally:
@@ -74,17 +122,86 @@ async def _serve(settings: Settings) -> int:
     return 0
 
 
+async def _serve_cluster(settings: Settings) -> int:
+    """A prefill, decode or cache node (see the module doc)."""
+    from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
+    from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
+    from mooncaked.cluster.node import ClusterNode  # noqa: PLC0415
+    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
+
+    stop = _stop_event()
+    role = settings.node.role
+    engine = None
+    try:
+        if role in ("prefill", "decode"):
+            from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
+            engine = AsyncLLM.from_settings(settings)
+            tokenizer = engine.tokenizer
+        else:   # cache: the API front end needs the tokenizer only
+            from mooncaked.model.tokenizer import Tokenizer  # noqa: PLC0415
+            from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
+            tokenizer = Tokenizer(resolve_model_path(settings.model.path), [])
+    except (ModelLoadError, OSError, ValueError) as e:
+        log.error("model_load_failed", path=settings.model.path or "<bundled>", error=str(e))
+        return 1
+    if engine is not None:
+        await engine.start()
+    node = ClusterNode(settings, engine, tokenizer)
+    runners: list[web.AppRunner] = []
+    app = None
+    try:
+        if stop.is_set():
+            return 0
+        cs = settings.cluster
+        app = build_app(node.frontend, request_timeout_s=settings.server.request_timeout_s)
+        if cs.rpc_port == 0:
+            app.add_routes(node.routes())
+        runner = await _listen(app, settings.server.host, settings.server.port)
+        if runner is None:
+            return 1
+        runners.append(runner)
+        host, port = runner.addresses[0][:2]
+        control = _addr(settings.server.host, port)
+        if cs.rpc_port:
+            capp = web.Application(client_max_size=cs.rpc_max_body_bytes)
+            capp.add_routes(node.routes())
+            crunner = await _listen(capp, cs.rpc_host, cs.rpc_port)
+            if crunner is None:
+                return 1
+            runners.append(crunner)
+            control = _addr(cs.rpc_host, crunner.addresses[0][1])
+        try:
+            await node.start(_url(_advertise(settings.server.host), port), control)
+        except (ClusterError, OSError) as e:
+            log.error("cluster_join_failed", backend=cs.backend, error=str(e))
+            return 1
+        log.info("ready", url=_url(host, port), node=node.node_id, role=role,
+                 control=control, model=node.frontend.model_name)
+        _notify("READY=1")
+        await stop.wait()
+        _notify("STOPPING=1")
+        log.info("shutting_down", node=node.node_id, drain_timeout_s=cs.drain_timeout_s)
+        app[SERVER_KEY].begin_drain()
+        await node.drain(cs.drain_timeout_s)
+    finally:
+        await node.stop()
+        for r in reversed(runners):
+            await r.cleanup()
+        await node.frontend.close()
+        if engine is not None:
+            await engine.stop()
+    log.info("stopped")
+    return 0
+
+
 def run_daemon(settings: Settings) -> int:
     """Runs one node until SIGTERM/SIGINT; returns the process exit code.
 
-    0 after a graceful shutdown; 1 if the model cannot be loaded or the API cannot
-    listen (port in use, bad address); 2 for a role this build cannot run yet. Logs one `ready` event with
-    the API's URL once it accepts requests.
+    0 after a graceful shutdown; 1 if the model cannot be loaded, the API cannot listen
+    (port in use, bad address) or a cluster node cannot reach its coordinator. Logs one
+    `ready` event with the API's URL once it accepts requests.
     """
     setup_logging(settings.log.level, settings.log.format)
-    if settings.node.role != "all":
-        log.error("role_not_supported", role=settings.node.role,
-                  reason="only --role all (every role in one process) is implemented")
-        return 2
+    main = _serve(settings) if settings.node.role == "all" else _serve_cluster(settings)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        return runner.run(_serve(settings))
+        return runner.run(main)

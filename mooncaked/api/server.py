@@ -449,7 +449,8 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
     try:
         resp = await handler(request)
     except ApiError as e:
-        resp = json_response(e.body(), status=e.status)
+        # e.g. 429 with Retry-After from the cluster's early rejection
+        resp = json_response(e.body(), status=e.status, headers=getattr(e, "headers", None))
     except InvalidRequest as e:
         resp = json_response(error_body(str(e), param=e.param), status=400)
     except web.HTTPException as e:

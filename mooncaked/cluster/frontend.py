@@ -1,0 +1,368 @@
+"""The API node's side of the disaggregated request path (architecture.md, "The life of one
+request"; Mooncake paper, Figure 3).
+
+`ClusterFrontend` stands where the single-process server has its AsyncLLM: the
+OpenAI API (mooncaked/api/server.py) calls `generate(prompt_ids, params, rid,
+cache_salt)` and gets RequestOutput deltas. Per request:
+
+1. block keys of the prompt (the engine's salt: model id, block size, KV dtype,
+   cache_salt), then `conductor.place` on the leader -> prefill node p, decode
+   node d, blocks p should fetch and from where; or a rejection, answered as
+   HTTP 429 with Retry-After (early rejection, paper section 4 step 4);
+2. `node.prefill` on p (one control call, bounded by the request's time): p
+   loads the prefix, prefills, returns the first token and stages the KV (all
+   blocks, the partial last one included) in a transfer-engine segment. If p is
+   dead or draining, the request is placed again without it;
+3. the first token goes to the client at once (TTFT is p's), then POST
+   /internal/decode on d: d READs the staged KV, admits the request with
+   kv_import + first_token, and streams JSON lines back; its first delta repeats
+   the first token, which is dropped here. If d cannot be reached before it
+   produced anything, the decode side is placed again without it.
+
+Failures end the request with a clear error naming the node, and nothing waits
+without a bound: place calls use cluster.rpc_timeout_s, the prefill call the
+request's remaining time, the decode stream cluster.stream_idle_timeout_s of
+silence (d sends keep-alives). Closing the generator (client gone) closes the
+HTTP calls, which cancels the handlers on p and d, whose engines then abort the
+request and free its KV; the staged KV is released on p at once (or after
+cluster.stage_ttl_s at the latest).
+
+Not yet done (documented follow-ups): layer-wise streaming of the KV overlapped
+with p's compute (the KV moves after the prefill, in one READ), and
+re-running a request whose decode node died (it ends with an error).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+from mooncaked.api.protocol import ApiError
+from mooncaked.engine.types import (EngineStats, InvalidRequest, RequestOutput, SamplingParams,
+                                    TokenLogprob)
+from mooncaked.log import get_logger
+from mooncaked.store.keys import block_keys, make_salt
+
+from .errors import ClusterError, PeerUnavailable, RpcError, RpcTimeout
+
+log = get_logger(__name__)
+
+MAX_PLACEMENTS = 3          # prefill attempts per request (dead or draining nodes are skipped)
+MAX_DECODE_DISPATCHES = 2   # decode nodes tried per request before the first decode output
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class Overloaded(ApiError):
+    """An early rejection: HTTP 429 with Retry-After (whole seconds, rounded up)."""
+
+    def __init__(self, reason: str, retry_after_s: float, predicted_ttft_s: float | None = None):
+        msg = f"the cluster cannot serve this request within its SLO now ({reason})"
+        if predicted_ttft_s is not None:
+            msg += f"; predicted TTFT {predicted_ttft_s:.2f} s"
+        super().__init__(429, msg, type="rate_limit_error", code="overloaded")
+        self.reason, self.retry_after_s = reason, retry_after_s
+        self.headers = {"Retry-After": str(max(1, int(-(-retry_after_s // 1))))}
+
+
+def _lps(raw: list | None) -> list[TokenLogprob] | None:
+    if not raw:
+        return None
+    return [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in raw]
+
+
+def _held_back(text: str, stop: list[str]) -> str:
+    """The part of the first token's text that is safe to send before the decode node has
+    seen the next token: without a trailing incomplete character, and without a suffix
+    that could start a stop string (the engine's detokenizer holds those back too)."""
+    text = text.rstrip("\ufffd")
+    for k in range(min(max((len(s) for s in stop), default=1) - 1, len(text)), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stop if s):
+            return text[:-k]
+    return text
+
+
+class ClusterFrontend:
+    """The engine-shaped front of the cluster for the API server (see the module doc).
+
+    Attributes used by the API: tokenizer, model_name, max_model_len, max_logprobs,
+    generate(), abort(), stats().
+    """
+
+    def __init__(self, node: Any):
+        self.node = node
+        s = node.settings
+        self.tokenizer = node.tokenizer
+        self.request_timeout_s = s.server.request_timeout_s
+        self._model_name = s.server.served_model_name
+        self._http: aiohttp.ClientSession | None = None
+
+    # ------------------------------------------------------------------ engine-like surface
+
+    @property
+    def model_name(self) -> str:
+        """Served model name: server.served_model_name, else the model file's stem."""
+        if self._model_name:
+            return self._model_name
+        m = self.node.model_info()
+        if m:
+            return m["name"]
+        from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
+        return resolve_model_path(self.node.settings.model.path).stem
+
+    @property
+    def max_model_len(self) -> int:
+        """Smallest context of the model nodes (tokens)."""
+        lens = [m.info["model"]["max_model_len"] for m in self.node.members.values()
+                if m.info.get("model")]
+        if self.node.engine is not None:
+            lens.append(self.node.engine.max_model_len)
+        return min(lens) if lens else DEFAULT_MAX_MODEL_LEN
+
+    @property
+    def max_logprobs(self) -> int:
+        """Largest top_logprobs a request may ask for."""
+        return self.node.settings.engine.max_logprobs
+
+    def abort(self, request_id: str) -> None:
+        """No-op: closing the `generate` iterator cancels the remote calls, which aborts the
+        request on the prefill and decode nodes."""
+
+    def stats(self) -> EngineStats:
+        """This node's engine counters (zeros on a node without a model)."""
+        if self.node.engine is not None:
+            return self.node.engine.stats()
+        return EngineStats(0, 0, 0, 0, 0, 0, 0)
+
+    async def close(self) -> None:
+        """Closes the HTTP client of decode streams."""
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    def _session(self) -> aiohttp.ClientSession:
+        if self._http is None or self._http.closed:
+            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        return self._http
+
+    # ------------------------------------------------------------------ the request path
+
+    def block_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:
+        """The prompt's block keys exactly as the model nodes' engines key them."""
+        m = self.node.model_info()
+        if m is None:
+            raise ApiError(503, "no model node has joined the cluster yet", type="server_error",
+                           code="service_unavailable")
+        salt = make_salt(m["model_id"], int(m["block_size"]), m["kv_dtype"], cache_salt)
+        return block_keys(prompt, int(m["block_size"]), salt)
+
+    async def _place(self, payload: dict, deadline: float) -> dict:
+        """conductor.place on the leader (or in-process when this node leads), waiting for
+        a leader while there is none. Raises Overloaded, or ApiError 503."""
+        timeout = self.node.settings.cluster.rpc_timeout_s
+        last = "no conductor has been elected"
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise ApiError(503, f"no placement within the request's time: {last}",
+                               type="server_error", code="no_conductor")
+            try:
+                if self.node.conductor is not None:
+                    r = await self.node.conductor.place(payload)
+                else:
+                    addr = self.node.leader_control()
+                    if addr is None:
+                        await self.node.wait_leader_change(min(remaining, timeout))
+                        continue
+                    r = await self.node.client.call(addr, "conductor.place", payload,
+                                                    timeout_s=min(remaining, timeout))
+            except (PeerUnavailable, RpcTimeout) as e:
+                last = f"conductor {self.node.leader_id} unavailable: {e}"
+            except RpcError as e:
+                if e.remote_type != "NotLeader":
+                    raise ApiError(500, f"placement failed: {e}", type="server_error") from e
+                last = str(e)
+            else:
+                if not r["ok"]:
+                    raise Overloaded(r["reason"], float(r["retry_after_s"]),
+                                     r.get("predicted_ttft_s"))
+                return r
+            log.info("place_retry", reason=last)
+            # The leader died or moved: wait (bounded) for the election to settle.
+            await self.node.wait_leader_change(min(max(0.0, deadline - time.monotonic()), 1.0))
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                       cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+        """Runs one request through prefill node and decode node; yields output deltas.
+
+        Raises: Overloaded (429) on an early rejection; InvalidRequest for a prompt or
+        parameter a node refuses; ApiError 502/503/504 when the nodes fail or time out
+        (with the node's id in the message).
+        """
+        node = self.node
+        if node.draining:
+            raise ApiError(503, "this node is shutting down", type="server_error",
+                           code="service_unavailable")
+        node.frontend_runs += 1
+        staged: tuple[str, str] | None = None    # (prefill control address, rid) to release
+        try:
+            deadline = time.monotonic() + self.request_timeout_s
+            keys = self.block_keys(prompt_token_ids, cache_salt)
+            n = len(prompt_token_ids)
+            max_new = params.max_tokens if params.max_tokens is not None \
+                else max(0, self.max_model_len - n)
+            can_continue = max_new > 1 and n + 1 < self.max_model_len
+            place_req = {"rid": request_id, "keys": [k.hex() for k in keys], "prompt_tokens": n,
+                         "max_new_tokens": max_new, "exclude": []}
+            pre = pl = None
+            for _ in range(MAX_PLACEMENTS):
+                pl = await self._place(place_req, deadline)
+                try:
+                    pre = await self._prefill(pl, prompt_token_ids, params, request_id, cache_salt,
+                                              can_continue, deadline)
+                    break
+                except _Replace as e:
+                    log.warning("prefill_replaced", request_id=request_id,
+                                node=pl["prefill"]["node"], reason=str(e))
+                    place_req["exclude"].append(pl["prefill"]["node"])
+            if pre is None:
+                raise ApiError(503, f"no prefill node could run the request (tried "
+                                    f"{', '.join(place_req['exclude'])})", type="server_error",
+                               code="prefill_unavailable")
+            if pre["kv"] is not None:
+                staged = (pl["prefill"]["control"], request_id)
+            first = pre["output"]
+            cached = int(first["cached"])
+            finished = pre["kv"] is None
+            fr = first["fr"] if finished else None
+            first_text = first["text"] if finished else _held_back(first["text"], params.stop)
+            yield RequestOutput(request_id, list(first["ids"]), first_text, finished, fr,
+                                first["sr"] if finished else None, _lps(first["lp"]),
+                                num_prompt_tokens=n, num_cached_tokens=cached,
+                                num_output_tokens=1)
+            if finished:
+                return
+            # aclosing: when the client goes away, the decode stream closes now, not at GC.
+            dec = self._decode(pl, pre, prompt_token_ids, params, request_id, cache_salt,
+                               place_req, first_text, deadline)
+            async with contextlib.aclosing(dec):
+                async for out in dec:
+                    staged = None                # the decode node has read (and released) it
+                    out.num_prompt_tokens, out.num_cached_tokens = n, cached
+                    yield out
+        finally:
+            node.frontend_runs -= 1
+            if staged is not None:
+                node.spawn(self._release(*staged))
+
+    async def _release(self, addr: str, rid: str) -> None:
+        with contextlib.suppress(ClusterError):
+            await self.node.client.call(addr, "node.release", {"rid": rid}, timeout_s=2.0)
+
+    async def _prefill(self, pl: dict, prompt: list[int], params: SamplingParams, rid: str,
+                       cache_salt: str | None, can_continue: bool, deadline: float) -> dict:
+        p = pl["prefill"]
+        payload = {"rid": rid, "prompt": prompt, "params": dataclasses.asdict(params),
+                   "cache_salt": cache_salt, "fetch": pl.get("fetch"),
+                   "prefix_tokens": pl.get("prefix_tokens", 0), "stage": can_continue}
+        remaining = deadline - time.monotonic()
+        try:
+            return await self.node.data_client.call(p["control"], "node.prefill", payload,
+                                                    timeout_s=max(0.1, remaining))
+        except PeerUnavailable as e:
+            raise _Replace(f"prefill node {p['node']} unavailable: {e}") from e
+        except RpcTimeout as e:
+            raise ApiError(504, f"prefill node {p['node']} did not answer within the request's "
+                                f"time", type="server_error", code="timeout") from e
+        except RpcError as e:
+            if e.remote_type == "NodeDraining":
+                raise _Replace(str(e)) from e
+            if e.remote_type == "InvalidRequest":
+                raise InvalidRequest(str(e).split("InvalidRequest: ", 1)[-1].rsplit(" (HTTP", 1)[0],
+                                     None) from e
+            raise ApiError(502, f"prefill on node {p['node']} failed: {e}",
+                           type="server_error", code="prefill_failed") from e
+
+    async def _decode(self, pl: dict, pre: dict, prompt: list[int], params: SamplingParams,
+                      rid: str, cache_salt: str | None, place_req: dict, sent_text: str,
+                      deadline: float) -> AsyncIterator[RequestOutput]:
+        first = pre["output"]
+        body = orjson.dumps({"rid": rid, "prompt": prompt, "first_token": first["ids"][0],
+                             "params": dataclasses.asdict(params), "cache_salt": cache_salt,
+                             "kv": pre["kv"], "prefill": pl["prefill"]["control"]})
+        cs = self.node.settings.cluster
+        d = pl["decode"]
+        exclude = list(place_req["exclude"])
+        for attempt in range(MAX_DECODE_DISPATCHES):
+            url = f"http://{d['control']}/internal/decode"
+            remaining = deadline - time.monotonic()
+            timeout = aiohttp.ClientTimeout(total=max(0.1, remaining), sock_connect=cs.rpc_timeout_s,
+                                            sock_read=cs.stream_idle_timeout_s)
+            produced = False
+            try:
+                async with self._session().post(url, data=body, timeout=timeout,
+                                                headers={"Content-Type": "application/json"}) as r:
+                    if r.status != 200:
+                        text = (await r.read())[:500].decode(errors="replace")
+                        if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
+                            raise _Replace(f"decode node {d['node']} is draining")
+                        raise ApiError(502, f"decode node {d['node']} refused the request "
+                                            f"(HTTP {r.status}): {text}", type="server_error",
+                                       code="decode_failed")
+                    async for line in r.content:
+                        line = line.strip()
+                        if not line or line == b"{}":
+                            continue                       # keep-alive
+                        o = orjson.loads(line)
+                        if "status" in o and o.get("error"):
+                            if o["status"] == 400:
+                                raise InvalidRequest(o["error"], o.get("param"))
+                            raise ApiError(502, f"decode on node {d['node']} failed: {o['error']}",
+                                           type="server_error", code="decode_failed")
+                        if o.get("error"):
+                            raise ApiError(500, f"engine error on decode node {d['node']}: "
+                                                f"{o['error']}", type="server_error")
+                        ids, text = list(o["ids"]), o["text"]
+                        if not produced:
+                            produced = True
+                            # The decode node reports the prefill's first token with its first
+                            # delta; the client has it already.
+                            ids = ids[1:]
+                            if text.startswith(sent_text):
+                                text = text[len(sent_text):]
+                        yield RequestOutput(rid, ids, text, bool(o["fin"]), o["fr"], o["sr"],
+                                            _lps(o["lp"]), num_output_tokens=int(o["n_out"]))
+                        if o["fin"]:
+                            return
+                raise ApiError(502, f"decode node {d['node']} ended the stream before the "
+                                    f"request finished", type="server_error", code="decode_failed")
+            except (_Replace, aiohttp.ClientConnectorError) as e:
+                if produced or attempt + 1 >= MAX_DECODE_DISPATCHES:
+                    raise ApiError(502, f"decode node {d['node']} unavailable: {e}",
+                                   type="server_error", code="decode_failed") from e
+                log.warning("decode_replaced", request_id=rid, node=d["node"], reason=str(e))
+                exclude.append(d["node"])
+                pl2 = await self._place({**place_req, "exclude": exclude, "decode_only": True},
+                                        deadline)
+                d = pl2["decode"]
+            except (aiohttp.ServerTimeoutError, TimeoutError) as e:
+                raise ApiError(504, f"decode node {d['node']} sent nothing for "
+                                    f"{cs.stream_idle_timeout_s} s", type="server_error",
+                               code="timeout") from e
+            except (aiohttp.ClientError, ConnectionError) as e:
+                raise ApiError(502, f"decode node {d['node']} failed mid-stream: "
+                                    f"{type(e).__name__}: {e}", type="server_error",
+                               code="decode_failed") from e
+
+
+class _Replace(Exception):
+    """The chosen node cannot take the request (dead, draining): place it again without it."""
+
+
+__all__ = ["ClusterFrontend", "Overloaded"]

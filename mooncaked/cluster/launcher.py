@@ -1,0 +1,295 @@
+"""A cluster of `mooncaked serve` processes on this host: what `mooncake up`, the cluster
+tests and the cluster benchmark start.
+
+Each node is a separate process with its own role, node id and API port (free
+loopback ports taken from the OS), sharing one coordination backend: the `local`
+backend in a directory of the work dir, or a single-member etcd the launcher
+starts on loopback (`backend="etcd"`). `start()` returns once every node answers
+/health and the elected conductor has heard from every node; `stop()` sends
+SIGTERM (graceful drain), then SIGKILL to stragglers. Synchronous (subprocess,
+urllib), so tests and CLIs use it without an event loop.
+
+    with LocalCluster(workdir, [NodeSpec("cache", "c1", port=8000), NodeSpec("prefill", "p1"),
+                                NodeSpec("decode", "d1")]) as cluster:
+        print(cluster.api_url("c1"))
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from mooncaked.log import get_logger
+
+log = get_logger(__name__)
+
+
+class ClusterStartError(RuntimeError):
+    """A node exited or the cluster was not ready in time; the message has the log tail."""
+
+
+@dataclass
+class NodeSpec:
+    """One node to start: role (prefill, decode, cache), id, API port (0: a free one) and
+    extra dotted settings for this node only (e.g. {"engine.kv_cache_bytes": 1 << 26})."""
+
+    role: str
+    node_id: str
+    port: int = 0
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port the OS reports free right now (bind port 0, read it, close)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return orjson.dumps(v).decode()          # a JSON string is a valid TOML basic string
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def write_toml(path: Path, data: dict[str, dict[str, Any]]) -> None:
+    """Writes {section: {key: value}} as TOML (one level of sections, like config.toml)."""
+    lines = []
+    for section, keys in data.items():
+        lines.append(f"[{section}]")
+        lines += [f"{k} = {_toml_value(v)}" for k, v in keys.items()]
+        lines.append("")
+    path.write_text("\n".join(lines))
+
+
+def _merge(base: dict, dotted: dict[str, Any]) -> dict:
+    out = {k: dict(v) for k, v in base.items()}
+    for key, value in dotted.items():
+        section, name = key.split(".", 1)
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def _daemon_cmd() -> list[str]:
+    exe = Path(sys.executable).parent / "mooncaked"
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-c", "from mooncaked.cli.daemon import main; main()"]
+
+
+def control_call(addr: str, method: str, payload: Any = None, timeout_s: float = 5.0) -> Any:
+    """One control RPC (POST /control/<method>) from synchronous code.
+
+    Raises: OSError when the peer cannot be reached; RuntimeError with the remote error.
+    """
+    req = urllib.request.Request(f"http://{addr}/control/{method}", data=orjson.dumps(payload),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            body = orjson.loads(r.read())
+    except urllib.error.HTTPError as e:
+        body = orjson.loads(e.read() or b"{}")
+        err = body.get("error") or {}
+        raise RuntimeError(f"{method} on {addr}: {err.get('type')}: {err.get('message')}") from None
+    return body["result"]
+
+
+class LocalCluster:
+    """Starts, watches and stops the nodes of a one-host cluster (see the module doc).
+
+    Args:
+        workdir: directory for configs, logs, the local backend's state and etcd's data.
+        nodes: what to start.
+        backend: "local" or "etcd" (starts its own etcd on loopback).
+        settings: dotted settings for every node (e.g. {"cluster.lease_ttl_s": 2.0}).
+        base_config: a TOML file every node starts from (the dotted settings override it).
+        log_level: of the nodes.
+    """
+
+    def __init__(self, workdir: str | Path, nodes: list[NodeSpec], *, backend: str = "local",
+                 settings: dict[str, Any] | None = None, base_config: str | Path | None = None,
+                 log_level: str = "info"):
+        self.workdir = Path(workdir)
+        self.nodes = {n.node_id: n for n in nodes}
+        if len(self.nodes) != len(nodes):
+            raise ValueError("node ids must be unique")
+        self.backend = backend
+        self.settings = dict(settings or {})
+        self.base = tomllib.loads(Path(base_config).read_text()) if base_config else {}
+        self.log_level = log_level
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.ports: dict[str, int] = {}
+        self.etcd: Any = None
+
+    # ------------------------------------------------------------------ addresses
+
+    def api_url(self, node_id: str) -> str:
+        """http://127.0.0.1:PORT of a node's API."""
+        return f"http://127.0.0.1:{self.ports[node_id]}"
+
+    def control(self, node_id: str) -> str:
+        """host:port of a node's control RPC (mounted on its API port)."""
+        return f"127.0.0.1:{self.ports[node_id]}"
+
+    def log_path(self, node_id: str) -> Path:
+        return self.workdir / f"{node_id}.log"
+
+    def log_tail(self, node_id: str, n: int = 3000) -> str:
+        p = self.log_path(node_id)
+        return p.read_text(errors="replace")[-n:] if p.exists() else ""
+
+    def coordination(self) -> dict[str, Any]:
+        """The dotted [cluster] settings every node (and `mooncake ctl`) uses."""
+        out: dict[str, Any] = {"cluster.backend": self.backend}
+        if self.backend == "local":
+            out["cluster.state_dir"] = str(self.workdir / "coord")
+        else:
+            out["cluster.etcd_endpoints"] = [self.etcd.endpoint]
+        return out
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self, timeout_s: float = 300.0) -> "LocalCluster":
+        """Starts every node and waits (at most timeout_s) until the cluster serves.
+
+        Raises: ClusterStartError (with the failing node's log tail); CoordinationError
+        when etcd cannot start. Whatever was started is stopped before raising.
+        """
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            if self.backend == "etcd":
+                from .etcd_server import EtcdServer  # noqa: PLC0415
+                self.etcd = EtcdServer(self.workdir / "etcd").start()
+            for spec in self.nodes.values():
+                self.start_node(spec.node_id)
+            self.wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def start_node(self, node_id: str) -> subprocess.Popen:
+        """(Re)starts one node's process (same id, same port if it had one)."""
+        spec = self.nodes[node_id]
+        port = self.ports.get(node_id) or spec.port or free_port()
+        self.ports[node_id] = port
+        data = _merge(self.base, {**self.coordination(), **self.settings, **spec.settings,
+                                  "node.state_dir": str(self.workdir / "state" / node_id),
+                                  "log.level": self.log_level})
+        cfg = self.workdir / f"{node_id}.toml"
+        write_toml(cfg, data)
+        cmd = [*_daemon_cmd(), "serve", "--config", str(cfg), "--role", spec.role,
+               "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port)]
+        with self.log_path(node_id).open("ab") as out:
+            proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        self.procs[node_id] = proc
+        log.info("node_spawned", node=node_id, role=spec.role, port=port, pid=proc.pid)
+        return proc
+
+    def _health(self, node_id: str) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url(node_id)}/health", timeout=2) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def status(self) -> dict | None:
+        """The conductor's status (via the first live node), or None when unavailable."""
+        for nid in self.procs:
+            if self.procs[nid].poll() is not None:
+                continue
+            try:
+                st = control_call(self.control(nid), "node.status", timeout_s=2.0)
+                leader = st.get("leader")
+                if not leader or leader not in self.ports:
+                    continue
+                return control_call(self.control(leader), "conductor.status", timeout_s=2.0)
+            except (OSError, RuntimeError, KeyError, ValueError):
+                continue
+        return None
+
+    def wait_ready(self, timeout_s: float = 300.0, nodes: list[str] | None = None) -> dict:
+        """Waits until `nodes` (default: every running one) answer /health and the conductor
+        has a report from each; returns the conductor's status.
+
+        Raises: ClusterStartError when a node exits or time runs out.
+        """
+        want = nodes or [n for n, p in self.procs.items() if p.poll() is None]
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for nid in want:
+                rc = self.procs[nid].poll()
+                if rc is not None:
+                    raise ClusterStartError(f"node {nid} exited with {rc}:\n{self.log_tail(nid)}")
+            if all(self._health(n) for n in want):
+                st = self.status()
+                if st is not None and all((st["nodes"].get(n) or {}).get("report_age_s")
+                                          is not None for n in want):
+                    return st
+            if time.monotonic() > deadline:
+                tails = "\n".join(f"--- {n}:\n{self.log_tail(n, 1500)}" for n in want)
+                raise ClusterStartError(f"cluster not ready after {timeout_s} s\n{tails}")
+            time.sleep(0.25)   # poll interval; readiness itself is what the nodes answer
+
+    def kill(self, node_id: str, sig: int = signal.SIGKILL) -> None:
+        """Sends sig to a node's process group (kill -9 by default) and reaps it if it was
+        SIGKILL."""
+        proc = self.procs[node_id]
+        if proc.poll() is None:
+            os.killpg(proc.pid, sig)
+            if sig == signal.SIGKILL:
+                proc.wait(10)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM to every node (they drain and leave), SIGKILL after timeout_s; stops etcd.
+        Never raises."""
+        live = [p for p in self.procs.values() if p.poll() is None]
+        for p in live:
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + timeout_s
+        for p in live:
+            try:
+                p.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(10)
+        if self.etcd is not None:
+            self.etcd.stop()
+            self.etcd = None
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+__all__ = ["ClusterStartError", "LocalCluster", "NodeSpec", "control_call", "free_port",
+           "write_toml"]
