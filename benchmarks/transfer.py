@@ -195,7 +195,7 @@ def _fmt_size(n: int) -> str:
 
 
 def run(sizes: list[int], concurrency: list[int], duration: float, op: str,
-        connections: int, slice_bytes: int, rounds: int = 3) -> dict:
+        connections: int, slice_bytes: int, rounds: int = 5) -> dict:
     """Runs the sweep; returns the JSON-ready result object."""
     from mooncaked.config import TransferSettings  # noqa: PLC0415
     from mooncaked.transfer import TransferEngine  # noqa: PLC0415
@@ -274,14 +274,15 @@ def run(sizes: list[int], concurrency: list[int], duration: float, op: str,
 
 
 def main(json_out: bool = False, sizes: list[int] | None = None,
-         concurrency: list[int] | None = None, duration: float = 0.4, op: str = "write",
-         connections: int | None = None, slice_bytes: int | None = None) -> dict:
+         concurrency: list[int] | None = None, duration: float = 0.5, op: str = "write",
+         connections: int | None = None, slice_bytes: int | None = None,
+         rounds: int = 5) -> dict:
     """Runs the benchmark and prints a table (or one JSON object with `json_out`)."""
     from mooncaked.config import TransferSettings  # noqa: PLC0415
 
     out = run(sizes or DEFAULT_SIZES, concurrency or DEFAULT_CONCURRENCY, duration, op,
               connections or TransferSettings.connections_per_peer,
-              slice_bytes or TransferSettings.slice_size_bytes)
+              slice_bytes or TransferSettings.slice_size_bytes, rounds)
     if json_out:
         print(json.dumps(out))
         return out

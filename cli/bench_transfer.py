@@ -25,7 +25,8 @@ def bench_transfer(
     sizes: Optional[str] = typer.Option(None, help="Transfer sizes, e.g. 16k,128k,1m,64m "
                                                    "(default 16 KiB .. 64 MiB)."),
     concurrency: Optional[str] = typer.Option(None, help="Concurrent streams, e.g. 1,4,16,64."),
-    duration: float = typer.Option(0.4, help="Seconds per point and side."),
+    duration: float = typer.Option(0.5, help="Seconds per point and side (all rounds)."),
+    rounds: int = typer.Option(5, help="Alternating rounds per point (median reported)."),
     op: str = typer.Option("write", help="write or read."),
     connections: Optional[int] = typer.Option(None, help="TCP connections per peer (ours)."),
     slice_bytes: Optional[int] = typer.Option(None, help="Slice size in bytes (ours)."),
@@ -37,4 +38,5 @@ def bench_transfer(
 
     run(json_out=json_out, sizes=_sizes(sizes) if sizes else None,
         concurrency=[int(c) for c in concurrency.split(",")] if concurrency else None,
-        duration=duration, op=op, connections=connections, slice_bytes=slice_bytes)
+        duration=duration, op=op, connections=connections, slice_bytes=slice_bytes,
+        rounds=rounds)
