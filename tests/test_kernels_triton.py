@@ -146,6 +146,30 @@ def test_decode_matches_reference(ops, dtype, head_dim, block_size, kv_heads, gr
         _close(ops.paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, num_splits=splits), ref, dtype)
 
 
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU (benchmarks/gpu_check.sh)")
+def test_decode_replays_in_cuda_graph(ops):
+    """The decode call (split kernel + merge) captured once, replayed on new queries: no host
+    sync or host-side state inside, as a serving engine's CUDA-graph decode step needs."""
+    dtype, head_dim, block_size, kv_heads, group, lens = torch.bfloat16, 128, 16, 8, 4, [5000, 1, 300]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    _, k_cache, v_cache = _pool(num_blocks, block_size, kv_heads, head_dim, dtype)
+    table = _tables(lens, block_size, num_blocks)
+    ctx = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
+    gen = torch.Generator().manual_seed(9)
+    q = torch.randn(len(lens), kv_heads * group, head_dim, generator=gen).to(dtype).to(DEVICE)
+    scale = head_dim ** -0.5
+    ops.paged_decode_attention(q, k_cache, v_cache, table, ctx, scale)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_decode_attention(q, k_cache, v_cache, table, ctx, scale)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype).to(DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        _close(out, reference.paged_decode_attention(q, k_cache, v_cache, table, ctx, scale), dtype)
+
+
 # (dtype, head_dim, block_size, kv_heads, group, [(context length, new tokens)]):
 # context 1; a fresh prompt exactly one block long; fully cached except its last token;
 # a cached prefix ending mid-block with new tokens crossing block boundaries; a fresh prompt.
