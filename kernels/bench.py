@@ -11,6 +11,8 @@ On one CUDA GPU, in one run:
     read / time; its ratio to the copy bandwidth is the issue's target (>= 70% at >= 8k);
   * prefill attention (causal, with and without a cached prefix) in TFLOP/s against SDPA
     over contiguous KV (and FlashInfer's paged prefill when importable);
+  * a decode tile sweep (tile tokens / num_warps / num_stages) at a few shapes, CUDA graph
+    times, to choose the built-in decode tile on a new GPU;
   * block gather (pages -> contiguous buffer) against torch indexing.
 Times are medians over a few iterations, measured with CUDA events, with the L2 cache
 flushed before each. Decode is timed twice: eager (each call launched from Python, so

@@ -10,7 +10,9 @@ Long contexts with few (sequence, KV head) pairs would leave most SMs idle, so
 the context is split along the sequence into `num_splits` ranges handled by
 separate programs, each writing a partial output and its log-sum-exp; a second
 kernel merges them (flash-decoding, Dao et al. 2023). `decode_num_splits`
-chooses the split count.
+chooses the split count: about 4 programs per SM, at least 128 tokens per split.
+The launcher does no device-to-host sync and caches its plan per shape, so a decode
+step can be captured in a CUDA graph (the benchmark times it both ways).
 
 Head dims that are not powers of two (80, 96) are padded to the next power of
 two with masked loads and stores; the query group is padded to at least 16 rows
@@ -20,7 +22,6 @@ because `tl.dot` needs M >= 16 on tensor cores.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 import triton

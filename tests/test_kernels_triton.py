@@ -144,6 +144,9 @@ def test_decode_matches_reference(ops, dtype, head_dim, block_size, kv_heads, gr
     # None: the heuristic's choice; 1: one pass; 3: flash-decoding split + merge kernel.
     for splits in (None, 1, 3):
         _close(ops.paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, num_splits=splits), ref, dtype)
+    # A tile other than the built-in one (the benchmark's tile sweep), split in two.
+    _close(ops.paged_decode_attention(q, k_cache, v_cache, table, ctx, scale, num_splits=2,
+                                      tile_config=(16, 4, 1)), ref, dtype)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU (benchmarks/gpu_check.sh)")
