@@ -22,20 +22,65 @@ def serve(
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id in the cluster."),
     log_level: Optional[str] = typer.Option(None, help="debug | info | warning | error."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Any setting as KEY=VALUE, e.g. "
+                                             "--set cluster.backend=etcd (repeatable; the value "
+                                             "is read as TOML, else taken as a string)."),
 ) -> None:
     """Run one node until SIGINT/SIGTERM. Flags override the config file."""
-    from mooncaked.config import ConfigError, load_settings  # noqa: PLC0415
-
-    overrides = {"node.role": role, "server.host": host, "server.port": port, "model.path": model,
-                 "model.dtype": dtype, "node.id": node_id, "log.level": log_level}
-    try:
-        settings = load_settings(config, overrides)
-    except ConfigError as e:
-        typer.echo(f"mooncaked: configuration error: {e}", err=True)
-        raise typer.Exit(2) from None
+    settings = _settings(config, {"node.role": role, "server.host": host, "server.port": port,
+                                  "model.path": model, "model.dtype": dtype, "node.id": node_id,
+                                  "log.level": log_level}, set_)
     from mooncaked.daemon import run_daemon  # noqa: PLC0415
 
     sys.exit(run_daemon(settings))
+
+
+def _settings(config: Optional[Path], overrides: dict, pairs: Optional[list[str]]):
+    """Settings from the file, the named flags and --set pairs; exits 2 on a bad value."""
+    import tomllib  # noqa: PLC0415
+
+    from mooncaked.config import ConfigError, load_settings  # noqa: PLC0415
+
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            typer.echo(f"mooncaked: --set needs KEY=VALUE, got {pair!r}", err=True)
+            raise typer.Exit(2)
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        overrides[key.strip()] = value
+    try:
+        return load_settings(config, overrides)
+    except ConfigError as e:
+        typer.echo(f"mooncaked: configuration error: {e}", err=True)
+        raise typer.Exit(2) from None
+
+
+@app.command()
+def profile(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML settings file."),
+    out: Optional[Path] = typer.Option(None, help="Where to write the cost model (default: "
+                                       "conductor.cost_model, else <state dir>/cost_model.json)."),
+    quick: bool = typer.Option(False, help="A smaller grid (for slow machines)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="Any setting as KEY=VALUE."),
+) -> None:
+    """Fit the conductor's cost models on this hardware (prefill, decode step, transfer)."""
+    settings = _settings(config, {}, set_)
+    from mooncaked.conductor.profile import ProfileGrid, run_profile  # noqa: PLC0415
+    from mooncaked.log import setup_logging  # noqa: PLC0415
+
+    setup_logging(settings.log.level, settings.log.format)
+    model, path = run_profile(settings, ProfileGrid.quick() if quick else None, out)
+    pf, df = model.meta.get("prefill_fit", {}), model.meta.get("decode_fit", {})
+    typer.echo(f"cost model written to {path}")
+    typer.echo(f"  prefill: {pf.get('samples')} samples, max relative error "
+               f"{pf.get('max_rel_error', float('nan')):.1%}")
+    typer.echo(f"  decode:  {df.get('samples')} samples, max relative error "
+               f"{df.get('max_rel_error', float('nan')):.1%}")
+    typer.echo(f"  transfer: {model.transfer.bandwidth_bytes_per_s / 1e9:.2f} GB/s, latency "
+               f"{model.transfer.latency_s * 1e3:.2f} ms")
 
 
 @app.command("config")

@@ -167,6 +167,14 @@ class LocalCluster:
             out["cluster.etcd_endpoints"] = [self.etcd.endpoint]
         return out
 
+    def write_ctl_config(self) -> Path:
+        """Writes <workdir>/cluster.toml with the [cluster] settings `mooncake ctl -c` needs."""
+        path = self.workdir / "cluster.toml"
+        write_toml(path, _merge({}, {**self.coordination(),
+                                     **{k: v for k, v in self.settings.items()
+                                        if k.startswith("cluster.")}}))
+        return path
+
     # ------------------------------------------------------------------ lifecycle
 
     def start(self, timeout_s: float = 300.0) -> "LocalCluster":

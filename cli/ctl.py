@@ -1,0 +1,231 @@
+"""`mooncake ctl`: inspect and operate a running cluster (status, nodes, cache, requests,
+drain) over either coordination backend; rich tables, or --json for scripts."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import orjson
+import typer
+
+from .main import app
+
+ctl_app = typer.Typer(help="Inspect and operate a running cluster.", no_args_is_help=True)
+app.add_typer(ctl_app, name="ctl")
+
+_CONFIG = typer.Option(None, "--config", "-c", help="TOML settings of the cluster (its [cluster] "
+                       "section tells where the coordinator is).")
+_BACKEND = typer.Option(None, help="local | etcd (overrides the file).")
+_STATE = typer.Option(None, "--state-dir", help="Local backend's state directory.")
+_ETCD = typer.Option(None, "--etcd", help="etcd client URL (repeatable).")
+_JSON = typer.Option(False, "--json", help="Print one JSON object.")
+_TIMEOUT = typer.Option(3.0, help="Timeout of each call to a node, seconds.")
+
+
+def _cluster(config: Optional[Path], backend: Optional[str], state_dir: Optional[str],
+             etcd: Optional[list[str]]):
+    from mooncaked.config import ConfigError, load_settings  # noqa: PLC0415
+
+    try:
+        s = load_settings(config, {"cluster.backend": backend, "cluster.state_dir": state_dir,
+                                   "cluster.etcd_endpoints": etcd or None})
+    except ConfigError as e:
+        typer.echo(f"mooncake ctl: configuration error: {e}", err=True)
+        raise typer.Exit(2) from None
+    return s.cluster
+
+
+def _view(config, backend, state_dir, etcd, timeout) -> dict:
+    from mooncaked.cluster import ClusterError  # noqa: PLC0415
+    from mooncaked.cluster.admin import cluster_view  # noqa: PLC0415
+
+    try:
+        return asyncio.run(cluster_view(_cluster(config, backend, state_dir, etcd), timeout))
+    except ClusterError as e:
+        typer.echo(f"mooncake ctl: cannot reach the coordinator: {e}", err=True)
+        raise typer.Exit(1) from None
+
+
+def _print_json(obj: Any) -> None:
+    sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2, default=str).decode() + "\n")
+
+
+def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    t = Table(title=title, title_justify="left")
+    for c in columns:
+        t.add_column(c, overflow="fold")
+    for r in rows:
+        t.add_row(*["-" if v is None else str(v) for v in r])
+    Console().print(t)
+
+
+def _health(n: dict) -> str:
+    if "error" in n:
+        return "[red]unreachable[/red]"
+    return "[yellow]draining[/yellow]" if n["status"].get("draining") else "[green]ok[/green]"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _pct(a: float, b: float) -> str:
+    return f"{a / b:.1%}" if b else "-"
+
+
+@ctl_app.command()
+def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
+           state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
+           json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
+    """Leader, nodes, roles, health and versions; the conductor's counters and cost model."""
+    v = _view(config, backend, state_dir, etcd, timeout)
+    if json_out:
+        _print_json(v)
+        return
+    rows = []
+    for nid, n in sorted(v["nodes"].items()):
+        info, st = n["info"], n.get("status") or {}
+        rows.append([("* " if nid == v["leader"] else "") + nid, info.get("role"), _health(n),
+                     info.get("version"), info.get("api"), info.get("pid"),
+                     f"{st['uptime_s']:.0f} s" if st.get("uptime_s") is not None else None,
+                     (info.get("model") or {}).get("name")])
+    _table(f"cluster ({v['backend']} backend), leader: {v['leader'] or 'none'}",
+           ["node", "role", "health", "version", "api", "pid", "uptime", "model"], rows)
+    c = v["conductor"]
+    if "error" in c:
+        typer.echo(f"conductor: {c['error']}")
+        return
+    cm = c.get("cost_model") or {}
+    err = c.get("ttft_prediction") or {}
+    med = err.get("median_abs_rel_error")
+    typer.echo(f"conductor on {c['leader']}: policy {c['policy']}, placed {c['placed']}, "
+               f"rejected {sum(c['rejected'].values())} {c['rejected'] or ''}, "
+               f"indexed blocks {c['indexed_keys']}")
+    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}], refits "
+               f"{cm.get('refits', 0)}; TTFT prediction error (median |rel|): "
+               f"{'-' if med is None else f'{med:.1%}'} over {err.get('samples', 0)} requests")
+
+
+@ctl_app.command()
+def nodes(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
+          state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
+          json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
+    """Every registered node with its addresses (API, control, transfer) and registration."""
+    v = _view(config, backend, state_dir, etcd, timeout)
+    if json_out:
+        _print_json({nid: {k: n[k] for k in ("info", "incarnation", "registered_at")}
+                     for nid, n in v["nodes"].items()})
+        return
+    rows = []
+    for nid, n in sorted(v["nodes"].items()):
+        info = n["info"]
+        tr = info.get("transfer") or {}
+        seg = ((info.get("store") or {}).get("segment") or {}).get("name")
+        rows.append([nid, info.get("role"), _health(n), info.get("api"), info.get("control"),
+                     f"{tr.get('backend')}://{tr.get('host')}:{tr.get('port')}", seg,
+                     time.strftime("%H:%M:%S", time.localtime(n["registered_at"])),
+                     n["incarnation"][:8]])
+    _table("nodes", ["node", "role", "health", "api", "control", "transfer", "store segment",
+                     "registered", "incarnation"], rows)
+
+
+@ctl_app.command()
+def cache(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
+          state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
+          json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
+    """KV blocks and bytes per tier per node, store and prefix-cache hit rates."""
+    v = _view(config, backend, state_dir, etcd, timeout)
+    cnodes = (v["conductor"].get("nodes") or {}) if "error" not in v["conductor"] else {}
+    out = {}
+    for nid, n in sorted(v["nodes"].items()):
+        st = n.get("status") or {}
+        s, e = st.get("store") or {}, st.get("engine") or {}
+        hits = s.get("hits_dram", 0) + s.get("hits_ssd", 0)
+        out[nid] = {
+            "role": n["info"].get("role"),
+            "device_blocks": e.get("kv_blocks_used"), "device_capacity": e.get("kv_blocks_total"),
+            "dram_blocks": s.get("dram_blocks"), "dram_bytes": s.get("dram_used_bytes"),
+            "dram_capacity_bytes": s.get("dram_capacity_bytes"),
+            "ssd_blocks": s.get("ssd_blocks"), "ssd_bytes": s.get("ssd_used_bytes"),
+            "store_hit_rate": hits / (hits + s.get("misses", 0)) if hits + s.get("misses", 0)
+            else None,
+            "prefix_hit_rate": (e["prefix_hit_tokens_total"] / e["prompt_tokens_total"])
+            if e.get("prompt_tokens_total") else None,
+            "indexed_blocks": (cnodes.get(nid) or {}).get("indexed_blocks"),
+            "error": n.get("error")}
+    if json_out:
+        _print_json(out)
+        return
+    rows = [[nid, o["role"], _health(v["nodes"][nid]),
+             f"{o['device_blocks']}/{o['device_capacity']}" if o["device_capacity"] else None,
+             None if o["dram_blocks"] is None else
+             f"{o['dram_blocks']} ({_bytes(o['dram_bytes'])} of {_bytes(o['dram_capacity_bytes'])})",
+             None if o["ssd_blocks"] is None else f"{o['ssd_blocks']} ({_bytes(o['ssd_bytes'])})",
+             None if o["store_hit_rate"] is None else f"{o['store_hit_rate']:.1%}",
+             None if o["prefix_hit_rate"] is None else f"{o['prefix_hit_rate']:.1%}",
+             o["indexed_blocks"]] for nid, o in out.items()]
+    _table("KV cache", ["node", "role", "health", "device blocks", "DRAM blocks", "SSD blocks",
+                        "store hit rate", "prefix hit rate", "conductor index"], rows)
+
+
+@ctl_app.command()
+def requests(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
+             state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
+             json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
+    """Running and queued requests per node (prefill, decode, API front end, staged KV)."""
+    v = _view(config, backend, state_dir, etcd, timeout)
+    cnodes = (v["conductor"].get("nodes") or {}) if "error" not in v["conductor"] else {}
+    out = {}
+    for nid, n in sorted(v["nodes"].items()):
+        st = n.get("status") or {}
+        r, e = st.get("requests") or {}, st.get("engine") or {}
+        out[nid] = {"role": n["info"].get("role"), "prefill": r.get("prefill", []),
+                    "decode": r.get("decode", []), "api": r.get("frontend"),
+                    "staged": r.get("staged"), "engine_running": e.get("num_running"),
+                    "engine_waiting": e.get("num_waiting"),
+                    "queue_s": (cnodes.get(nid) or {}).get("queue_s"), "error": n.get("error")}
+    if json_out:
+        _print_json(out)
+        return
+    rows = [[nid, o["role"], _health(v["nodes"][nid]), len(o["prefill"]), len(o["decode"]),
+             o["api"], o["staged"], o["engine_running"], o["engine_waiting"],
+             None if o["queue_s"] is None else f"{o['queue_s']:.2f} s"] for nid, o in out.items()]
+    _table("requests", ["node", "role", "health", "prefill", "decode", "api", "staged KV",
+                        "engine running", "engine waiting", "predicted queue"], rows)
+
+
+@ctl_app.command()
+def drain(node: str = typer.Argument(..., help="Node id to drain."),
+          config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
+          state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
+          json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
+    """Take no new requests on NODE and let its running ones finish."""
+    from mooncaked.cluster import ClusterError  # noqa: PLC0415
+    from mooncaked.cluster.admin import drain_node  # noqa: PLC0415
+
+    try:
+        r = asyncio.run(drain_node(_cluster(config, backend, state_dir, etcd), node, timeout))
+    except KeyError as e:
+        typer.echo(f"mooncake ctl: {e.args[0]}", err=True)
+        raise typer.Exit(1) from None
+    except ClusterError as e:
+        typer.echo(f"mooncake ctl: {e}", err=True)
+        raise typer.Exit(1) from None
+    if json_out:
+        _print_json(r)
+    else:
+        typer.echo(f"{node}: draining ({r['prefill']} prefill and {r['decode']} decode "
+                   f"requests still running)")

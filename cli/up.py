@@ -1,0 +1,105 @@
+"""`mooncake up`: a local cluster (prefill, decode and cache nodes as separate processes)
+in the foreground; Ctrl-C or SIGTERM stops everything it started."""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .main import app
+
+
+@app.command("up")
+def up(
+    port: int = typer.Option(8000, help="Port of the public API (served by the first cache node; "
+                             "by the first prefill node when --cache 0)."),
+    backend: str = typer.Option("local", help="Coordination: local (a state directory) or etcd "
+                                "(starts its own etcd on loopback)."),
+    prefill: int = typer.Option(1, min=1, help="Prefill nodes."),
+    decode: int = typer.Option(1, min=1, help="Decode nodes."),
+    cache: int = typer.Option(1, min=0, help="Cache nodes (store + API front end, no model)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML settings every node "
+                                          "starts from."),
+    workdir: Optional[Path] = typer.Option(None, help="Configs, logs and state (default: a "
+                                           "temporary directory, removed at exit)."),
+    set_: Optional[list[str]] = typer.Option(None, "--set", help="KEY=VALUE for every node "
+                                             "(repeatable)."),
+    timeout: float = typer.Option(600.0, help="Seconds to wait for the cluster to be ready."),
+    log_level: str = typer.Option("info", help="Log level of the nodes (their logs are files "
+                                  "in the work directory)."),
+) -> None:
+    """Start a local cluster and serve until Ctrl-C / SIGTERM."""
+    import tomllib  # noqa: PLC0415
+
+    from mooncaked.cluster.launcher import ClusterStartError, LocalCluster, NodeSpec  # noqa
+
+    if backend not in ("local", "etcd"):
+        typer.echo("mooncake up: --backend must be local or etcd", err=True)
+        raise typer.Exit(2)
+    extra = {}
+    for pair in set_ or []:
+        key, _, raw = pair.partition("=")
+        try:
+            extra[key] = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            extra[key] = raw
+    nodes = [NodeSpec("cache", f"cache{i}", port=port if i == 0 else 0) for i in range(cache)]
+    nodes += [NodeSpec("prefill", f"prefill{i}", port=port if i == 0 and not cache else 0)
+              for i in range(prefill)]
+    nodes += [NodeSpec("decode", f"decode{i}") for i in range(decode)]
+    own = workdir is None
+    work = Path(tempfile.mkdtemp(prefix="mooncake-up-")) if own else workdir
+    cluster = LocalCluster(work, nodes, backend=backend, settings=extra, base_config=config,
+                           log_level=log_level)
+
+    def _terminate(signum, frame):  # SIGTERM: the same clean stop as Ctrl-C
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _terminate)
+    front = nodes[0].node_id
+    try:
+        typer.echo(f"starting {len(nodes)} nodes ({backend} backend); logs in {work}")
+        cluster.start(timeout)
+        ctl = cluster.write_ctl_config()
+        typer.echo(f"ready: {cluster.api_url(front)}/v1  (OpenAI API, model "
+                   f"{_model(cluster, front)})")
+        for n in nodes:
+            typer.echo(f"  {n.node_id:10s} {n.role:8s} {cluster.api_url(n.node_id)}  "
+                       f"log {cluster.log_path(n.node_id)}")
+        typer.echo(f"inspect: mooncake ctl status -c {ctl}")
+        typer.echo("Ctrl-C stops the cluster.")
+        dead: set[str] = set()
+        while True:
+            time.sleep(1.0)
+            for nid, proc in cluster.procs.items():
+                if proc.poll() is not None and nid not in dead:
+                    dead.add(nid)
+                    typer.echo(f"node {nid} exited with {proc.returncode}; see "
+                               f"{cluster.log_path(nid)}", err=True)
+    except ClusterStartError as e:
+        typer.echo(f"mooncake up: {e}", err=True)
+        raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        typer.echo("stopping...")
+    finally:
+        cluster.stop()
+        if own:
+            shutil.rmtree(work, ignore_errors=True)
+    typer.echo("stopped")
+
+
+def _model(cluster, node_id: str) -> str:
+    import orjson  # noqa: PLC0415
+    import urllib.request  # noqa: PLC0415
+
+    try:
+        with urllib.request.urlopen(f"{cluster.api_url(node_id)}/v1/models", timeout=5) as r:
+            return orjson.loads(r.read())["data"][0]["id"]
+    except (OSError, KeyError, IndexError, ValueError):
+        return "?"

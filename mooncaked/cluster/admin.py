@@ -1,0 +1,70 @@
+"""What `mooncake ctl` asks a running cluster: membership and leader from the coordinator
+(either backend), then each node's `node.status` and the leader's `conductor.status`
+over the control RPC, every call bounded by a timeout. A node that does not answer is
+reported as unreachable, never waited for."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from mooncaked.config import ClusterSettings
+
+from .coordinator import make_coordinator
+from .errors import ClusterError
+from .rpc import ControlClient
+
+
+async def cluster_view(settings: ClusterSettings, timeout_s: float = 3.0) -> dict[str, Any]:
+    """Snapshot of the cluster: {"backend", "leader", "nodes": {id: {"info", "incarnation",
+    "registered_at", "status" | "error"}}, "conductor": conductor.status or {"error"}}.
+
+    Raises: CoordinationError when the coordination store cannot be reached.
+    """
+    coord = make_coordinator(settings)
+    await coord.start()
+    try:
+        members = await coord.members()
+        leader = await coord.leader()
+    finally:
+        await coord.close()
+    nodes: dict[str, dict] = {nid: {"info": m.info, "incarnation": m.incarnation,
+                                    "registered_at": m.registered_at}
+                              for nid, m in members.items()}
+    async with ControlClient(timeout_s) as client:
+        async def status(nid: str) -> None:
+            try:
+                nodes[nid]["status"] = await client.call(nodes[nid]["info"].get("control", ""),
+                                                         "node.status")
+            except (ClusterError, ValueError) as e:
+                nodes[nid]["error"] = str(e)
+
+        await asyncio.gather(*(status(n) for n in nodes))
+        conductor: dict = {"error": "no leader elected"}
+        if leader in nodes:
+            try:
+                conductor = await client.call(nodes[leader]["info"]["control"], "conductor.status")
+            except ClusterError as e:
+                conductor = {"error": str(e)}
+    return {"backend": settings.backend, "leader": leader, "nodes": nodes,
+            "conductor": conductor}
+
+
+async def drain_node(settings: ClusterSettings, node_id: str, timeout_s: float = 5.0) -> dict:
+    """Asks node_id to drain (no new requests; running ones finish).
+
+    Raises: KeyError for an unknown node; ClusterError when it cannot be reached.
+    """
+    coord = make_coordinator(settings)
+    await coord.start()
+    try:
+        members = await coord.members()
+    finally:
+        await coord.close()
+    if node_id not in members:
+        raise KeyError(f"no node {node_id!r} in the cluster (nodes: {', '.join(members) or '-'})")
+    async with ControlClient(timeout_s) as client:
+        return await client.call(members[node_id].info["control"], "node.drain")
+
+
+__all__ = ["cluster_view", "drain_node"]
