@@ -60,13 +60,19 @@ DEFAULT_MAX_MODEL_LEN = 2048
 
 
 class Overloaded(ApiError):
-    """An early rejection: HTTP 429 with Retry-After (whole seconds, rounded up)."""
+    """An early rejection: HTTP 429 with Retry-After (whole seconds, rounded up) when the
+    predicted TTFT or TBT breaks its SLO; 503 with Retry-After when no prefill or decode
+    node is available at all."""
 
     def __init__(self, reason: str, retry_after_s: float, predicted_ttft_s: float | None = None):
-        msg = f"the cluster cannot serve this request within its SLO now ({reason})"
-        if predicted_ttft_s is not None:
-            msg += f"; predicted TTFT {predicted_ttft_s:.2f} s"
-        super().__init__(429, msg, type="rate_limit_error", code="overloaded")
+        if reason.startswith("no_"):
+            super().__init__(503, f"no node can serve this request now ({reason})",
+                             type="server_error", code="no_capacity")
+        else:
+            msg = f"the cluster cannot serve this request within its SLO now ({reason})"
+            if predicted_ttft_s is not None:
+                msg += f"; predicted TTFT {predicted_ttft_s:.2f} s"
+            super().__init__(429, msg, type="rate_limit_error", code="overloaded")
         self.reason, self.retry_after_s = reason, retry_after_s
         self.headers = {"Retry-After": str(max(1, int(-(-retry_after_s // 1))))}
 

@@ -139,7 +139,8 @@ class ClusterNode:
         return {"name": e.model_name, "model_id": e.model_id, "block_size": e.block_size,
                 "kv_dtype": str(e.dtype), "dtype": str(e.dtype).removeprefix("torch."),
                 "max_model_len": e.max_model_len, "block_bytes": e.block_bytes,
-                "max_logprobs": e.max_logprobs, "kv_shape": [e.cfg.num_layers, 2, e.block_size,
+                "max_logprobs": e.max_logprobs,
+                "kv_capacity_tokens": e.block_manager.num_blocks * e.block_size, "kv_shape": [e.cfg.num_layers, 2, e.block_size,
                                                            e.cfg.num_kv_heads, e.cfg.head_dim]}
 
     def member(self, node_id: str) -> Member | None:

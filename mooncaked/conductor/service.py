@@ -156,6 +156,7 @@ class ConductorService:
         self.stale_s = max(3.0, 8 * settings.cluster.report_interval_s)
         self.rng = random.Random(0)
         self.started_at = time.time()
+        self._started_mono = time.monotonic()
         self.placed = 0
         self.rejected: dict[str, int] = {}
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # relative TTFT errors
@@ -357,9 +358,13 @@ class ConductorService:
         return self.cost
 
     def _eligible(self, role: str, exclude: set[str], now: float) -> list[NodeView]:
+        # A node is live while it reports. Right after a leader change nobody has reported to
+        # this conductor yet: members (their leases are alive) count as live, with no load,
+        # for one staleness period.
+        warming = now - self._started_mono < self.stale_s
         return [v for v in self.nodes.values()
                 if v.role == role and not v.draining and v.node_id not in exclude
-                and v.reported_at and now - v.reported_at < self.stale_s]
+                and (now - v.reported_at < self.stale_s if v.reported_at else warming)]
 
     async def place(self, payload: Any) -> dict:
         """Handler of `conductor.place`.
@@ -407,7 +412,9 @@ class ConductorService:
             infl = sum(t for t, _ in v.inflight_decode.values())
             dbatch.append(v.decode_batch + len(v.inflight_decode))
             dctx.append(v.decode_context_tokens + infl)
-            dfree.append(v.free_kv_tokens - infl)
+            free = v.free_kv_tokens if v.reported_at else \
+                int((v.info.get("model") or {}).get("kv_capacity_tokens", 0))   # not reported yet
+            dfree.append(free - infl)
         snap = Snapshot(*snap_pre, decode_nodes=[v.node_id for v in dec], decode_batch=dbatch,
                         decode_context_tokens=dctx, decode_free_kv_tokens=dfree)
         result = place(PlacementRequest(keys, n, max_new), snap, cost, cfg, self.rng)
