@@ -71,7 +71,7 @@ def env(tmp_path_factory):
                            start_new_session=True)
     ref_url = f"http://127.0.0.1:{ref_port}"
     try:
-        cluster.workdir.mkdir(parents=True, exist_ok=True)
+        cluster.start_backend()
         cluster.start_node("c1")                       # first: it wins the election
         cluster.wait_ready(60, nodes=["c1"])
         for nid in ("p1", "d1", "d2"):

@@ -183,11 +183,8 @@ class LocalCluster:
         Raises: ClusterStartError (with the failing node's log tail); CoordinationError
         when etcd cannot start. Whatever was started is stopped before raising.
         """
-        self.workdir.mkdir(parents=True, exist_ok=True)
         try:
-            if self.backend == "etcd":
-                from .etcd_server import EtcdServer  # noqa: PLC0415
-                self.etcd = EtcdServer(self.workdir / "etcd").start()
+            self.start_backend()
             for spec in self.nodes.values():
                 self.start_node(spec.node_id)
             self.wait_ready(timeout_s)
@@ -195,6 +192,14 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def start_backend(self) -> None:
+        """Creates the work dir and, for the etcd backend, starts etcd (idempotent).
+        Raises: CoordinationError when etcd cannot start."""
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        if self.backend == "etcd" and self.etcd is None:
+            from .etcd_server import EtcdServer  # noqa: PLC0415
+            self.etcd = EtcdServer(self.workdir / "etcd").start()
 
     def start_node(self, node_id: str) -> subprocess.Popen:
         """(Re)starts one node's process (same id, same port if it had one)."""

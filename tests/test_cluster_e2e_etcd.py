@@ -1,0 +1,108 @@
+"""End to end on the etcd backend (a single-member etcd started by the launcher on
+loopback): kill -9 of a prefill node with queued work (its requests are placed again
+on the other prefill node), then kill -9 of the leader (a new one is elected and
+requests succeed again).
+
+Cluster: c1 (cache, started first: the conductor), p1 and p2 (prefill), d1 (decode).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from mooncaked.cluster.etcd_server import etcd_binary
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
+
+pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed "
+                                "(mooncaked/cluster/install_etcd.sh)")
+
+READY_TIMEOUT_S = 300.0
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("etcd_cluster")
+    settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
+                "cluster.stream_idle_timeout_s": 6.0, "cluster.drain_timeout_s": 5.0,
+                "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 64 << 20,
+                "conductor.ttft_slo_s": 600.0, "conductor.tbt_slo_s": 600.0,
+                "server.request_timeout_s": 120.0}
+    cl = LocalCluster(tmp, [NodeSpec("cache", "c1"), NodeSpec("prefill", "p1"),
+                            NodeSpec("prefill", "p2"), NodeSpec("decode", "d1")],
+                      backend="etcd", settings=settings)
+    try:
+        cl.start_backend()
+        cl.start_node("c1")
+        cl.wait_ready(60, nodes=["c1"])
+        for nid in ("p1", "p2", "d1"):
+            cl.start_node(nid)
+        cl.wait_ready(READY_TIMEOUT_S)
+        yield cl
+    finally:
+        cl.stop()
+
+
+def completion(prompt: str, max_tokens: int) -> dict:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True}
+
+
+async def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.post(url, data=orjson.dumps(body),
+                          headers={"Content-Type": "application/json"}) as r:
+            return r.status, orjson.loads(await r.read())
+
+
+def status(cl: LocalCluster, nid: str) -> dict:
+    return control_call(cl.control(nid), "node.status", timeout_s=5.0)
+
+
+def test_prefill_node_killed_with_queued_work(cluster):
+    api = cluster.api_url("c1")
+    prompts = [f"Request {i}: " + " ".join(["river"] * 120) for i in range(4)]
+
+    async def run():
+        tasks = [asyncio.create_task(_post(f"{api}/v1/completions", completion(p, 3)))
+                 for p in prompts]
+        # wait (bounded) until p1 holds work, then kill it
+        deadline = time.monotonic() + 30
+        while not status(cluster, "p1")["requests"]["prefill"]:
+            assert time.monotonic() < deadline, "no work reached p1"
+            await asyncio.sleep(0.05)
+        cluster.kill("p1")
+        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+
+    results = asyncio.run(run())
+    for code, body in results:
+        # every request completes (placed again on p2) or ends with a clear error
+        if code == 200:
+            assert body["usage"]["completion_tokens"] == 3
+        else:
+            assert code in (502, 503, 504) and "p1" in body["error"]["message"], body
+    assert sum(code == 200 for code, _ in results) >= 3
+    # what p1 held was placed again, not failed
+    assert '"prefill_replaced"' in cluster.log_tail("c1", 10**7)
+    st = status(cluster, "p2")
+    assert st["engine"]["kv_blocks_used"] == 0 and not st["requests"]["prefill"]
+
+
+def test_leader_killed_on_etcd(cluster):
+    assert status(cluster, "d1")["leader"] == "c1"
+    cluster.kill("c1")
+    deadline = time.monotonic() + 20
+    while (status(cluster, "d1")["leader"] or "c1") == "c1":
+        assert time.monotonic() < deadline, "no new leader within 20 s"
+        time.sleep(0.1)   # poll interval
+    leader = status(cluster, "d1")["leader"]
+    assert leader in ("p2", "d1")
+    code, body = asyncio.run(_post(f"{cluster.api_url('d1')}/v1/completions",
+                                   completion("Hello there, how are", 4)))
+    assert code == 200, body
+    assert body["usage"]["completion_tokens"] == 4
