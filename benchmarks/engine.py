@@ -44,6 +44,8 @@ from mooncaked.engine.types import SamplingParams
 from mooncaked.model.weights import bundled_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+LABELS = {"decode_batch1": "decode, batch 1", "concurrent_32": "32 concurrent",
+          "ttft_prefix_cached": "TTFT warm / cold", "ttft_cold_vs_transformers": "TTFT cold vs HF"}
 SHORT_PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 
 
@@ -146,7 +148,7 @@ def _decode_rate(times: list[float]) -> float:
 
 def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurrent: int = 32,
         concurrent_tokens: int = 32, concurrent_max_prompt: int = 128, ttft_prompt: int = 1000,
-        ttft_cached: int = 960, kv_cache_bytes: int = 512 * 1024 * 1024) -> dict:
+        ttft_cached: int = 960, kv_cache_bytes: int = 512 * 1024 * 1024, threads: int = 0) -> dict:
     """Runs the three cases on both sides and returns the result object (see module doc).
 
     Args:
@@ -158,13 +160,17 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
             from 16 tokens up to it).
         ttft_prompt, ttft_cached: case 3's prompt length and cached prefix, tokens.
         kv_cache_bytes: our engine's KV page budget, bytes.
+        threads: torch intra-op threads for both sides; 0 keeps torch's default.
     Raises: ValueError for an unknown dtype; ModelLoadError if the bundled model is missing.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, not {dtype!r}")
     load_before = os.getloadavg()
     t_start = time.perf_counter()
-    settings = load_settings(None, {"model.dtype": dtype, "engine.kv_cache_bytes": kv_cache_bytes})
+    if threads:
+        torch.set_num_threads(threads)
+    settings = load_settings(None, {"model.dtype": dtype, "engine.kv_cache_bytes": kv_cache_bytes,
+                                    "model.num_threads": threads})
     engine = LLMEngine(settings)
     hf, transformers = _hf_load(dtype)
     ids = _Run()
@@ -180,13 +186,13 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
 
     # Warm-up: every kernel shape family once on both sides (decode, short and long prefill,
     # batched decode, cached-prefix prefill).
-    _ours_generate(engine, [short], 4, ids.next("salt"), ids)
-    _ours_generate(engine, batch[:4], 4, ids.next("salt"), ids)
+    _ours_generate(engine, [short], 32, ids.next("salt"), ids)
+    _ours_generate(engine, batch, 2, ids.next("salt"), ids)
     salt = ids.next("salt")
     _ours_generate(engine, [long_prompt[:ttft_cached]], 1, salt, ids)
     _ours_generate(engine, [long_prompt], 1, salt, ids)
-    _hf_generate(hf, [short], 4, pad_id)
-    _hf_generate(hf, batch[:4], 4, pad_id)
+    _hf_generate(hf, [short], 32, pad_id)
+    _hf_generate(hf, batch, 2, pad_id)
     _hf_generate(hf, [long_prompt], 1, pad_id)
 
     c1 = {"ours_tps": [], "ours_ttft": [], "hf_tps": [], "hf_ttft": []}
@@ -238,17 +244,17 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         return r | extra
 
     results = [
-        row("decode_batch1", "tokens/s", med(c1["ours_tps"]), med(c1["hf_tps"]),
+        row("decode_batch1", "tok/s", med(c1["ours_tps"]), med(c1["hf_tps"]),
             "transformers generate (greedy, batch 1)", ">= 2.5", "ours / baseline (speedup)",
             decode_tokens=decode_tokens, prompt_tokens=len(short),
             ours_ttft_s=round(med(c1["ours_ttft"]), 4), baseline_ttft_s=round(med(c1["hf_ttft"]), 4)),
-        row(f"concurrent_{concurrent}", "tokens/s", med(c2["ours"]), med(c2["hf"]),
+        row(f"concurrent_{concurrent}", "tok/s", med(c2["ours"]), med(c2["hf"]),
             "transformers generate on one left-padded batch", ">= 1.5", "ours / baseline (speedup)",
             requests=concurrent, output_tokens_each=concurrent_tokens,
             prompt_tokens_min=min(lengths), prompt_tokens_max=max(lengths),
             prompt_tokens_total=sum(lengths)),
         row("ttft_prefix_cached", "s", med(c3["warm"]), med(c3["cold"]),
-            f"ours, cold (no cached prefix)", "<= 0.2", "warm TTFT / cold TTFT",
+            "ours, cold (same length, first token changed: no cached prefix)", "<= 0.2", "warm TTFT / cold TTFT",
             prompt_tokens=ttft_prompt, cached_tokens=ttft_cached),
         row("ttft_cold_vs_transformers", "s", med(c3["cold"]), med(c3["hf"]),
             "transformers generate of 1 token (no prefix cache)", "<= 1.0",
@@ -283,7 +289,7 @@ def main(json_out: bool = False, dtype: str = "float32", **kw) -> dict:
     for c in ("case", "unit", "ours", "baseline", "ratio", "target", ""):
         t.add_column(c, justify="right" if c in ("ours", "baseline", "ratio") else "left", no_wrap=True)
     for i, r in enumerate(res["results"], 1):
-        t.add_row(f"{r['case']} [{i}]", r["unit"], f"{r['ours']:.4g}", f"{r['baseline']:.4g}",
+        t.add_row(f"[{i}] {LABELS.get(r['case'], r['case'])}", r["unit"], f"{r['ours']:.4g}", f"{r['baseline']:.4g}",
                   f"{r['ratio']:.3g}", r["target"], "[green]ok[/]" if r["meets_target"] else "[red]missed[/]")
     con = Console()
     con.print(t)

@@ -9,8 +9,14 @@ from .main import bench_app
 
 @bench_app.command("engine")
 def bench_engine(json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-                 dtype: str = typer.Option("float32", help="Weight dtype on both sides.")) -> None:
+                 dtype: str = typer.Option("float32", help="Weight dtype on both sides: float32 or "
+                                                                "bfloat16."),
+                 reps: int = typer.Option(3, min=1, help="Timed repetitions per case (medians)."),
+                 threads: int = typer.Option(0, min=0, help="torch threads for both sides; 0 = torch's "
+                                                            "default.")) -> None:
     """Decode at batch 1, 32 concurrent requests, and TTFT cold/warm, ours vs transformers."""
+    if dtype not in ("float32", "bfloat16"):
+        raise typer.BadParameter(f"dtype must be float32 or bfloat16, not {dtype!r}", param_hint="--dtype")
     from mooncaked.benchmarks.engine import main as run  # noqa: PLC0415
 
-    run(json_out=json_out, dtype=dtype)
+    run(json_out=json_out, dtype=dtype, reps=reps, threads=threads)
