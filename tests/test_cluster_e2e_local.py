@@ -236,6 +236,34 @@ def test_overload_is_rejected_early_with_retry_after(env):
             assert body["usage"]["completion_tokens"] == 2
 
 
+def ctl(cluster: LocalCluster, *args: str) -> dict:
+    """Runs `mooncake ctl ARGS --json -c <cluster.toml>`; returns its JSON output."""
+    cp = subprocess.run([str(BIN / "mooncake"), "ctl", *args, "--json", "-c",
+                         str(cluster.write_ctl_config())], capture_output=True, text=True,
+                        timeout=60)
+    assert cp.returncode == 0, cp.stderr[-2000:]
+    return orjson.loads(cp.stdout)
+
+
+def test_ctl_shows_leader_nodes_cache_and_requests(env):
+    cluster, _ = env
+    st = ctl(cluster, "status")
+    assert st["leader"] == "c1" and st["backend"] == "local"
+    assert {n: v["info"]["role"] for n, v in st["nodes"].items()} == \
+        {"c1": "cache", "p1": "prefill", "d1": "decode", "d2": "decode"}
+    assert all("status" in v and not v["status"]["draining"] for v in st["nodes"].values())
+    assert st["conductor"]["placed"] >= 5 and st["conductor"]["rejected"].get("ttft_slo", 0) >= 2
+    assert st["conductor"]["cost_model"]["source"] == "test"
+    cache = ctl(cluster, "cache")
+    assert cache["p1"]["dram_blocks"] > 0 and cache["p1"]["indexed_blocks"] == \
+        cache["p1"]["dram_blocks"]
+    assert cache["p1"]["prefix_hit_rate"] > 0
+    req = ctl(cluster, "requests")
+    assert set(req) == {"c1", "p1", "d1", "d2"}
+    assert all(r["prefill"] == [] and r["decode"] == [] and r["staged"] == 0
+               for r in req.values())
+
+
 def test_decode_node_killed_mid_stream(env):
     cluster, _ = env
     api = cluster.api_url("c1")
@@ -292,3 +320,34 @@ def test_leader_killed_new_leader_serves(env):
     # the new conductor rebuilt its index from the nodes' inventories
     st = control_call(cluster.control(new_leader), "conductor.status")
     assert st["nodes"]["p1"]["indexed_blocks"] > 0
+
+
+def test_sigterm_drains_running_requests_then_exits(env):
+    cluster, _ = env
+    survivor = next(n for n in ("d1", "d2") if cluster.procs[n].poll() is None)
+    api = cluster.api_url("p1")
+
+    async def run():
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            r = await s.post(f"{api}/v1/completions", data=orjson.dumps(completion(24, stream=True)))
+            it = _stream_events(r)
+            await anext(it)
+            wait_until(lambda: status(cluster, survivor)["requests"]["decode"], 10, "decoding")
+            cluster.kill(survivor, signal.SIGTERM)          # graceful stop: drain, then exit
+            return [e async for e in it]
+
+    events = asyncio.run(run())
+    assert events[-1] == "[DONE]"
+    assert events[-2]["choices"][0]["finish_reason"] == "length"   # it finished, not aborted
+    assert cluster.procs[survivor].wait(15) == 0
+
+
+def test_ctl_drain_takes_node_out_of_placement(env):
+    cluster, _ = env
+    r = ctl(cluster, "drain", "p1")
+    assert r["draining"] is True
+    wait_until(lambda: status(cluster, "p1")["draining"], 5, "p1 draining")
+    # no prefill node is left: the request is refused at once, with a retry hint
+    code, body, headers = post(f"{cluster.api_url('p1')}/v1/completions", completion(2))
+    assert code == 503 and body["error"]["code"] == "no_capacity", body
+    assert int(headers["Retry-After"]) >= 1

@@ -212,9 +212,8 @@ class ClusterFrontend:
         (with the node's id in the message).
         """
         node = self.node
-        if node.draining:
-            raise ApiError(503, "this node is shutting down", type="server_error",
-                           code="service_unavailable")
+        # A drained node's API keeps serving as a front end (placement avoids its engine);
+        # at shutdown the API server itself refuses new requests.
         node.frontend_runs += 1
         staged: tuple[str, str] | None = None    # (prefill control address, rid) to release
         try:
