@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -60,7 +61,12 @@ def env(tmp_path_factory):
                 "conductor.ttft_slo_s": 3.0, "conductor.tbt_slo_s": 10.0,
                 "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 64 << 20,
                 "server.request_timeout_s": 120.0}
-    cluster = LocalCluster(tmp / "c", [NodeSpec("cache", "c1"), NodeSpec("prefill", "p1"),
+    # c1 gets a systemd notification socket, as under Type=notify
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp / "notify.sock"))
+    notify.setblocking(False)
+    c1 = NodeSpec("cache", "c1", env={"NOTIFY_SOCKET": str(tmp / "notify.sock")})
+    cluster = LocalCluster(tmp / "c", [c1, NodeSpec("prefill", "p1"),
                                        NodeSpec("decode", "d1"), NodeSpec("decode", "d2")],
                            settings=settings)
     ref_port = free_port()
@@ -82,8 +88,10 @@ def env(tmp_path_factory):
             assert ref.poll() is None, (tmp / "ref.log").read_text()[-3000:]
             assert time.monotonic() < deadline, "reference server not ready"
             time.sleep(0.2)   # poll interval; readiness is /health
+        cluster.notify = notify
         yield cluster, ref_url
     finally:
+        notify.close()
         cluster.stop()
         if ref.poll() is None:
             ref.send_signal(signal.SIGTERM)
@@ -134,6 +142,17 @@ def wait_until(pred, timeout_s: float, what: str):
 
 
 # ---------------------------------------------------------------------------- tests
+
+
+def test_ready_is_notified_to_systemd(env):
+    cluster, _ = env
+    msgs = []
+    while True:
+        try:
+            msgs.append(cluster.notify.recv(4096).decode())
+        except BlockingIOError:
+            break
+    assert "READY=1" in msgs
 
 
 def test_greedy_output_equals_single_process(env):

@@ -42,13 +42,15 @@ class ClusterStartError(RuntimeError):
 
 @dataclass
 class NodeSpec:
-    """One node to start: role (prefill, decode, cache), id, API port (0: a free one) and
-    extra dotted settings for this node only (e.g. {"engine.kv_cache_bytes": 1 << 26})."""
+    """One node to start: role (prefill, decode, cache), id, API port (0: a free one),
+    extra dotted settings for this node only (e.g. {"engine.kv_cache_bytes": 1 << 26}) and
+    extra environment variables."""
 
     role: str
     node_id: str
     port: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -215,7 +217,8 @@ class LocalCluster:
                "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port)]
         with self.log_path(node_id).open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
+                                    stdin=subprocess.DEVNULL, start_new_session=True,
+                                    env={**os.environ, **spec.env} if spec.env else None)
         self.procs[node_id] = proc
         log.info("node_spawned", node=node_id, role=spec.role, port=port, pid=proc.pid)
         return proc
