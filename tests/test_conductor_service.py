@@ -1,0 +1,134 @@
+"""The live conductor's bookkeeping around Algorithm 1: load from reports, placements in
+flight between reports, early rejection, excluded/draining/stale nodes, decode-only
+re-placement, the global index fed by reported store events, and the prefill refit.
+
+The service is driven through its RPC handlers (`report`, `place`, `status`) without a
+coordinator: membership only matters to `start()`, which the e2e tests cover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
+from mooncaked.conductor.service import INFLIGHT_TTL_S, ConductorService
+from mooncaked.config import Settings
+
+COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.1, 0.01)),      # 0.1 s + 10 ms a token
+                 decode=PolyModel(((0, 0), (1, 0)), (0.05, 0.01)),
+                 transfer=TransferModel(1e9), kv_bytes_per_token=1000)
+
+
+def service(ttft_slo: float = 3.0) -> ConductorService:
+    s = Settings()
+    s.conductor.ttft_slo_s = ttft_slo
+    s.conductor.tbt_slo_s = 1.0
+    s.engine.block_size = 16
+    return ConductorService("c1", None, None, s, cost=COST)
+
+
+def report(svc: ConductorService, node: str, role: str, **kw) -> None:
+    payload = {"node": node, "role": role, "pending": {}, "arrived": [],
+               "decode": {"rids": [], "batch": 0, "context_tokens": 0, "free_kv_tokens": 10_000}}
+    payload.update(kw)
+    asyncio.run(svc.report(payload))
+
+
+def place(svc: ConductorService, rid: str, n: int = 100, keys: list[bytes] = (), **kw) -> dict:
+    return asyncio.run(svc.place({"rid": rid, "keys": [k.hex() for k in keys],
+                                  "prompt_tokens": n, "max_new_tokens": 10, **kw}))
+
+
+def test_placements_between_reports_queue_up_until_rejected():
+    # each request predicts 0.1 + 100 * 0.01 = 1.1 s of prefill; nothing reported in between
+    svc = service(ttft_slo=3.0)
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    a, b = place(svc, "a"), place(svc, "b")
+    assert a["ok"] and b["ok"] and a["prefill"]["node"] == "p1" and a["decode"]["node"] == "d1"
+    assert (round(a["predicted_ttft_s"], 9), round(b["predicted_ttft_s"], 9)) == (1.1, 2.2)
+    rej = place(svc, "c")
+    assert not rej["ok"] and rej["reason"] == "ttft_slo"
+    assert rej["retry_after_s"] >= 0.3 - 1e-9 and abs(rej["predicted_ttft_s"] - 3.3) < 1e-9
+    assert svc.status()["rejected"] == {"ttft_slo": 1}
+    # the node's report now lists a and b as pending: no double counting with in-flight
+    report(svc, "p1", "prefill", pending={"a": [100, 0], "b": [100, 0]}, arrived=["a", "b"])
+    assert svc.status()["nodes"]["p1"]["queue_s"] == 2.2
+    # ... and once they are done the queue is empty again
+    report(svc, "p1", "prefill")
+    assert place(svc, "c")["predicted_ttft_s"] == 1.1
+
+
+def test_inflight_placements_expire_without_a_report():
+    svc = service()
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    place(svc, "lost")                   # its prefill call never reached p1
+    v = svc.nodes["p1"]
+    rid, (new, cached, t) = next(iter(v.inflight_prefill.items()))
+    v.inflight_prefill[rid] = (new, cached, t - INFLIGHT_TTL_S - 1)
+    report(svc, "p1", "prefill")
+    assert not v.inflight_prefill
+
+
+def test_excluded_draining_and_silent_nodes_get_nothing():
+    svc = service(ttft_slo=100.0)
+    for n in ("p1", "p2"):
+        report(svc, n, "prefill")
+    report(svc, "d1", "decode")
+    report(svc, "d2", "decode", draining=True)
+    assert place(svc, "x", exclude=["p1"])["prefill"]["node"] == "p2"
+    for i in range(5):
+        assert place(svc, f"y{i}")["decode"]["node"] == "d1"
+    svc.nodes["p2"].reported_at = time.monotonic() - svc.stale_s - 1     # p2 went silent
+    svc._started_mono -= svc.stale_s                                     # past the warm-up
+    r = place(svc, "z", exclude=["p1"])
+    assert not r["ok"] and r["reason"] == "no_prefill_node"
+    r = place(svc, "w", exclude=["d1"], decode_only=True)
+    assert not r["ok"] and r["reason"] == "no_decode_node"
+
+
+def test_decode_only_replacement_picks_another_decode_node():
+    svc = service()
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    report(svc, "d2", "decode")
+    r = place(svc, "q", exclude=["d1"], decode_only=True)
+    assert r["ok"] and r["decode"]["node"] == "d2" and r["fetch"] is None
+    assert svc.nodes["p1"].inflight_prefill == {}        # the prefill side was not charged
+
+
+def test_index_from_reported_events_steers_prefix_hits():
+    from mooncaked.store.types import Inventory
+
+    svc = service(ttft_slo=100.0)
+    keys = [bytes([i]) * 16 for i in range(8)]
+    for n in ("p1", "p2"):
+        report(svc, n, "prefill")
+        svc.index.load_inventory(Inventory(n, 0, {}))   # what start() pulls: empty stores
+        svc.nodes[n].store_seq = 0
+    report(svc, "d1", "decode")
+    report(svc, "p2", "prefill", store_seq=1,
+           events=[{"kind": "stored", "tier": "dram", "seq": 1, "keys": [k.hex() for k in keys]}])
+    assert svc.index.blocks_on("p2") == 8
+    r = place(svc, "hit", n=8 * 16 + 5, keys=keys)
+    assert r["prefill"]["node"] == "p2" and r["prefix_tokens"] == 128
+    # a gap in p2's sequence numbers is noticed (its inventory is pulled again)
+    svc.nodes["p2"].info["store"] = {"segment": {}}
+    report(svc, "p2", "prefill", store_seq=5, events=[
+        {"kind": "evicted", "tier": "dram", "seq": 5, "keys": [keys[0].hex()]}])
+    assert "p2" in svc._pulls
+    assert svc.index.blocks_on("p2") == 8                 # nothing applied past the gap
+    svc._pulls["p2"].cancel()
+
+
+def test_prefill_model_is_refit_from_solo_requests():
+    svc = service()
+    report(svc, "p1", "prefill")
+    done = [{"rid": f"s{i}", "seconds": 0.5 + 0.02 * n, "new": n, "cached": 0, "alone": True}
+            for i, n in enumerate([16, 32, 64, 128, 256, 512] * 3)]
+    report(svc, "p1", "prefill", done=done)
+    assert svc.refits == 1
+    assert abs(svc.cost.prefill_s(300, 0) - (0.5 + 0.02 * 300)) < 0.05
+    assert svc.status()["cost_model"]["meta"]["refit"]["samples"] == 16
