@@ -73,7 +73,8 @@ class ModelSettings:
     device: str = opt("cpu", "torch device: cpu or cuda[:N].")
     max_model_len: int = opt(0, "Longest prompt + output in tokens; 0 means the model's context "
                                 "length.", min=0)
-    num_threads: int = opt(0, "torch intra-op threads; 0 means torch's default.", min=0)
+    num_threads: int = opt(0, "torch intra-op threads; 0 means one per core minus one (kept for "
+                              "the event loop), at least 1.", min=0)
 
 
 @dataclass
