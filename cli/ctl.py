@@ -172,7 +172,8 @@ def cache(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     rows = [[nid, o["role"], _health(v["nodes"][nid]),
              f"{o['device_blocks']}/{o['device_capacity']}" if o["device_capacity"] else None,
              None if o["dram_blocks"] is None else
-             f"{o['dram_blocks']} ({_bytes(o['dram_bytes'])} of {_bytes(o['dram_capacity_bytes'])})",
+             f"{o['dram_blocks']} ({_bytes(o['dram_bytes'])} of "
+             f"{_bytes(o['dram_capacity_bytes'])})",
              None if o["ssd_blocks"] is None else f"{o['ssd_blocks']} ({_bytes(o['ssd_bytes'])})",
              None if o["store_hit_rate"] is None else f"{o['store_hit_rate']:.1%}",
              None if o["prefix_hit_rate"] is None else f"{o['prefix_hit_rate']:.1%}",

@@ -348,7 +348,8 @@ def test_sigterm_drains_running_requests_then_exits(env):
 
     async def run():
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            r = await s.post(f"{api}/v1/completions", data=orjson.dumps(completion(24, stream=True)))
+            r = await s.post(f"{api}/v1/completions",
+                             data=orjson.dumps(completion(24, stream=True)))
             it = _stream_events(r)
             await anext(it)
             wait_until(lambda: status(cluster, survivor)["requests"]["decode"], 10, "decoding")

@@ -34,7 +34,6 @@ re-running a request whose decode node died (it ends with an error).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import dataclasses
 import time
@@ -307,7 +306,8 @@ class ClusterFrontend:
         for attempt in range(MAX_DECODE_DISPATCHES):
             url = f"http://{d['control']}/internal/decode"
             remaining = deadline - time.monotonic()
-            timeout = aiohttp.ClientTimeout(total=max(0.1, remaining), sock_connect=cs.rpc_timeout_s,
+            timeout = aiohttp.ClientTimeout(total=max(0.1, remaining),
+                                            sock_connect=cs.rpc_timeout_s,
                                             sock_read=cs.stream_idle_timeout_s)
             produced = False
             try:

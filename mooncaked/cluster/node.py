@@ -140,8 +140,9 @@ class ClusterNode:
                 "kv_dtype": str(e.dtype), "dtype": str(e.dtype).removeprefix("torch."),
                 "max_model_len": e.max_model_len, "block_bytes": e.block_bytes,
                 "max_logprobs": e.max_logprobs,
-                "kv_capacity_tokens": e.block_manager.num_blocks * e.block_size, "kv_shape": [e.cfg.num_layers, 2, e.block_size,
-                                                           e.cfg.num_kv_heads, e.cfg.head_dim]}
+                "kv_capacity_tokens": e.block_manager.num_blocks * e.block_size,
+                "kv_shape": [e.cfg.num_layers, 2, e.block_size, e.cfg.num_kv_heads,
+                             e.cfg.head_dim]}
 
     def member(self, node_id: str) -> Member | None:
         """The member record of node_id in this node's view, or None."""
@@ -164,7 +165,6 @@ class ClusterNode:
         Raises: CoordinationError when the coordinator cannot be reached; OSError when the
         transfer engine cannot listen.
         """
-        from mooncaked.store.remote import StoreNode  # noqa: PLC0415
         from mooncaked.transfer import TransferEngine  # noqa: PLC0415
 
         self.api_url, self.control_addr = api_url, control_addr

@@ -111,7 +111,8 @@ class NodeView:
     info: dict = field(default_factory=dict)
     draining: bool = False
     reported_at: float = 0.0                 # monotonic seconds of the last report; 0: none
-    prefill_pending: dict[str, tuple[int, int]] = field(default_factory=dict)  # rid -> (new, cached)
+    # rid -> (new tokens, cached tokens)
+    prefill_pending: dict[str, tuple[int, int]] = field(default_factory=dict)
     decode_rids: set[str] = field(default_factory=set)
     decode_batch: int = 0
     decode_context_tokens: int = 0
@@ -274,9 +275,12 @@ class ConductorService:
         v.decode_context_tokens = int(dec.get("context_tokens", 0))
         v.free_kv_tokens = int(dec.get("free_kv_tokens", 0))
         seen = set(payload.get("arrived") or ()) | v.prefill_pending.keys() | v.decode_rids
-        for rid in [r for r, e in v.inflight_prefill.items() if r in seen or now - e[2] > INFLIGHT_TTL_S]:
+        # placements the node now counts itself, or that never reached it
+        for rid in [r for r, e in v.inflight_prefill.items()
+                    if r in seen or now - e[2] > INFLIGHT_TTL_S]:
             del v.inflight_prefill[rid]
-        for rid in [r for r, e in v.inflight_decode.items() if r in seen or now - e[1] > INFLIGHT_TTL_S]:
+        for rid in [r for r, e in v.inflight_decode.items()
+                    if r in seen or now - e[1] > INFLIGHT_TTL_S]:
             del v.inflight_decode[rid]
         self._apply_events(v, payload.get("events") or [], int(payload.get("store_seq", -1)))
         for d in payload.get("done") or ():
