@@ -9,6 +9,7 @@ Cluster: c1 (cache, started first: the conductor), p1 and p2 (prefill), d1 (deco
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import aiohttp
@@ -62,6 +63,46 @@ async def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict
 
 def status(cl: LocalCluster, nid: str) -> dict:
     return control_call(cl.control(nid), "node.status", timeout_s=5.0)
+
+
+def test_repeated_prefix_on_a_busy_node_is_fetched_elsewhere(cluster):
+    """Cache load balancing (paper section 4.2): the node holding the prefix is busy, so the
+    request goes to the idle prefill node, which fetches the blocks instead of recomputing."""
+    api = cluster.api_url("c1")
+    prompt = "Shared context: " + " ".join(f"item{i}" for i in range(40))
+    code, first = asyncio.run(_post(f"{api}/v1/completions", completion(prompt, 2)))
+    assert code == 200, first
+    n = first["usage"]["prompt_tokens"]
+    full = n // 16
+    deadline = time.monotonic() + 10
+    while True:   # wait until the holder's store events reached the conductor
+        cst = control_call(cluster.control("c1"), "conductor.status")
+        holder = next((p for p in ("p1", "p2") if cst["nodes"][p]["indexed_blocks"] >= full), None)
+        if holder:
+            break
+        assert time.monotonic() < deadline, cst["nodes"]
+        time.sleep(0.1)   # poll interval
+    other = "p2" if holder == "p1" else "p1"
+    # make the holder busy with a long prefill sent straight to it
+    busy_prompt = list(range(1000, 1600))
+    busy = threading.Thread(target=control_call, args=(cluster.control(holder), "node.prefill", {
+        "rid": "busy-1", "prompt": busy_prompt, "params": {"max_tokens": 1, "temperature": 0.0},
+        "stage": False}), kwargs={"timeout_s": 120})
+    busy.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not control_call(cluster.control("c1"),
+                               "conductor.status")["nodes"][holder]["prefill_pending"]:
+            assert time.monotonic() < deadline, "the busy request never showed in reports"
+            time.sleep(0.05)   # poll interval
+        code, again = asyncio.run(_post(f"{api}/v1/completions", completion(prompt, 2)))
+        assert code == 200, again
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] >= (n - 1) // 16 * 16 > 0
+        st = status(cluster, other)
+        assert st["store"]["dram_blocks"] >= full          # replicated onto the other node
+        assert '"prefix_fetched"' in cluster.log_tail(other, 10**7)
+    finally:
+        busy.join(120)
 
 
 def test_prefill_node_killed_with_queued_work(cluster):
