@@ -4,7 +4,7 @@ The issue's benchmark: the first 200 requests of the conversation trace with len
 divided by 16, replayed (time-compressed as needed) with `mooncaked.replay` through
 
   ours:      a cluster of one prefill and one decode node (local coordination; the
-             prefill node's API is the front end), conductor SLOs disabled so that
+             prefill node's API is the front end), conductor SLOs at infinity so that
              nothing is rejected;
   baseline:  one `mooncaked serve --role all` process on the same machine,
 
@@ -39,8 +39,9 @@ from mooncaked.cluster.launcher import LocalCluster, NodeSpec, free_port
 from mooncaked.replay.runner import ReplayConfig, discover_server, replay
 from mooncaked.replay.summary import summarize
 from mooncaked.replay.trace import load_trace
+from mooncaked.replay.trace import shared_trace_path
 
-TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+TRACE = shared_trace_path()
 KEYS = ("completed", "rejected", "errors", "ttft_mean_s", "ttft_p50_s", "ttft_p90_s",
         "tbt_mean_s", "tbt_p90_s", "cache_hit_rate", "output_throughput_tok_s", "duration_s")
 
@@ -66,8 +67,10 @@ def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_cluster(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Replays through a 1 prefill + 1 decode cluster; returns the summary."""
-    settings = {**_engine_settings(args), "conductor.ttft_slo_s": 1e9, "conductor.tbt_slo_s": 1e9,
-                "store.dram_bytes": args.kv_cache_bytes}
+    # No admission control on either side: SLOs at infinity also turn off the decode-room
+    # rejection, so the decode node queues what does not fit, as the single process does.
+    settings = {**_engine_settings(args), "conductor.ttft_slo_s": float("inf"),
+                "conductor.tbt_slo_s": float("inf"), "store.dram_bytes": args.kv_cache_bytes}
     with LocalCluster(work / "cluster", [NodeSpec("prefill", "p0"), NodeSpec("decode", "d0")],
                       settings=settings, log_level="warning") as cl:
         return _replay(cl.api_url("p0"), args)

@@ -35,9 +35,10 @@ from mooncaked.config import StoreSettings
 from mooncaked.store.policy import POLICIES, make_policy
 from mooncaked.store.ssd import HEADER_BYTES
 from mooncaked.store.store import BlockStore
+from mooncaked.replay.trace import shared_trace_path
 
 SMOLLM2_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # layers*K/V*block_size 16*kv heads*head_dim*fp32
-DEFAULT_TRACE = "/work/shared/traces/conversation_trace.jsonl"
+DEFAULT_TRACE = str(shared_trace_path() or "")
 
 
 def _gbps(nbytes: int, seconds: float) -> float:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import orjson
 import pytest
+from mooncaked.replay.trace import shared_trace_path
 
-TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+TRACE = shared_trace_path() or Path("missing-conversation_trace.jsonl")
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 240.0  # model load on 2 shared cores
 RUN_TIMEOUT_S = 300.0

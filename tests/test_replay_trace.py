@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 
 from mooncaked.replay import TraceError, load_trace
+from mooncaked.replay.trace import shared_trace_path
 
-SHARED_TRACE = Path("/work/shared/traces/conversation_trace.jsonl")
+SHARED_TRACE = shared_trace_path() or Path("missing-conversation_trace.jsonl")
 
 
 def write(tmp_path, text):

@@ -16,10 +16,10 @@ from mooncaked.sim.engine import SimConfig, simulate
 from mooncaked.sim.hitrate import sequential_hit_rate
 from mooncaked.sim.sweep import capacity_sweep
 from mooncaked.sim.trace import TraceRequest, load_trace
+from mooncaked.replay.trace import shared_trace_path
 
 ROOT = Path(__file__).resolve().parents[1]
-TRACE = next((p for p in (ROOT / "shared/traces/conversation_trace.jsonl",
-                          ROOT.parent / "shared/traces/conversation_trace.jsonl") if p.exists()), None)
+TRACE = shared_trace_path()
 needs_trace = pytest.mark.skipif(TRACE is None, reason="shared/traces/conversation_trace.jsonl not found")
 
 # Prefill 1 ms a new token, decode 10 ms a step whatever the batch, transfer 1 us a token.

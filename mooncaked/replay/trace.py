@@ -99,3 +99,16 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
         raise TraceError(f"{path}: no requests")
     out.sort(key=lambda r: r.timestamp_ms)
     return out
+
+
+def shared_trace_path(name: str = "conversation_trace.jsonl") -> Path | None:
+    """The project's shared request trace, if present: `shared/traces/NAME` beside the
+    checkout (as laid out for developers and CI), else $MOONCAKE_TRACE_DIR/NAME; None if
+    neither exists."""
+    import os  # noqa: PLC0415
+
+    repo = Path(__file__).resolve().parents[2]
+    candidates = [repo.parent / "shared" / "traces" / name, repo / "shared" / "traces" / name]
+    if os.environ.get("MOONCAKE_TRACE_DIR"):
+        candidates.insert(0, Path(os.environ["MOONCAKE_TRACE_DIR"]) / name)
+    return next((p for p in candidates if p.is_file()), None)
