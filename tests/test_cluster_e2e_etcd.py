@@ -103,6 +103,12 @@ def test_repeated_prefix_on_a_busy_node_is_fetched_elsewhere(cluster):
         assert '"prefix_fetched"' in cluster.log_tail(other, 10**7)
     finally:
         busy.join(120)
+    # the conductor sees the holder idle again (its view lags by one report)
+    deadline = time.monotonic() + 10
+    while control_call(cluster.control("c1"),
+                       "conductor.status")["nodes"][holder]["prefill_pending"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)   # poll interval
 
 
 def test_prefill_node_killed_with_queued_work(cluster):
@@ -112,25 +118,30 @@ def test_prefill_node_killed_with_queued_work(cluster):
     async def run():
         tasks = [asyncio.create_task(_post(f"{api}/v1/completions", completion(p, 3)))
                  for p in prompts]
-        # wait (bounded) until p1 holds work, then kill it
+        # wait (bounded) until a prefill node holds work while more is queued, then kill it
         deadline = time.monotonic() + 30
-        while not status(cluster, "p1")["requests"]["prefill"]:
-            assert time.monotonic() < deadline, "no work reached p1"
+        while True:
+            victim = next((p for p in ("p1", "p2") if status(cluster, p)["requests"]["prefill"]),
+                          None)
+            if victim:
+                break
+            assert time.monotonic() < deadline, "no work reached a prefill node"
             await asyncio.sleep(0.05)
-        cluster.kill("p1")
-        return await asyncio.wait_for(asyncio.gather(*tasks), 120)
+        cluster.kill(victim)
+        return victim, await asyncio.wait_for(asyncio.gather(*tasks), 120)
 
-    results = asyncio.run(run())
+    victim, results = asyncio.run(run())
+    cluster.killed = [victim]
     for code, body in results:
         # every request completes (placed again on p2) or ends with a clear error
         if code == 200:
             assert body["usage"]["completion_tokens"] == 3
         else:
-            assert code in (502, 503, 504) and "p1" in body["error"]["message"], body
+            assert code in (502, 503, 504) and victim in body["error"]["message"], body
     assert sum(code == 200 for code, _ in results) >= 3
-    # what p1 held was placed again, not failed
+    # what the victim held was placed again, not failed
     assert '"prefill_replaced"' in cluster.log_tail("c1", 10**7)
-    st = status(cluster, "p2")
+    st = status(cluster, "p2" if victim == "p1" else "p1")
     assert st["engine"]["kv_blocks_used"] == 0 and not st["requests"]["prefill"]
 
 
@@ -142,7 +153,7 @@ def test_leader_killed_on_etcd(cluster):
         assert time.monotonic() < deadline, "no new leader within 20 s"
         time.sleep(0.1)   # poll interval
     leader = status(cluster, "d1")["leader"]
-    assert leader in ("p2", "d1")
+    assert leader in {"p1", "p2", "d1"} - set(getattr(cluster, "killed", []))
     code, body = asyncio.run(_post(f"{cluster.api_url('d1')}/v1/completions",
                                    completion("Hello there, how are", 4)))
     assert code == 200, body
