@@ -1,23 +1,36 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh), starts mooncaked on the bundled SmolLM2-135M-Instruct
-# model, asks it one chat question through the OpenAI-compatible API, prints the
-# answer, and stops the server. PORT=... to choose the port (default 8000).
+# Sets up (scripts/setup.sh), starts a local mooncake cluster on the bundled
+# SmolLM2-135M-Instruct model (`mooncake up`: one prefill, one decode and one cache
+# node, each its own process; the cache node serves the OpenAI API), asks it one chat
+# question through the prefill/decode path, prints the answer, and stops the cluster.
+# PORT=... chooses the API port (default 8000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 PORT=${PORT:-8000}
-LOG=$(mktemp -t mooncaked-quickstart.XXXXXX.log)
-.venv/bin/mooncaked serve --role all --port "$PORT" >"$LOG" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null; wait $SERVER 2>/dev/null || true' EXIT
-echo "quickstart: starting mooncaked on 127.0.0.1:$PORT (log: $LOG)"
-for _ in $(seq 1 240); do
-    if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then break; fi
-    if ! kill -0 $SERVER 2>/dev/null; then echo "quickstart: server exited:"; cat "$LOG"; exit 1; fi
+URL="http://127.0.0.1:$PORT"
+LOG=$(mktemp -t mooncake-up.XXXXXX.log)
+.venv/bin/mooncake up --port "$PORT" >"$LOG" 2>&1 &
+UP=$!
+trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
+echo "quickstart: mooncake up --port $PORT (log: $LOG)"
+ready=""
+for _ in $(seq 1 600); do
+    if grep -q "^ready:" "$LOG"; then ready=1; break; fi
+    if ! kill -0 $UP 2>/dev/null; then echo "quickstart: mooncake up exited:"; cat "$LOG"; exit 1; fi
     sleep 0.5
 done
-curl -sf "http://127.0.0.1:$PORT/health" >/dev/null || { echo "quickstart: server not ready"; cat "$LOG"; exit 1; }
-echo "quickstart: POST /v1/chat/completions: What is the capital of France?"
-curl -sS "http://127.0.0.1:$PORT/v1/chat/completions" -H 'Content-Type: application/json' \
-    -d '{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 64, "temperature": 0}' \
-    | .venv/bin/python -c 'import json, sys; r = json.load(sys.stdin); print("answer:", r["choices"][0]["message"]["content"]); print("usage:", r["usage"])'
+[ -n "$ready" ] || { echo "quickstart: the cluster did not become ready"; cat "$LOG"; exit 1; }
+cat "$LOG"
+echo
+echo "quickstart: POST $URL/v1/chat/completions: What is the capital of France?"
+BODY='{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 64, "temperature": 0}'
+for _ in $(seq 1 30); do   # the conductor may need a moment to see every node
+    code=$(curl -sS -o /tmp/quickstart-answer.json -w '%{http_code}' "$URL/v1/chat/completions" \
+        -H 'Content-Type: application/json' -d "$BODY") || code=000
+    [ "$code" = 200 ] && break
+    sleep 1
+done
+[ "$code" = 200 ] || { echo "quickstart: HTTP $code"; cat /tmp/quickstart-answer.json; exit 1; }
+.venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1])); print("answer:", r["choices"][0]["message"]["content"]); print("usage:", r["usage"])' /tmp/quickstart-answer.json
+echo "quickstart: done; stopping the cluster (run \`.venv/bin/mooncake up\` to keep one running)"
