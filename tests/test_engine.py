@@ -168,15 +168,19 @@ def test_bad_requests_are_refused(engine):
     assert not engine.has_work()
 
 
-def test_prefill_export_then_decode_import_equals_one_engine(engine, chats):
-    """The disaggregated path at engine level: prefill on one engine, decode on another."""
+@pytest.mark.parametrize("seed", [None, 7])
+def test_prefill_export_then_decode_import_equals_one_engine(engine, chats, seed):
+    """The disaggregated path at engine level: prefill on one engine, decode on another.
+    Greedy and seeded sampling give the same tokens as one engine."""
     from mooncaked.engine.types import KVImport
 
     prompt = chats[4] + engine.tokenizer.encode(" Answer briefly.")
-    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    temp = 0.0 if seed is None else 1.0
+    params = SamplingParams(max_tokens=10, temperature=temp, seed=seed, ignore_eos=True)
     whole = run(engine, [prompt], params)[0]
 
-    engine.add_request("p1", prompt, SamplingParams(max_tokens=1, temperature=0.0), export_kv=True)
+    engine.add_request(f"p{seed}", prompt, SamplingParams(max_tokens=1, temperature=temp, seed=seed),
+                       export_kv=True)
     outs = []
     while engine.has_work():
         outs += engine.step()
@@ -187,8 +191,8 @@ def test_prefill_export_then_decode_import_equals_one_engine(engine, chats):
     assert len(exp.keys) == len(prompt) // engine.block_size
     first = final.new_token_ids[0]
 
-    decoder = LLMEngine(make_settings(**{"engine.enable_prefix_caching": False}))
-    decoder.add_request("d1", prompt, params, kv_import=KVImport(exp.blocks.clone(), exp.num_tokens),
+    decoder = engine_without_prefix_cache()
+    decoder.add_request(f"d{seed}", prompt, params, kv_import=KVImport(exp.blocks.clone(), exp.num_tokens),
                         first_token=first)
     tokens, text, cached = [], "", None
     while decoder.has_work():
@@ -200,3 +204,13 @@ def test_prefill_export_then_decode_import_equals_one_engine(engine, chats):
     assert text == whole["text"]
     assert cached == len(prompt)
     assert decoder.stats().kv_blocks_used == 0
+
+
+_DECODER = []
+
+
+def engine_without_prefix_cache() -> LLMEngine:
+    """One shared decode-side engine (loading a model takes seconds)."""
+    if not _DECODER:
+        _DECODER.append(LLMEngine(make_settings(**{"engine.enable_prefix_caching": False})))
+    return _DECODER[0]

@@ -93,7 +93,7 @@ class ModelRunner:
             t += s.num_new_tokens
             ends.append(t - 1)
         logits = self.model.logits(hidden[[ends[i] for i in want]])
-        rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens,
-                            batch[i].seq.generator) for i in want]
+        rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens)
+                for i in want]
         tokens, logprobs = sample(logits, rows)
         return {i: (tok, lp) for i, tok, lp in zip(want, tokens, logprobs)}

@@ -5,8 +5,6 @@ from __future__ import annotations
 import enum
 import time
 
-import torch
-
 from .detokenizer import IncrementalDetokenizer
 from .types import SamplingParams
 
@@ -45,9 +43,6 @@ class Sequence:
         self.prefix_hit_counted = False
         self.num_preemptions = 0
         self.arrival_time = time.monotonic()
-        self.generator: torch.Generator | None = None
-        if params.seed is not None:
-            self.generator = torch.Generator().manual_seed(params.seed)
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.kv_import = None               # KVImport to place into pages at admission

@@ -3,7 +3,9 @@
 Semantics follow vLLM's sampler: penalties first (repetition on prompt and
 output tokens; presence and frequency on output tokens), then greedy argmax or
 temperature scaling, top-k, top-p and min-p filtering and a multinomial draw
-with the request's own generator. Logprobs come from the raw model
+with a generator seeded from (request seed, output position), so a seeded request
+samples the same tokens wherever its steps run (one engine, or a prefill node then
+a decode node). Logprobs come from the raw model
 distribution (log_softmax of the unmodified logits), like vLLM's default.
 """
 
@@ -21,13 +23,22 @@ class SamplingRow:
     """One sequence's inputs to sampling.
 
     token_ids: prompt + output so far (for the repetition penalty); num_prompt_tokens
-    splits it; generator: the request's seeded generator, or None for the global one.
+    splits it. With params.seed set, the draw for output position p uses a generator
+    seeded from (seed, p); without, torch's global generator.
     """
 
     params: SamplingParams
     token_ids: list[int]
     num_prompt_tokens: int
-    generator: torch.Generator | None
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        """A generator for this row's draw: seeded per (request seed, output position)."""
+        seed = self.params.seed
+        if seed is None:
+            return None
+        position = len(self.token_ids) - self.num_prompt_tokens
+        return torch.Generator().manual_seed((seed * 1_000_003 + position) % (1 << 63))
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
