@@ -174,8 +174,7 @@ class ClusterNode:
         await self.transfer.start()
         if self.engine is not None:
             await self._start_store(self.engine.engine.block_bytes)
-            self.engine.store = self.store if self.role == "prefill" else None
-            self.engine.engine.offload_finished = self.role == "prefill"
+            self.engine.attach_store(self.store if self.role == "prefill" else None)
         for name, h in (("node.prefill", self._h_prefill), ("node.release", self._h_release),
                         ("node.status", self._h_status), ("node.drain", self._h_drain),
                         ("conductor.place", self._h_place), ("conductor.report", self._h_report),

@@ -35,8 +35,7 @@ class AsyncLLM:
 
     def __init__(self, engine: LLMEngine, store=None):
         self.engine = engine
-        self.store = store
-        engine.offload_finished = store is not None
+        self.attach_store(store)
         self._offloads: set[asyncio.Task] = set()
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
@@ -52,6 +51,11 @@ class AsyncLLM:
     def from_settings(cls, settings: Settings) -> "AsyncLLM":
         """Loads model and tokenizer (seconds). Raises ModelLoadError or ValueError."""
         return cls(LLMEngine(settings))
+
+    def attach_store(self, store) -> None:
+        """Uses `store` (a BlockStore, or None to detach) for prefix loads and offloads."""
+        self.store = store
+        self.engine.offload_finished = store is not None
 
     async def start(self) -> None:
         """Starts the step loop on the running event loop."""
