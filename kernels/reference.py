@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -119,17 +120,18 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
             continue
         k = _gather(k_cache, block_tables[s], ctx)  # [ctx, H_kv, D]
         v = _gather(v_cache, block_tables[s], ctx)
-        # SDPA wants [H, L, D]; expand KV heads for GQA.
+        # SDPA wants [H, L, D]; GQA heads share KV (enable_gqa). Causal "lower right":
+        # the new tokens are the last n_new of ctx, so a bias object, not a boolean mask,
+        # keeps SDPA on its fused (flash) CPU kernel.
         qh = q_s.transpose(0, 1)
-        kh = k.transpose(0, 1).repeat_interleave(group, dim=0)
-        vh = v.transpose(0, 1).repeat_interleave(group, dim=0)
-        prefix = ctx - n_new
-        if prefix == 0:
-            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+        kh = k.transpose(0, 1)
+        vh = v.transpose(0, 1)
+        if n_new == ctx:
+            o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale,
+                                               enable_gqa=group > 1)
         else:
-            qpos = torch.arange(prefix, ctx, device=q.device)[:, None]
-            kpos = torch.arange(ctx, device=q.device)[None, :]
-            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=kpos <= qpos, scale=scale)
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(n_new, ctx),
+                                               scale=scale, enable_gqa=group > 1)
         out[starts[s]:starts[s + 1]] = o.transpose(0, 1)
     return out
 
