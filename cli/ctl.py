@@ -18,7 +18,8 @@ ctl_app = typer.Typer(help="Inspect and operate a running cluster.", no_args_is_
 app.add_typer(ctl_app, name="ctl")
 
 _CONFIG = typer.Option(None, "--config", "-c", help="TOML settings of the cluster (its [cluster] "
-                       "section tells where the coordinator is).")
+                       "section tells where the coordinator is); default: the running "
+                       "`mooncake up` cluster's, if any.")
 _BACKEND = typer.Option(None, help="local | etcd (overrides the file).")
 _STATE = typer.Option(None, "--state-dir", help="Local backend's state directory.")
 _ETCD = typer.Option(None, "--etcd", help="etcd client URL (repeatable).")
@@ -28,8 +29,11 @@ _TIMEOUT = typer.Option(3.0, help="Timeout of each call to a node, seconds.")
 
 def _cluster(config: Optional[Path], backend: Optional[str], state_dir: Optional[str],
              etcd: Optional[list[str]]):
+    from mooncaked.cluster.launcher import default_ctl_config_path  # noqa: PLC0415
     from mooncaked.config import ConfigError, load_settings  # noqa: PLC0415
 
+    if config is None and backend is None and default_ctl_config_path().exists():
+        config = default_ctl_config_path()
     try:
         s = load_settings(config, {"cluster.backend": backend, "cluster.state_dir": state_dir,
                                    "cluster.etcd_endpoints": etcd or None})

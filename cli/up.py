@@ -66,7 +66,7 @@ def up(
     try:
         typer.echo(f"starting {len(nodes)} nodes ({backend} backend); logs in {work}")
         cluster.start(timeout)
-        ctl = cluster.write_ctl_config()
+        ctl = cluster.write_ctl_config(also_default=True)
         typer.echo(f"ready: {cluster.api_url(front)}/v1  (OpenAI API, model "
                    f"{_model(cluster, front)})")
         for n in nodes:
@@ -89,9 +89,22 @@ def up(
         typer.echo("stopping...")
     finally:
         cluster.stop()
+        _forget_default_ctl_config(work)
         if own:
             shutil.rmtree(work, ignore_errors=True)
     typer.echo("stopped")
+
+
+def _forget_default_ctl_config(work: Path) -> None:
+    """Removes the well-known ctl settings if they still point at this cluster."""
+    from mooncaked.cluster.launcher import default_ctl_config_path  # noqa: PLC0415
+
+    default, mine = default_ctl_config_path(), work / "cluster.toml"
+    try:
+        if default.exists() and mine.exists() and default.read_bytes() == mine.read_bytes():
+            default.unlink()
+    except OSError:
+        pass
 
 
 def _model(cluster, node_id: str) -> str:

@@ -10,6 +10,7 @@ bash scripts/setup.sh
 PORT=${PORT:-8000}
 URL="http://127.0.0.1:$PORT"
 LOG=$(mktemp -t mooncake-up.XXXXXX.log)
+ANSWER=$(mktemp -t mooncake-answer.XXXXXX.json)
 .venv/bin/mooncake up --port "$PORT" >"$LOG" 2>&1 &
 UP=$!
 trap 'kill -TERM $UP 2>/dev/null; wait $UP 2>/dev/null || true' EXIT
@@ -26,11 +27,11 @@ echo
 echo "quickstart: POST $URL/v1/chat/completions: What is the capital of France?"
 BODY='{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 64, "temperature": 0}'
 for _ in $(seq 1 30); do   # the conductor may need a moment to see every node
-    code=$(curl -sS -o /tmp/quickstart-answer.json -w '%{http_code}' "$URL/v1/chat/completions" \
+    code=$(curl -sS -o "$ANSWER" -w '%{http_code}' "$URL/v1/chat/completions" \
         -H 'Content-Type: application/json' -d "$BODY") || code=000
     [ "$code" = 200 ] && break
     sleep 1
 done
-[ "$code" = 200 ] || { echo "quickstart: HTTP $code"; cat /tmp/quickstart-answer.json; exit 1; }
-.venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1])); print("answer:", r["choices"][0]["message"]["content"]); print("usage:", r["usage"])' /tmp/quickstart-answer.json
+[ "$code" = 200 ] || { echo "quickstart: HTTP $code"; cat "$ANSWER"; exit 1; }
+.venv/bin/python -c 'import json, sys; r = json.load(open(sys.argv[1])); print("answer:", r["choices"][0]["message"]["content"]); print("usage:", r["usage"])' "$ANSWER"
 echo "quickstart: done; stopping the cluster (run \`.venv/bin/mooncake up\` to keep one running)"

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Triton kernels run on the CPU interpreter in tests. Set before anything imports triton,
+# so every kernel test runs in this process (the GPU check runs with --noconftest).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 

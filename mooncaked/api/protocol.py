@@ -117,6 +117,10 @@ def _int(body: dict, key: str, default: Any) -> Any:
     v = body.get(key, _MISSING)
     if v is _MISSING or v is None:
         return default
+    if isinstance(v, float) and v.is_integer() and abs(v) >= 2**63:
+        # orjson reads integers beyond 64 bits as floats: say what is really wrong.
+        raise ApiError(400, f"'{key}' must be an integer in [-2**63, 2**63)", param=key,
+                       code="invalid_value")
     if not _is_int(v):
         raise _type_error(key, "an integer", v)
     return v

@@ -169,12 +169,16 @@ class LocalCluster:
             out["cluster.etcd_endpoints"] = [self.etcd.endpoint]
         return out
 
-    def write_ctl_config(self) -> Path:
+    def write_ctl_config(self, also_default: bool = False) -> Path:
         """Writes <workdir>/cluster.toml with the [cluster] settings `mooncake ctl -c` needs."""
         path = self.workdir / "cluster.toml"
         write_toml(path, _merge({}, {**self.coordination(),
                                      **{k: v for k, v in self.settings.items()
                                         if k.startswith("cluster.")}}))
+        if also_default:
+            default = default_ctl_config_path()
+            default.parent.mkdir(parents=True, exist_ok=True)
+            default.write_bytes(path.read_bytes())
         return path
 
     # ------------------------------------------------------------------ lifecycle
@@ -309,3 +313,13 @@ class LocalCluster:
 
 __all__ = ["ClusterStartError", "LocalCluster", "NodeSpec", "control_call", "free_port",
            "write_toml"]
+
+
+def default_ctl_config_path() -> Path:
+    """Where `mooncake up` leaves its cluster's ctl settings while it runs, so that a plain
+    `mooncake ctl status` (no -c) finds the local cluster: $XDG_RUNTIME_DIR/mooncake/up.toml,
+    else ~/.cache/mooncake/up.toml."""
+    import os  # noqa: PLC0415
+
+    base = os.environ.get("XDG_RUNTIME_DIR") or os.path.expanduser("~/.cache")
+    return Path(base) / "mooncake" / "up.toml"

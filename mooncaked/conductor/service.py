@@ -73,11 +73,12 @@ def cost_model_path(settings: Settings) -> Path:
 
 def default_cost_model(kv_bytes_per_token: int) -> CostModel:
     """A rough cost model of the bundled 135M model on a small shared CPU (2 cores), for
-    clusters that have not run `mooncaked profile` yet: prefill about 12 ms a new token,
-    a decode step 0.15 s plus 2 ms a context token, loopback TCP at 1 GB/s."""
+    clusters that have not run `mooncaked profile` yet: prefill about 6 ms a new token,
+    a decode step 40 ms plus 4 ms a sequence and 20 us a context token (one thread,
+    fp32), loopback TCP at 1 GB/s."""
     return CostModel(
-        prefill=PolyModel(((0, 0), (1, 0), (0, 1), (2, 0), (1, 1)), (0.05, 0.012, 1e-5, 0.0, 0.0)),
-        decode=PolyModel(((0, 0), (1, 0), (0, 1)), (0.15, 0.02, 0.002)),
+        prefill=PolyModel(((0, 0), (1, 0), (0, 1), (2, 0), (1, 1)), (0.05, 0.006, 1e-5, 0.0, 0.0)),
+        decode=PolyModel(((0, 0), (1, 0), (0, 1)), (0.04, 0.004, 2e-5)),
         transfer=TransferModel(1e9, 0.002), kv_bytes_per_token=max(1, kv_bytes_per_token),
         name="default CPU estimate (run `mooncaked profile` to fit this hardware)",
         meta={"source": "default"})
