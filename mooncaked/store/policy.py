@@ -15,6 +15,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import Callable, Hashable
 
+from mooncaked.transfer.sieve import SieveOrder
+
 
 class EvictionPolicy:
     """Order of eviction over a set of keys.
@@ -87,86 +89,10 @@ class FIFO(LRU):
         pass
 
 
-class _Node:
-    __slots__ = ("key", "newer", "older", "visited")
-
-    def __init__(self, key: Hashable):
-        self.key = key
-        self.newer: _Node | None = None
-        self.older: _Node | None = None
-        self.visited = False
-
-
-class SIEVE(EvictionPolicy):
-    """SIEVE (Zhang et al., NSDI'24): FIFO queue, a visited bit, and a moving hand.
-
-    New keys enter at the head; the hand walks from the tail towards the head,
-    clearing visited bits and evicting the first unvisited key. A use only sets
-    the bit (no reordering), so hits cost O(1) without moving list nodes.
-    """
+class SIEVE(SieveOrder, EvictionPolicy):
+    """SIEVE (Zhang et al., NSDI'24); the same order the transfer engine's endpoint pool uses."""
 
     name = "sieve"
-
-    def __init__(self) -> None:
-        self._nodes: dict[Hashable, _Node] = {}
-        self._head: _Node | None = None  # newest
-        self._tail: _Node | None = None  # oldest
-        self._hand: _Node | None = None
-
-    def insert(self, key: Hashable) -> None:
-        if key in self._nodes:
-            self.touch(key)
-            return
-        node = _Node(key)
-        node.older = self._head
-        if self._head is not None:
-            self._head.newer = node
-        self._head = node
-        if self._tail is None:
-            self._tail = node
-        self._nodes[key] = node
-
-    def touch(self, key: Hashable) -> None:
-        node = self._nodes.get(key)
-        if node is not None:
-            node.visited = True
-
-    def remove(self, key: Hashable) -> None:
-        node = self._nodes.pop(key, None)
-        if node is None:
-            return
-        if self._hand is node:
-            self._hand = node.newer
-        if node.newer is not None:
-            node.newer.older = node.older
-        else:
-            self._head = node.older
-        if node.older is not None:
-            node.older.newer = node.newer
-        else:
-            self._tail = node.newer
-
-    def victim(self, can_evict: Callable[[Hashable], bool]) -> Hashable | None:
-        node = self._hand or self._tail
-        # Two full passes: the first may only clear visited bits.
-        for _ in range(2 * len(self._nodes) + 1):
-            if node is None:
-                node = self._tail
-                if node is None:
-                    return None
-            if node.visited:
-                node.visited = False
-            elif can_evict(node.key):
-                self._hand = node.newer
-                return node.key
-            node = node.newer
-        return None
-
-    def __len__(self) -> int:
-        return len(self._nodes)
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._nodes
 
 
 POLICIES = {"lru": LRU, "sieve": SIEVE, "fifo": FIFO}
