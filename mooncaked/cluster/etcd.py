@@ -15,7 +15,6 @@ to the next for the following calls.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from typing import AsyncIterator
 from urllib.parse import urlsplit
 
@@ -76,8 +75,7 @@ class EtcdCoordinator(Coordinator):
     async def _failover(self) -> None:
         client, self._client = self._client, None
         if client is not None:
-            with contextlib.suppress(Exception):
-                await client.close()
+            await _bounded(client.close(), self.settings.op_timeout_s)
         self._ep = (self._ep + 1) % len(self.endpoints)
 
     def _op_budget_s(self) -> float:
@@ -108,8 +106,7 @@ class EtcdCoordinator(Coordinator):
 
     async def _close(self) -> None:
         if self._client is not None:
-            with contextlib.suppress(Exception):
-                await self._client.close()
+            await _bounded(self._client.close(), self.settings.op_timeout_s)
             self._client = None
 
     # ------------------------------------------------------------------ primitives
@@ -193,8 +190,24 @@ class EtcdCoordinator(Coordinator):
                 backoff = min(backoff * 2, 2.0)
             finally:
                 if watch is not None:
-                    with contextlib.suppress(Exception):
-                        await asyncio.wait_for(watch.cancel(), 1.0)
+                    await _bounded(watch.cancel(), 1.0)
+
+
+async def _bounded(coro, timeout_s: float) -> None:
+    """Runs a client cleanup call for at most timeout_s, ignoring its errors.
+
+    Unlike asyncio.wait_for, it does not wait for a timed-out call to finish cancelling:
+    a gRPC call that swallows its cancellation (an aetcd watcher stuck behind its own
+    lock) must not hang a shutdown.
+    """
+    task = asyncio.ensure_future(coro)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        log.warning("etcd_cleanup_timeout", timeout_s=timeout_s)
+        return
+    if not task.cancelled() and task.exception() is not None:
+        log.debug("etcd_cleanup_failed", error=repr(task.exception()))
 
 
 __all__ = ["EtcdCoordinator", "parse_endpoint"]
