@@ -56,7 +56,8 @@ class BlockManager:
 
     # -- prefix caching
 
-    def _ensure_keys(self, seq: Sequence) -> None:
+    def ensure_keys(self, seq: Sequence) -> None:
+        """Extends seq.block_keys to every full block of its tokens (chained, incremental)."""
         n_full = seq.num_tokens // self.block_size
         if len(seq.block_keys) < n_full:
             parent = seq.block_keys[-1] if seq.block_keys else b""
@@ -72,7 +73,7 @@ class BlockManager:
         """
         if not self.enable_prefix_caching:
             return 0
-        self._ensure_keys(seq)
+        self.ensure_keys(seq)
         limit = (seq.num_tokens - 1) // self.block_size
         n = 0
         while n < limit and seq.block_keys[n] in self.key_to_block:
@@ -127,7 +128,7 @@ class BlockManager:
         n_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if n_full <= seq.num_committed_blocks:
             return []
-        self._ensure_keys(seq)
+        self.ensure_keys(seq)
         new = []
         for i in range(seq.num_committed_blocks, n_full):
             b = seq.block_table[i]

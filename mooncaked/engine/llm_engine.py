@@ -197,7 +197,8 @@ class LLMEngine:
         if n_blocks == 0:
             return None
         n_full = n_tok // self.block_size
-        keys = block_keys(seq.token_ids[: n_full * self.block_size], self.block_size, seq.salt)
+        self.block_manager.ensure_keys(seq)  # keys of blocks already hashed are reused
+        keys = seq.block_keys[:n_full]
         ids = torch.tensor(seq.block_table[:n_blocks], dtype=torch.long, device=self.model.device)
         blocks = kv_copy.gather_blocks(self.runner.kv_cache, ids)
         return KVExport(keys=keys, blocks=blocks, num_tokens=min(n_tok, n_blocks * self.block_size))
