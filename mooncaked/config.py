@@ -140,6 +140,10 @@ class ClusterSettings:
                                              "keep-alive) is failed, seconds.", min=0.5)
     stage_ttl_s: float = opt(30.0, "A prefill node keeps a request's exported KV for the decode "
                                    "node's READ at most this long, seconds.", min=0.5)
+    layerwise_kv_push: bool = opt(True, "The prefill node WRITEs each layer's KV into a buffer "
+                                        "the decode node reserved while it computes the next "
+                                        "layer (paper section 3); false: the decode node READs "
+                                        "all of it after the prefill.")
     drain_timeout_s: float = opt(30.0, "On SIGTERM a node takes no new requests and waits this "
                                        "long for running ones before exiting, seconds.", min=0.0)
 

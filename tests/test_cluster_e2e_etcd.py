@@ -33,7 +33,10 @@ def cluster(tmp_path_factory):
                 "cluster.stream_idle_timeout_s": 6.0, "cluster.drain_timeout_s": 5.0,
                 "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 64 << 20,
                 "conductor.ttft_slo_s": 600.0, "conductor.tbt_slo_s": 600.0,
-                "server.request_timeout_s": 120.0}
+                "server.request_timeout_s": 120.0,
+                # this cluster moves KV the other way: the decode node READs it after the
+                # prefill (the local-backend tests cover the layer-wise push)
+                "cluster.layerwise_kv_push": False}
     cl = LocalCluster(tmp, [NodeSpec("cache", "c1"), NodeSpec("prefill", "p1"),
                             NodeSpec("prefill", "p2"), NodeSpec("decode", "d1")],
                       backend="etcd", settings=settings)
@@ -101,6 +104,8 @@ def test_repeated_prefix_on_a_busy_node_is_fetched_elsewhere(cluster):
         st = status(cluster, other)
         assert st["store"]["dram_blocks"] >= full          # replicated onto the other node
         assert '"prefix_fetched"' in cluster.log_tail(other, 10**7)
+        kv = status(cluster, "d1")["kv_transfer"]
+        assert kv["read"] >= 1 and kv["read_bytes"] > 0 and kv["received_pushed"] == 0
     finally:
         busy.join(120)
     # the conductor sees the holder idle again (its view lags by one report)

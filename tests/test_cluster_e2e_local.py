@@ -155,9 +155,19 @@ def test_ready_is_notified_to_systemd(env):
     assert "READY=1" in msgs
 
 
+def kv_counters(cluster: LocalCluster) -> dict:
+    """Sum of every model node's kv_transfer counters."""
+    total: dict = {}
+    for nid in ("p1", "d1", "d2"):
+        for k, v in status(cluster, nid)["kv_transfer"].items():
+            total[k] = total.get(k, 0) + v
+    return total
+
+
 def test_greedy_output_equals_single_process(env):
     cluster, ref = env
     api = cluster.api_url("c1")
+    before = kv_counters(cluster)
     code, got, _ = post(f"{api}/v1/completions", completion(16))
     assert code == 200, got
     code, want, _ = post(f"{ref}/v1/completions", completion(16))
@@ -183,6 +193,13 @@ def test_greedy_output_equals_single_process(env):
     (c_text, c_usage), (r_text, r_usage) = asyncio.run(chat_text(api)), asyncio.run(chat_text(ref))
     assert c_text == r_text and c_text
     assert c_usage["completion_tokens"] == r_usage["completion_tokens"]
+    # both requests' KV was pushed layer by layer into the decode node (no READ after)
+    after = kv_counters(cluster)
+    delta = {k: after[k] - before[k] for k in after}
+    assert delta["pushed"] == delta["received_pushed"] == 2, delta
+    assert delta["push_failed"] == delta["read"] == 0, delta
+    layers = 30        # SmolLM2-135M: each request sends every layer's KV at least once
+    assert delta["push_bytes"] >= 2 * layers * 2 * 16 * 3 * 64 * 4, delta
 
 
 def test_repeated_prefix_reports_cached_tokens(env):
@@ -222,7 +239,8 @@ def test_client_disconnect_frees_kv_on_both_sides(env):
     def freed():
         sts = [status(cluster, n) for n in ("p1", "d1", "d2")]
         return all(not s["requests"]["prefill"] and not s["requests"]["decode"]
-                   and s["requests"]["staged"] == 0 and s["engine"]["kv_blocks_used"] == 0
+                   and s["requests"]["staged"] == 0 and s["requests"]["receiving"] == 0
+                   and s["engine"]["kv_blocks_used"] == 0
                    and s["engine"]["num_running"] == 0 for s in sts)
 
     wait_until(freed, 5.0, "KV freed on the prefill and decode nodes")

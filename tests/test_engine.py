@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.llm_engine import LLMEngine
@@ -204,6 +205,33 @@ def test_prefill_export_then_decode_import_equals_one_engine(engine, chats, seed
     assert text == whole["text"]
     assert cached == len(prompt)
     assert decoder.stats().kv_blocks_used == 0
+
+
+def test_layerwise_stage_equals_gathered_export(engine, chats):
+    """LayerwiseKV, staged layer by layer over chunked prefill steps with a prefix hit,
+    holds exactly the blocks that export_kv gathers at the end."""
+    prompt = (sum(chats, []) * 8)[:900]
+    run(engine, [prompt[:384]], SamplingParams(max_tokens=1))       # warm a 384-token prefix
+    calls = []
+    ks = engine.layerwise_kv(len(prompt), lambda *a: calls.append(a[:3]))
+    engine.add_request("layerwise", prompt, SamplingParams(max_tokens=1), export_kv=True,
+                       kv_stream=ks)
+    outs = []
+    while engine.has_work():
+        outs += engine.step()
+    (final,) = [o for o in outs if o.finished]
+    assert final.num_cached_tokens == 384
+    exp = final.kv_export
+    assert ks.num_tokens == exp.num_tokens == len(prompt)
+    assert torch.equal(ks.stage.permute(1, 0, 2, 3, 4, 5), exp.blocks)
+    layers = engine.cfg.num_layers
+    steps = [calls[i:i + layers] for i in range(0, len(calls), layers)]
+    assert len(calls) == len(steps) * layers and len(steps) == 3     # 516 new tokens, budget 256
+    for step in steps:
+        assert [c[0] for c in step] == list(range(layers))            # each layer once, in order
+    assert steps[0][0][1] == 0                                        # cached blocks go too
+    assert [s[0][2] for s in steps] == [-(-640 // 16), -(-896 // 16), -(-900 // 16)]
+    assert steps[1][0][1] == 640 // 16 and steps[2][0][1] == 896 // 16
 
 
 _DECODER = []

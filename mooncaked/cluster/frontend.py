@@ -10,14 +10,17 @@ cache_salt)` and gets RequestOutput deltas. Per request:
    node d, blocks p should fetch and from where; or a rejection, answered as
    HTTP 429 with Retry-After (early rejection, paper section 4 step 4);
 2. `node.prefill` on p (one control call, bounded by the request's time): p
-   loads the prefix, prefills, returns the first token and stages the KV (all
-   blocks, the partial last one included) in a transfer-engine segment. If p is
-   dead or draining, the request is placed again without it;
+   loads the prefix, prefills while staging the KV layer by layer (all blocks,
+   the partial last one included) and, with cluster.layerwise_kv_push, WRITEs
+   each layer into a buffer it reserved on d while computing the next layer
+   (cluster/kv_push.py); it answers with the first token once every WRITE is
+   done. If p is dead or draining, the request is placed again without it;
 3. the first token goes to the client at once (TTFT is p's), then POST
-   /internal/decode on d: d READs the staged KV, admits the request with
-   kv_import + first_token, and streams JSON lines back; its first delta repeats
-   the first token, which is dropped here. If d cannot be reached before it
-   produced anything, the decode side is placed again without it.
+   /internal/decode on d: d takes the pushed KV (or READs p's stage when the push
+   did not happen or failed), admits the request with kv_import + first_token,
+   and streams JSON lines back; its first delta repeats the first token, which
+   is dropped here. If d cannot be reached before it produced anything, the
+   decode side is placed again without it (the new node READs p's stage).
 
 Failures end the request with a clear error naming the node, and nothing waits
 without a bound: place calls use cluster.rpc_timeout_s, the prefill call the
@@ -27,9 +30,8 @@ HTTP calls, which cancels the handlers on p and d, whose engines then abort the
 request and free its KV; the staged KV is released on p at once (or after
 cluster.stage_ttl_s at the latest).
 
-Not yet done (documented follow-ups): layer-wise streaming of the KV overlapped
-with p's compute (the KV moves after the prefill, in one READ), and
-re-running a request whose decode node died (it ends with an error).
+Not yet done (documented follow-up): re-running a request whose decode node died
+(it ends with an error).
 """
 
 from __future__ import annotations
@@ -272,10 +274,12 @@ class ClusterFrontend:
     async def _prefill(self, pl: dict, prompt: list[int], params: SamplingParams, rid: str,
                        cache_salt: str | None, can_continue: bool, deadline: float) -> dict:
         p = pl["prefill"]
+        remaining = deadline - time.monotonic()
+        push = can_continue and self.node.settings.cluster.layerwise_kv_push
         payload = {"rid": rid, "prompt": prompt, "params": dataclasses.asdict(params),
                    "cache_salt": cache_salt, "fetch": pl.get("fetch"),
-                   "prefix_tokens": pl.get("prefix_tokens", 0), "stage": can_continue}
-        remaining = deadline - time.monotonic()
+                   "prefix_tokens": pl.get("prefix_tokens", 0), "stage": can_continue,
+                   "push_to": pl["decode"]["control"] if push else None, "ttl_s": remaining}
         try:
             return await self.node.data_client.call(p["control"], "node.prefill", payload,
                                                     timeout_s=max(0.1, remaining))
@@ -352,6 +356,8 @@ class ClusterFrontend:
                     raise ApiError(502, f"decode node {d['node']} unavailable: {e}",
                                    type="server_error", code="decode_failed") from e
                 log.warning("decode_replaced", request_id=rid, node=d["node"], reason=str(e))
+                if pre["kv"].get("pushed"):           # the new node READs the staged KV
+                    self.node.spawn(self._release(d["control"], rid))
                 exclude.append(d["node"])
                 pl2 = await self._place({**place_req, "exclude": exclude, "decode_only": True},
                                         deadline)

@@ -3,14 +3,16 @@ internal RPC handlers (Mooncake paper, Figures 2 and 3; architecture.md, "The li
 one request").
 
 Roles (settings.node.role):
-  prefill  engine + store: runs `node.prefill` (prefill with max_tokens=1 and
-           export_kv; the exported KV of every block, the partial last one
-           included, is staged in a transfer-engine segment for the decode node;
-           the full blocks go into the node's store, so the conductor's index learns
-           them through store events).
-  decode   engine + store: serves POST /internal/decode: READs the staged KV
-           from the prefill node through the transfer engine, admits the request
-           with kv_import + first_token, and streams its output deltas back to the
+  prefill  engine + store: runs `node.prefill` (prefill with max_tokens=1, the KV
+           of every block, the partial last one included, staged layer by layer
+           and pushed to the decode node as each layer is computed (kv_push.py);
+           the stage stays registered as a transfer-engine segment; the full
+           blocks go into the node's store, so the conductor's index learns them
+           through store events).
+  decode   engine + store: `node.kv_reserve` gives a prefill node a receive buffer
+           for one request; POST /internal/decode takes the pushed KV (or READs
+           the staged KV from the prefill node), admits the request with
+           kv_import + first_token, and streams its output deltas back to the
            API node as JSON lines (keep-alive lines while it is quiet).
   cache    no model: a store that lends DRAM to the pool (created once a model node
            has published the block size), plus the API front end (tokenizer only).
@@ -20,8 +22,8 @@ model geometry, its store's transfer-engine segment descriptor), campaigns in
 the conductor election (the winner runs `ConductorService`), and reports its
 load and store events to the leader every `cluster.report_interval_s`.
 
-Control methods (ControlServer, JSON): node.prefill, node.release, node.status,
-node.drain; conductor.place, conductor.report, conductor.status (answered by the
+Control methods (ControlServer, JSON): node.prefill, node.kv_reserve, node.release,
+node.status, node.drain; conductor.place, conductor.report, conductor.status (answered by the
 leader, `NotLeader` elsewhere); store.* (StoreNode).
 """
 
@@ -115,6 +117,12 @@ class ClusterNode:
         self._arrived: list[str] = []
         self._done: list[dict] = []
         self._stages: dict[str, tuple[str, Any, asyncio.TimerHandle]] = {}
+        self._recvs: dict[str, tuple[str, Any, asyncio.TimerHandle]] = {}
+        # KV hand-over counters (node.status "kv_transfer"): prefill side pushes, decode
+        # side receives (pushed) or READs (staged).
+        self.kv_transfer = {"pushed": 0, "push_failed": 0, "staged_only": 0, "push_bytes": 0,
+                            "push_busy_s": 0.0, "push_exposed_s": 0.0, "received_pushed": 0,
+                            "read": 0, "read_bytes": 0, "read_s": 0.0}
         self._background: set[asyncio.Task] = set()
         from .frontend import ClusterFrontend  # noqa: PLC0415 - frontend imports node types
         self.frontend = ClusterFrontend(self)
@@ -177,6 +185,7 @@ class ClusterNode:
             self.engine.attach_store(self.store if self.role == "prefill" else None)
         for name, h in (("node.prefill", self._h_prefill), ("node.release", self._h_release),
                         ("node.status", self._h_status), ("node.drain", self._h_drain),
+                        ("node.kv_reserve", self._h_kv_reserve),
                         ("conductor.place", self._h_place), ("conductor.report", self._h_report),
                         ("conductor.status", self._h_conductor_status)):
             self.control.add_handler(name, h)
@@ -251,6 +260,8 @@ class ClusterNode:
             self.conductor = None
         for rid in list(self._stages):
             self._release_stage(rid)
+        for rid in list(self._recvs):
+            self._release_recv(rid)
         for t in list(self._background):
             t.cancel()
         if self.coord is not None:
@@ -415,7 +426,10 @@ class ClusterNode:
                 "transfer": self.transfer.stats() if self.transfer is not None else None,
                 "requests": {"prefill": sorted(self.prefill_reqs),
                              "decode": sorted(self.decode_reqs),
-                             "frontend": self.frontend_runs, "staged": len(self._stages)}}
+                             "frontend": self.frontend_runs, "staged": len(self._stages),
+                             "receiving": len(self._recvs)},
+                "kv_transfer": {k: round(v, 6) if isinstance(v, float) else v
+                                for k, v in self.kv_transfer.items()}}
 
     async def _h_drain(self, payload: Any) -> dict:
         """`mooncake ctl drain`: no new requests; running ones finish (in the background)."""
@@ -426,7 +440,10 @@ class ClusterNode:
     async def _h_release(self, payload: Any) -> dict:
         if not isinstance(payload, dict) or not isinstance(payload.get("rid"), str):
             raise ValueError("release needs {'rid': <request id>}")
-        return {"released": self._release_stage(payload["rid"])}
+        rid = payload["rid"]
+        staged = self._release_stage(rid)
+        received = self._release_recv(rid) is not None
+        return {"released": staged or received}
 
     def _release_stage(self, rid: str) -> bool:
         st = self._stages.pop(rid, None)
@@ -440,12 +457,16 @@ class ClusterNode:
 
     async def _h_prefill(self, p: Any) -> dict:
         """`node.prefill`: fetch the prefix blocks the conductor chose, prefill with
-        max_tokens=1 and export_kv, stage the KV for the decode node.
+        max_tokens=1 while staging the KV layer by layer (LayerwiseKV), and, with a decode
+        node to push to, WRITE each layer there as it is computed (kv_push.py).
 
         Payload: {"rid", "prompt": [ids], "params": SamplingParams fields, "cache_salt",
-        "fetch": {"control", "keys": [hex]} | null, "prefix_tokens", "stage": bool}.
-        Returns {"output": first-token delta (output_json), "kv": {"descriptor", "shape",
-        "dtype", "num_tokens"} | null, "seconds"}.
+        "fetch": {"control", "keys": [hex]} | null, "prefix_tokens", "stage": bool,
+        "push_to": decode node control address | null, "ttl_s": seconds the request has}.
+        Returns {"output": first-token delta (output_json), "kv": {"descriptor", "shape"
+        ([layers, blocks, 2, block_size, kv_heads, head_dim], layer-major), "dtype",
+        "num_tokens", "pushed": bool, "push": PushStats dict | null} | null, "seconds"}.
+        With "pushed" the decode node holds all of the KV; otherwise it READs the stage.
         Raises: NodeDraining; InvalidRequest (bad prompt or params); RuntimeError when the
         engine fails.
         """
@@ -464,22 +485,39 @@ class ClusterNode:
         self.prefill_reqs[rid] = [len(prompt) - cached, cached, not self.prefill_reqs]
         self._arrived.append(rid)
         t0 = time.monotonic()
+        kv_stream = pusher = None
+        handed_over = False
         try:
             fetch = p.get("fetch")
             if fetch and self.store_node is not None:
                 await self._fetch(fetch)
+            if p.get("stage") and 0 < len(prompt) < self.engine.engine.max_model_len:
+                kv_stream = self.engine.engine.layerwise_kv(len(prompt))
+                if p.get("push_to"):
+                    pusher = self._pusher(rid, kv_stream, p["push_to"], float(p.get("ttl_s", 0)))
+                    kv_stream.on_layer = pusher.on_layer
+                    pusher.start()
             final = None
             gen = self.engine.generate(prompt, params, rid, cache_salt=p.get("cache_salt"),
-                                       export_kv=True)
+                                       kv_stream=kv_stream)
             async with contextlib.aclosing(gen):
                 async for out in gen:
                     if out.error:
                         raise RuntimeError(f"engine error: {out.error}")
                     final = out
-            seconds = time.monotonic() - t0
+            compute_end = time.monotonic()
+            seconds = compute_end - t0
             kv = None
-            if p.get("stage") and final.finish_reason == "length" and final.kv_export is not None:
-                kv = self._stage(rid, final.kv_export)
+            if kv_stream is not None and final.finish_reason == "length":
+                push = await pusher.finish(compute_end) if pusher is not None else None
+                kv = self._stage(rid, kv_stream)
+                kv["pushed"] = bool(push is not None and push.ok)
+                kv["push"] = push.as_dict() if push is not None else None
+                handed_over = kv["pushed"]
+                self._count_push(push)
+                if push is not None:
+                    log.debug("kv_pushed", request_id=rid, compute_s=round(seconds, 4),
+                              **push.as_dict())
             new, _, alone = self.prefill_reqs[rid]
             self._done.append({"rid": rid, "seconds": seconds, "alone": alone,
                                "new": len(prompt) - final.num_cached_tokens,
@@ -487,6 +525,36 @@ class ClusterNode:
             return {"output": output_json(final), "kv": kv, "seconds": seconds}
         finally:
             self.prefill_reqs.pop(rid, None)
+            if pusher is not None:
+                await pusher.aclose()
+                if pusher.reserved and not handed_over:
+                    self.spawn(self._release_remote(p["push_to"], rid))
+
+    def _pusher(self, rid: str, kv_stream: Any, decode_control: str, ttl_s: float) -> Any:
+        """A KVPusher whose reservation asks the decode node for a receive buffer."""
+        from .kv_push import KVPusher  # noqa: PLC0415
+
+        cs = self.settings.cluster
+        shape = list(kv_stream.stage.shape)
+
+        async def reserve() -> dict:
+            return await self.client.call(decode_control, "node.kv_reserve",
+                                          {"rid": rid, "shape": shape,
+                                           "dtype": str(kv_stream.stage.dtype).removeprefix("torch."),
+                                           "ttl_s": ttl_s})
+
+        return KVPusher(self.transfer, kv_stream, reserve,
+                        cs.rpc_timeout_s + self.settings.transfer.request_timeout_s)
+
+    def _count_push(self, push: Any) -> None:
+        t = self.kv_transfer
+        if push is None:
+            t["staged_only"] += 1
+            return
+        t["pushed" if push.ok else "push_failed"] += 1
+        t["push_bytes"] += push.bytes
+        t["push_busy_s"] += push.busy_s
+        t["push_exposed_s"] += push.exposed_s
 
     async def _fetch(self, fetch: dict) -> None:
         """Replicates prefix blocks from their holder into this node's store (section 4.2);
@@ -505,17 +573,72 @@ class ClusterNode:
         except (ClusterError, TimeoutError, OSError, ValueError) as e:
             log.warning("prefix_fetch_failed", source=fetch.get("source"), error=str(e))
 
-    def _stage(self, rid: str, export: Any) -> dict:
-        """Registers the exported blocks as segment "<node>/stage/<rid>" for the decode
-        node's READ; freed by node.release or after cluster.stage_ttl_s."""
-        blocks = export.blocks.contiguous()
+    def _stage(self, rid: str, kv_stream: Any) -> dict:
+        """Registers the staged KV (layer-major) as segment "<node>/stage/<rid>" for a
+        decode node's READ; freed by node.release or after cluster.stage_ttl_s."""
+        blocks = kv_stream.stage
         name = f"{self.node_id}/stage/{rid}"
         desc = self.transfer.register_segment(name, blocks, "cpu:0")
         timer = asyncio.get_running_loop().call_later(self.settings.cluster.stage_ttl_s,
                                                       self._release_stage, rid)
         self._stages[rid] = (name, blocks, timer)
         return {"descriptor": desc, "shape": list(blocks.shape),
-                "dtype": str(blocks.dtype).removeprefix("torch."), "num_tokens": export.num_tokens}
+                "dtype": str(blocks.dtype).removeprefix("torch."),
+                "num_tokens": kv_stream.num_tokens}
+
+    # ------------------------------------------------------------------ decode: receive buffers
+
+    async def _h_kv_reserve(self, p: Any) -> dict:
+        """`node.kv_reserve` (decode nodes): a receive buffer for one request's layer-wise
+        KV push, registered as segment "<node>/recv/<rid>"; only the caller gets its
+        descriptor (access key). Freed when the request is admitted, by node.release, or
+        after ttl_s (at most server.request_timeout_s).
+
+        Payload: {"rid", "shape": [layers, blocks, 2, block_size, kv_heads, head_dim],
+        "dtype", "ttl_s"}. Returns {"descriptor"}.
+        Raises: NodeDraining; ValueError for another role, a wrong geometry, a duplicate rid,
+        or when the receive buffers would exceed engine.kv_cache_bytes.
+        """
+        import torch  # noqa: PLC0415
+
+        if self.engine is None or self.role != "decode":
+            raise ValueError(f"{self.node_id} is a {self.role} node, not a decode node")
+        if self.draining:
+            raise NodeDraining(f"{self.node_id} is draining")
+        rid = str(p["rid"])
+        e = self.engine.engine
+        shape = [int(x) for x in p["shape"]]
+        want = [e.cfg.num_layers, 2, e.block_size, e.cfg.num_kv_heads, e.cfg.head_dim]
+        if len(shape) != 6 or shape[0] != want[0] or shape[2:] != want[1:] or shape[1] < 1 \
+                or p.get("dtype") != str(e.dtype).removeprefix("torch."):
+            raise ValueError(f"receive buffer {shape} {p.get('dtype')} does not match this "
+                             f"engine ({want[0]}, n, {want[1:]}, {e.dtype})")
+        if rid in self._recvs:
+            raise ValueError(f"request {rid} already has a receive buffer")
+        nbytes = shape[1] * e.block_bytes
+        held = sum(b.numel() * b.element_size() for _, b, _ in self._recvs.values())
+        if held + nbytes > self.settings.engine.kv_cache_bytes:
+            raise ValueError(f"receive buffers full ({held} + {nbytes} bytes > "
+                             f"engine.kv_cache_bytes)")
+        buf = torch.empty(shape, dtype=e.dtype)
+        name = f"{self.node_id}/recv/{rid}"
+        desc = self.transfer.register_segment(name, buf, "cpu:0")
+        ttl = min(max(float(p.get("ttl_s") or 0), self.settings.cluster.stage_ttl_s),
+                  self.settings.server.request_timeout_s)
+        timer = asyncio.get_running_loop().call_later(ttl, self._release_recv, rid)
+        self._recvs[rid] = (name, buf, timer)
+        return {"descriptor": desc}
+
+    def _release_recv(self, rid: str) -> Any:
+        """Withdraws rid's receive segment; returns its buffer (None if there was none)."""
+        r = self._recvs.pop(rid, None)
+        if r is None:
+            return None
+        name, buf, timer = r
+        timer.cancel()
+        with contextlib.suppress(Exception):
+            self.transfer.unregister_segment(name)
+        return buf
 
     # ------------------------------------------------------------------ decode route
 
@@ -540,18 +663,29 @@ class ClusterNode:
         body = orjson.loads(await request.read())
         rid, kv = str(body["rid"]), body["kv"]
         t0 = time.monotonic()
-        buf = torch.empty(kv["shape"], dtype=getattr(torch, kv["dtype"]))
-        seg = self.transfer.add_peer_segment(kv["descriptor"])
-        try:
-            await asyncio.wait_for(self.transfer.read(seg, 0, buf),
-                                   self.settings.transfer.request_timeout_s)
-        except Exception as e:  # noqa: BLE001 - TransferError, timeout: never decode on partial KV
-            log.warning("kv_read_failed", request_id=rid, error=str(e))
-            return web.json_response({"error": f"KV transfer from the prefill node failed: {e}"},
-                                     status=502)
-        finally:
-            with contextlib.suppress(Exception):
-                self.transfer.remove_peer_segment(seg)
+        # The pushed buffer, complete: the prefill node answered only after every WRITE.
+        buf = self._release_recv(rid)
+        if buf is not None and not kv.get("pushed"):
+            buf = None                         # a push that failed part-way: READ instead
+        if buf is not None:
+            self.kv_transfer["received_pushed"] += 1
+        else:
+            buf = torch.empty(kv["shape"], dtype=getattr(torch, kv["dtype"]))
+            seg = self.transfer.add_peer_segment(kv["descriptor"])
+            try:
+                await asyncio.wait_for(self.transfer.read(seg, 0, buf),
+                                       self.settings.transfer.request_timeout_s)
+            except Exception as e:  # noqa: BLE001 - TransferError, timeout: never decode on partial KV
+                log.warning("kv_read_failed", request_id=rid, error=str(e))
+                return web.json_response({"error": f"KV transfer from the prefill node failed: "
+                                                   f"{e}"}, status=502)
+            finally:
+                with contextlib.suppress(Exception):
+                    self.transfer.remove_peer_segment(seg)
+            t = self.kv_transfer
+            t["read"] += 1
+            t["read_bytes"] += buf.numel() * buf.element_size()
+            t["read_s"] += time.monotonic() - t0
         read_s = time.monotonic() - t0
         self.spawn(self._release_remote(body.get("prefill"), rid))
         params = SamplingParams(**body["params"])
@@ -564,7 +698,8 @@ class ClusterNode:
 
         async def pump() -> None:
             gen = self.engine.generate(prompt, params, rid, cache_salt=body.get("cache_salt"),
-                                       kv_import=KVImport(buf, int(kv["num_tokens"])),
+                                       kv_import=KVImport(buf.permute(1, 0, 2, 3, 4, 5),
+                                                          int(kv["num_tokens"])),
                                        first_token=int(body["first_token"]))
             try:
                 async with contextlib.aclosing(gen):

@@ -137,13 +137,14 @@ class AsyncLLM:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None, kv_import: KVImport | None = None,
-                       export_kv: bool = False, first_token: int | None = None
-                       ) -> AsyncIterator[RequestOutput]:
+                       export_kv: bool = False, first_token: int | None = None,
+                       kv_stream=None) -> AsyncIterator[RequestOutput]:
         """Runs one request; yields its output deltas, the last with finished=True.
 
         Args: see LLMEngine.add_request (kv_import: K/V given for the prompt's first tokens;
             export_kv: the final output carries all the request's blocks as a KVExport;
-            first_token: the first output token when continuing a prefill node's request).
+            first_token: the first output token when continuing a prefill node's request;
+            kv_stream: a LayerwiseKV the prompt's K/V is staged into layer by layer).
         Raises: InvalidRequest before the first yield for a bad prompt or parameter.
         Closing the iterator early (client gone) aborts the request and frees its pages.
         """
@@ -151,7 +152,7 @@ class AsyncLLM:
         if kv_import is None and self.store is not None and len(prompt_token_ids) > self.engine.block_size:
             kv_import = await self._load_from_store(prompt_token_ids, cache_salt)
         self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, kv_import, export_kv,
-                                first_token)
+                                first_token, kv_stream)
         self._queues[request_id] = q
         self._wake.set()
         finished = False

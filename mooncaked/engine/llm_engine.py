@@ -21,6 +21,7 @@ from mooncaked.store.keys import block_keys, make_salt
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
+from .kv_stream import LayerwiseKV
 from .model_runner import ModelRunner, block_bytes
 from .scheduler import Scheduler
 from .sequence import Sequence, SeqStatus
@@ -105,9 +106,20 @@ class LLMEngine:
         """Block keys of the full blocks of `token_ids`, as this engine's prefix cache keys them."""
         return block_keys(token_ids, self.block_size, self.salt(cache_salt))
 
+    def layerwise_kv(self, num_tokens: int, on_layer=None) -> LayerwiseKV:
+        """A LayerwiseKV sized for a prompt of num_tokens tokens in this engine's geometry.
+
+        on_layer: LayerCallback or None. Raises ValueError for num_tokens < 1.
+        """
+        c = self.cfg
+        return LayerwiseKV(c.num_layers, -(-num_tokens // self.block_size), self.block_size,
+                           c.num_kv_heads, c.head_dim, self.dtype, on_layer,
+                           pin_memory=self.model.device.type == "cuda")
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     cache_salt: str | None = None, kv_import: KVImport | None = None,
-                    export_kv: bool = False, first_token: int | None = None) -> None:
+                    export_kv: bool = False, first_token: int | None = None,
+                    kv_stream: LayerwiseKV | None = None) -> None:
         """Queues a request for the next step.
 
         Args:
@@ -119,6 +131,8 @@ class LLMEngine:
             first_token: the first output token, already sampled elsewhere (a decode node
                 continuing a prefill node's request; kv_import then covers the whole prompt).
                 It counts toward max_tokens and is reported with the first output.
+            kv_stream: stage the prompt's K/V layer by layer while it prefills (LayerwiseKV,
+                num_blocks = ceil(len(prompt) / block_size), this engine's geometry).
         Raises: InvalidRequest for an empty or too long prompt, an out-of-range token id, a
             bad sampling parameter or a kv_import of the wrong shape; ValueError for a
             duplicate request_id.
@@ -149,9 +163,15 @@ class LLMEngine:
                     or blocks.shape[0] * self.block_size < kv_import.num_tokens):
                 raise InvalidRequest(f"kv_import blocks have shape {tuple(blocks.shape)}; expected "
                                      f"[n, {self.cfg.num_layers}, 2, {', '.join(map(str, want))}]", "kv")
+        if kv_stream is not None:
+            want = (self.cfg.num_layers, -(-n // self.block_size), 2, self.block_size,
+                    self.cfg.num_kv_heads, self.cfg.head_dim)
+            if tuple(kv_stream.stage.shape) != want or kv_stream.stage.dtype != self.dtype:
+                raise InvalidRequest(f"kv_stream stage is {tuple(kv_stream.stage.shape)} "
+                                     f"{kv_stream.stage.dtype}; expected {want} {self.dtype}", "kv")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, prompt_token_ids, params, self.salt(cache_salt), max_tokens, detok)
-        seq.kv_import, seq.export_kv = kv_import, export_kv
+        seq.kv_import, seq.export_kv, seq.kv_stream = kv_import, export_kv, kv_stream
         if first_token is not None:
             seq.num_prompt_tokens -= 1
             seq.pending_ids = [first_token]
@@ -253,7 +273,17 @@ class LLMEngine:
         if not batch:
             return outputs
         t0 = time.perf_counter()
-        sampled = self.runner.run(batch)
+        streams = self._begin_streams(batch)
+        after_layer = None
+        if streams:
+            pages = self.runner.kv_cache
+
+            def after_layer(layer: int) -> None:
+                for ks in streams:
+                    ks.copy_layer(pages, layer)
+        sampled = self.runner.run(batch, after_layer)
+        for ks in streams:
+            ks.end_step()
         self.last_step = StepTiming(
             seconds=time.perf_counter() - t0,
             num_decode_seqs=sum(1 for s in batch if s.num_new_tokens == 1),
@@ -279,6 +309,17 @@ class LLMEngine:
             else:
                 outputs.append(self._output(seq, token_ids, text, logprob, finished=False))
         return outputs
+
+    def _begin_streams(self, batch) -> list[LayerwiseKV]:
+        """Layer-wise exports that this step feeds: requests still computing their prompt."""
+        streams = []
+        for s in batch:
+            seq = s.seq
+            if seq.kv_stream is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                seq.kv_stream.begin_step(seq.block_table, seq.num_computed_tokens + s.num_new_tokens,
+                                         self.model.device)
+                streams.append(seq.kv_stream)
+        return streams
 
     def stats(self) -> EngineStats:
         """Counts for metrics (read without locking; values may be one step old)."""

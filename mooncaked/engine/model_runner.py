@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
@@ -77,14 +79,16 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq]) -> dict[int, tuple[int, object]]:
+    def run(self, batch: list[ScheduledSeq], after_layer: Callable[[int], None] | None = None
+            ) -> dict[int, tuple[int, object]]:
         """Runs one step. `batch` must list decodes before prefills (Scheduler.schedule does).
+        `after_layer(i)` runs once layer i wrote this step's K/V (LlamaModel.forward).
 
         Returns: {index in batch: (sampled token id, TokenLogprob or None)} for the entries
             that reached their newest token.
         """
         input_ids, positions, meta = self.prepare(batch)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
         want = [i for i, s in enumerate(batch) if s.samples]
         if not want:
             return {}

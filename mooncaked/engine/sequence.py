@@ -47,6 +47,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.kv_import = None               # KVImport to place into pages at admission
         self.export_kv = False              # gather all blocks into the final output
+        self.kv_stream = None               # LayerwiseKV staged while the prompt computes
         self.pending_ids: list[int] = []    # first token sampled by a prefill node, not yet reported
         self.pending_text = ""
 

@@ -14,6 +14,7 @@ interleaved rotary layout (see weights.py), so rotary is a complex multiply.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 from dataclasses import dataclass
 from types import ModuleType
@@ -124,13 +125,16 @@ class LlamaModel:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: torch.Tensor) -> torch.Tensor:
+                kv_cache: torch.Tensor, after_layer: Callable[[int], None] | None = None
+                ) -> torch.Tensor:
         """Runs all layers on a flat batch and writes its K/V into the pages.
 
         Args:
             input_ids: int64 [T]; positions: int64 [T] (index in its sequence).
             meta: AttentionMetadata for the same T tokens.
             kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], self.dtype.
+            after_layer: called with the layer index as soon as that layer's K/V of this
+                step is in the pages (before its attention), for layer-wise KV export.
         Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype.
         """
         cfg, ops = self.cfg, self.ops
@@ -146,6 +150,8 @@ class LlamaModel:
             v = qkv[:, self.q_size + self.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
             ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+            if after_layer is not None:
+                after_layer(i)
             if nd == T:
                 attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                   meta.decode_context_lens, self.scale)
