@@ -115,12 +115,17 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     cm = c.get("cost_model") or {}
     err = c.get("ttft_prediction") or {}
     med = err.get("median_abs_rel_error")
+    derr = c.get("decode_step_prediction") or {}
+    dmed = derr.get("median_abs_rel_error")
     typer.echo(f"conductor on {c['leader']}: policy {c['policy']}, placed {c['placed']}, "
                f"rejected {sum(c['rejected'].values())} {c['rejected'] or ''}, "
                f"indexed blocks {c['indexed_keys']}")
-    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}], refits "
-               f"{cm.get('refits', 0)}; TTFT prediction error (median |rel|): "
-               f"{'-' if med is None else f'{med:.1%}'} over {err.get('samples', 0)} requests")
+    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}], refits: "
+               f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
+    typer.echo(f"prediction error (median |rel|): TTFT "
+               f"{'-' if med is None else f'{med:.1%}'} over {err.get('samples', 0)} requests, "
+               f"decode step {'-' if dmed is None else f'{dmed:.1%}'} over "
+               f"{derr.get('samples', 0)} steps")
 
 
 @ctl_app.command()

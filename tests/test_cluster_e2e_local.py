@@ -291,6 +291,10 @@ def test_ctl_shows_leader_nodes_cache_and_requests(env):
     assert all("status" in v and not v["status"]["draining"] for v in st["nodes"].values())
     assert st["conductor"]["placed"] >= 5 and st["conductor"]["rejected"].get("ttft_slo", 0) >= 2
     assert st["conductor"]["cost_model"]["source"] == "test"
+    # the decode nodes' timed steps reach the conductor, which scores its predictions
+    dec = st["conductor"]["decode_step_prediction"]
+    assert dec["samples"] >= 10 and dec["median_abs_rel_error"] is not None
+    assert st["nodes"]["p1"]["status"]["kv_transfer"]["pushed"] >= 2
     cache = ctl(cluster, "cache")
     assert cache["p1"]["dram_blocks"] > 0 and cache["p1"]["indexed_blocks"] == \
         cache["p1"]["dram_blocks"]

@@ -132,3 +132,20 @@ def test_prefill_model_is_refit_from_solo_requests():
     assert svc.refits == 1
     assert abs(svc.cost.prefill_s(300, 0) - (0.5 + 0.02 * 300)) < 0.05
     assert svc.status()["cost_model"]["meta"]["refit"]["samples"] == 16
+
+
+def test_decode_model_is_refit_from_reported_steps():
+    svc = service()
+    report(svc, "d1", "decode")
+    truth = lambda b, c: 0.03 + 0.002 * b + 1e-5 * c          # noqa: E731 - this machine's law
+    before = svc.cost.decode_step_s(8, 4000)
+    steps = [[b, c, truth(b, c)] for b in (1, 2, 4, 8, 16, 32) for c in (500, 2000, 8000)] * 4
+    report(svc, "d1", "decode", decode_steps=steps[:40])
+    st = svc.status()
+    assert st["decode_step_prediction"]["samples"] == 40
+    assert st["decode_step_prediction"]["median_abs_rel_error"] > 0.05   # the default is off
+    assert svc.decode_refits == 0                                      # 64 steps before a try
+    report(svc, "d1", "decode", decode_steps=steps[40:])
+    assert svc.decode_refits == 1
+    assert abs(svc.cost.decode_step_s(8, 4000) - truth(8, 4000)) < 1e-3 != abs(before - truth(8, 4000))
+    assert svc.status()["cost_model"]["meta"]["decode_refit"]["mean_rel_error"] < 0.01

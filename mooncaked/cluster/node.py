@@ -365,7 +365,18 @@ class ClusterNode:
                            "context_tokens": sum(self.decode_reqs.values()),
                            "free_kv_tokens": free},
                 "store_seq": self.store.events.seq if self.store is not None else -1,
-                "events": events, "done": list(self._done)}
+                "events": events, "done": list(self._done),
+                "decode_steps": self._decode_steps()}
+
+    def _decode_steps(self) -> list[list]:
+        """The engine's timed decode steps since the last report (decode nodes, at most 64)."""
+        if self.engine is None or self.role != "decode":
+            return []
+        log_ = self.engine.engine.decode_steps
+        steps = []
+        while log_:
+            steps.append(list(log_.popleft()))
+        return steps[-64:]
 
     async def _report_once(self) -> None:
         payload = self._report()

@@ -15,7 +15,9 @@ mooncaked/cluster/node.py). It keeps
   a burst of requests between two reports does not all land on the same node;
 - the cost model (`mooncaked profile` output, or a rough CPU default), whose
   TTFT predictions are compared with what the prefill nodes report, and whose
-  prefill polynomial is refitted from requests that ran alone on their node.
+  prefill polynomial is refitted from requests that ran alone on their node;
+  likewise its decode-step predictions against the decode nodes' timed steps,
+  from which the decode model is refitted.
 
 `place(payload)` answers the `conductor.place` RPC: a placement (prefill node,
 decode node, blocks to fetch and from where, predictions) or a rejection with
@@ -42,7 +44,7 @@ from typing import Any
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
-from .cost_model import CostModel, PolyModel, TransferModel
+from .cost_model import DECODE_TERMS, CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
 from .policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
 
@@ -51,6 +53,25 @@ log = get_logger(__name__)
 INFLIGHT_TTL_S = 3.0        # a placement not seen in the chosen node's reports by then is gone
 REFIT_MIN_SAMPLES = 16      # prefill samples (run alone on their node) before a refit is tried
 ERROR_WINDOW = 200          # TTFT prediction errors kept for `status()`
+
+
+def _refit(current: PolyModel, samples: Any, terms: Any) -> tuple[PolyModel, dict] | None:
+    """A PolyModel fitted to (x1, x2, seconds) samples, with its provenance, when it beats
+    `current` on them by 20% in mean relative error; else None."""
+    x1, x2, y = zip(*samples)
+    try:
+        new = PolyModel.fit(x1, x2, y, tuple(terms))
+    except ValueError:
+        return None
+
+    def err(m) -> float:
+        return statistics.fmean(abs(max(0.0, m(a, b)) - t) / t for a, b, t in samples)
+
+    old_err, new_err = err(current), err(new)
+    if new_err >= 0.8 * old_err:
+        return None
+    return new, {"samples": len(samples), "mean_rel_error": round(new_err, 4),
+                 "previous_mean_rel_error": round(old_err, 4)}
 
 
 class NotLeader(RuntimeError):
@@ -164,6 +185,10 @@ class ConductorService:
         self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # relative TTFT errors
         self.samples: deque[tuple[int, int, float]] = deque(maxlen=256)  # (new, cached, s) alone
         self._new_samples = 0
+        self.decode_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # relative step errors
+        self.decode_samples: deque[tuple[int, int, float]] = deque(maxlen=512)  # (batch, ctx, s)
+        self._new_decode_samples = 0
+        self.decode_refits = 0
         self.refits = 0
         self._predicted: dict[str, tuple[float, float]] = {}      # rid -> (ttft_s, monotonic)
         self._pulls: dict[str, asyncio.Task] = {}
@@ -253,12 +278,14 @@ class ConductorService:
     # ------------------------------------------------------------------ reports
 
     async def report(self, payload: Any) -> dict:
-        """Handler of `conductor.report`: one node's load, store events and finished prefills.
+        """Handler of `conductor.report`: one node's load, store events, finished prefills
+        and timed decode steps.
 
         Payload: {"node", "role", "draining", "pending": {rid: [new, cached]}, "arrived":
         [rid], "decode": {"rids": [...], "batch", "context_tokens", "free_kv_tokens"},
         "store_seq", "events": [{"kind", "tier", "keys": [hex], "seq"}], "done": [{"rid",
-        "seconds", "new", "cached", "alone"}]}. Returns {"ok": true}.
+        "seconds", "new", "cached", "alone"}], "decode_steps": [[batch size, context
+        tokens, seconds]]}. Returns {"ok": true}.
         Raises: ValueError on a malformed payload.
         """
         if not isinstance(payload, dict) or not isinstance(payload.get("node"), str):
@@ -286,6 +313,8 @@ class ConductorService:
         self._apply_events(v, payload.get("events") or [], int(payload.get("store_seq", -1)))
         for d in payload.get("done") or ():
             self._observe(d)
+        for step in payload.get("decode_steps") or ():
+            self._observe_step(*step)
         return {"ok": True}
 
     def _apply_events(self, v: NodeView, events: list, store_seq: int) -> None:
@@ -329,25 +358,43 @@ class ConductorService:
         lengths = {s[0] for s in self.samples}
         if len(lengths) < 4 or max(lengths) < 4 * max(1, min(lengths)):
             return
-        x1, x2, y = zip(*self.samples)
-        terms = ((0, 0), (1, 0), (0, 1), (1, 1))
-        try:
-            new = PolyModel.fit(x1, x2, y, terms)
-        except ValueError:
-            return
-
-        def err(m) -> float:
-            return statistics.fmean(abs(max(0.0, m(a, b)) - s) / s for a, b, s in self.samples)
-
-        old_err, new_err = err(self.cost.prefill), err(new)
-        if new_err < 0.8 * old_err:
-            meta = {**self.cost.meta, "refit": {"samples": len(self.samples),
-                                                 "mean_rel_error": round(new_err, 4),
-                                                 "previous_mean_rel_error": round(old_err, 4)}}
-            self.cost = dataclasses.replace(self.cost, prefill=new, meta=meta)
+        new = _refit(self.cost.prefill, self.samples, ((0, 0), (1, 0), (0, 1), (1, 1)))
+        if new is not None:
+            model, info = new
+            self.cost = dataclasses.replace(self.cost, prefill=model,
+                                            meta={**self.cost.meta, "refit": info})
             self.refits += 1
-            log.info("cost_model_refit", samples=len(self.samples), mean_rel_error=new_err,
-                     previous=old_err)
+            log.info("cost_model_refit", part="prefill", **info)
+
+    def _observe_step(self, batch: int, context_tokens: int, seconds: float) -> None:
+        """Folds one timed decode step in: prediction error, and a refit now and then."""
+        if seconds <= 0 or batch < 1:
+            return
+        if self.cost is not None:
+            pred = self.cost.decode_step_s(batch, context_tokens)
+            self.decode_errors.append((pred - seconds) / seconds)
+        self.decode_samples.append((int(batch), int(context_tokens), float(seconds)))
+        self._new_decode_samples += 1
+        if self._new_decode_samples >= 4 * REFIT_MIN_SAMPLES:
+            self._new_decode_samples = 0
+            self._maybe_refit_decode()
+
+    def _maybe_refit_decode(self) -> None:
+        """Refits the decode-step model (batch size, context tokens) from served steps when
+        they span enough batch sizes and contexts and the refit predicts them better."""
+        if self.cost is None:
+            return
+        batches = {s[0] for s in self.decode_samples}
+        contexts = [s[1] for s in self.decode_samples]
+        if len(batches) < 3 or max(contexts) < 2 * max(1, min(contexts)):
+            return
+        new = _refit(self.cost.decode, self.decode_samples, DECODE_TERMS)
+        if new is not None:
+            model, info = new
+            self.cost = dataclasses.replace(self.cost, decode=model,
+                                            meta={**self.cost.meta, "decode_refit": info})
+            self.decode_refits += 1
+            log.info("cost_model_refit", part="decode", **info)
 
     # ------------------------------------------------------------------ placement
 
@@ -479,7 +526,7 @@ class ConductorService:
         and its TTFT prediction error (signed relative error: > 0 over-predicts)."""
         now = time.monotonic()
         cost = self.cost
-        errs = list(self.errors)
+        errs, derrs = list(self.errors), list(self.decode_errors)
         nodes = {}
         for nid, v in sorted(self.nodes.items()):
             nodes[nid] = {
@@ -499,12 +546,18 @@ class ConductorService:
                     "tbt_s": self.settings.conductor.tbt_slo_s},
             "cost_model": None if cost is None else {
                 "name": cost.name, "source": cost.meta.get("source", ""), "refits": self.refits,
-                "meta": cost.meta},
-            "ttft_prediction": {
-                "samples": len(errs),
-                "median_rel_error": statistics.median(errs) if errs else None,
-                "median_abs_rel_error": statistics.median(abs(e) for e in errs) if errs else None},
+                "decode_refits": self.decode_refits, "meta": cost.meta},
+            "ttft_prediction": _error_summary(errs),
+            "decode_step_prediction": _error_summary(derrs),
         }
+
+
+def _error_summary(errs: list[float]) -> dict:
+    """Signed relative prediction errors -> {"samples", "median_rel_error",
+    "median_abs_rel_error"} (> 0 over-predicts)."""
+    return {"samples": len(errs),
+            "median_rel_error": statistics.median(errs) if errs else None,
+            "median_abs_rel_error": statistics.median(abs(e) for e in errs) if errs else None}
 
 
 __all__ = ["ConductorService", "NodeView", "NotLeader", "cost_model_path", "default_cost_model",

@@ -90,6 +90,9 @@ class LLMEngine:
         self._pending_abort: deque[str] = deque()
         self._lock = threading.Lock()
         self.last_step = StepTiming()
+        # Recent pure-decode steps as (batch size, context tokens, seconds), for the
+        # conductor's decode cost model (a cluster's decode node reports and drains them).
+        self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
         # Export the full blocks of every finished request (to offload them into the store).
         self.offload_finished = False
         log.info("engine_ready", model=str(path), dtype=ms.dtype, num_blocks=num_blocks,
@@ -289,6 +292,9 @@ class LLMEngine:
             num_decode_seqs=sum(1 for s in batch if s.num_new_tokens == 1),
             num_prefill_tokens=sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1),
             context_tokens=sum(s.seq.num_computed_tokens + s.num_new_tokens for s in batch))
+        st = self.last_step
+        if st.num_prefill_tokens == 0 and st.num_decode_seqs:
+            self.decode_steps.append((st.num_decode_seqs, st.context_tokens, st.seconds))
         for i, s in enumerate(batch):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens
