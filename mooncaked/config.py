@@ -226,6 +226,11 @@ class ConductorSettings:
     min_retry_after_s: float = opt(1.0, "Smallest Retry-After of a rejection, seconds.", min=0.0)
     cost_model: str = opt("", "Cost model JSON written by `mooncaked profile`; empty means "
                               "<node.state_dir>/cost_model.json.")
+    hot_block_hits: int = opt(2, "A prefix reused by this many placements is hot: the conductor "
+                                 "has a cache node replicate its blocks into the pool (paper "
+                                 "section 4.2); 0 disables.", min=0)
+    hot_block_replicas: int = opt(2, "Hot blocks are replicated until this many nodes hold "
+                                     "them.", min=1, max=64)
 
 
 @dataclass

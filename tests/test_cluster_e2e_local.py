@@ -216,6 +216,39 @@ def test_repeated_prefix_reports_cached_tokens(env):
     assert st["nodes"]["p1"]["indexed_blocks"] >= n // 16
 
 
+def test_hot_prefix_is_replicated_onto_the_cache_node(env):
+    cluster, _ = env
+    prompt = "A hot system prompt that many requests share. " * 8
+
+    def conductor() -> dict:
+        return control_call(cluster.control("c1"), "conductor.status")
+
+    before = conductor()
+    code, body, _ = post(f"{cluster.api_url('c1')}/v1/completions", completion(2, prompt))
+    assert code == 200, body
+    n = body["usage"]["prompt_tokens"]
+    reused = (n - 1) // 16
+    # the conductor replicates only blocks its index shows held: wait for p1's store events
+    wait_until(lambda: conductor()["nodes"]["p1"]["indexed_blocks"]
+               >= before["nodes"]["p1"]["indexed_blocks"] + reused, 10, "p1's blocks indexed")
+    before = before["replication"]
+    for _ in range(2):      # requested again twice: hot at conductor.hot_block_hits = 2
+        code, body, _ = post(f"{cluster.api_url('c1')}/v1/completions", completion(2, prompt))
+        assert code == 200, body
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= reused * 16
+    # the cache node fetches the prefix from p1's store; its store events reach the index
+    deadline = time.monotonic() + 20
+    while True:
+        st = control_call(cluster.control("c1"), "conductor.status")
+        if st["replication"]["blocks"] - before["blocks"] >= reused \
+                and st["nodes"]["c1"]["indexed_blocks"] >= reused:
+            break
+        assert time.monotonic() < deadline, (before, st["replication"], st["nodes"])
+        time.sleep(0.1)   # poll interval
+    assert st["replication"]["failed"] == before["failed"]
+    assert status(cluster, "c1")["store"]["dram_blocks"] >= reused
+
+
 def test_client_disconnect_frees_kv_on_both_sides(env):
     cluster, _ = env
 

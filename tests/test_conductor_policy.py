@@ -58,6 +58,25 @@ def test_global_fetches_the_prefix_to_an_idle_node():
     assert p.predicted_ttft_s == pytest.approx(800e-6 + 0.2)
 
 
+def test_cache_node_holding_the_prefix_is_the_fetch_source():
+    import dataclasses
+    # c0 (a cache node) holds all 10 blocks, p1 holds 8 and is busy, p0 holds nothing.
+    state = dataclasses.replace(snap([0.0, 5.0], [0, 8]), holder_nodes=["c0"],
+                                holder_prefix_blocks=[10])
+    p = place(REQ, state, COST, cfg())
+    assert p.prefill == "p0" and p.fetch.source == "c0" and p.prefix_blocks == 10
+    assert p.fetch.keys == tuple(KEYS) and p.prefix_tokens == 1000
+    # holding as much as a prefill node, the cache node is still preferred as the source
+    tie = dataclasses.replace(state, holder_prefix_blocks=[8])
+    assert place(REQ, tie, COST, cfg()).fetch.source == "c0"
+    # the local policy ignores holders; a shorter holder changes nothing
+    assert place(REQ, state, COST, cfg("local_cache_aware")).fetch is None
+    short = dataclasses.replace(state, holder_prefix_blocks=[3])
+    assert place(REQ, short, COST, cfg()).fetch.source == "p1"
+    with pytest.raises(ValueError):
+        Snapshot(["p0"], [0.0], [0], holder_nodes=["c0"])
+
+
 def test_fetch_or_recompute_by_threshold():
     # p0 holds 6 blocks and is idle, p1 holds 10 and is busy: best/own = 1.67.
     state = snap([0.0, 3.0], [6, 10])

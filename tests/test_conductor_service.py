@@ -149,3 +149,29 @@ def test_decode_model_is_refit_from_reported_steps():
     assert svc.decode_refits == 1
     assert abs(svc.cost.decode_step_s(8, 4000) - truth(8, 4000)) < 1e-3 != abs(before - truth(8, 4000))
     assert svc.status()["cost_model"]["meta"]["decode_refit"]["mean_rel_error"] < 0.01
+
+
+def test_hot_prefix_is_replicated_onto_a_cache_node_once():
+    svc = service(ttft_slo=100.0)
+    keys = [bytes([i]) * 16 for i in range(6)]
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    report(svc, "c1", "cache")
+    for n in ("p1", "c1"):
+        svc.nodes[n].control = f"127.0.0.1:{n}"
+    svc.nodes["c1"].info["store"] = {"segment": {}}
+    svc.index.stored("p1", keys[:4])                       # p1 holds the first 4 blocks
+    place(svc, "a", n=6 * 16 + 3, keys=keys)
+    assert svc.replicated["started"] == 0                 # requested once: not hot yet
+    r = place(svc, "b", n=6 * 16 + 3, keys=keys)
+    assert r["ok"] and svc.replicated["started"] == 1     # hot: c1 copies p1's 4 blocks
+    assert svc.status()["replication"]["hot_block_hits"] == 2
+    svc.index.stored("c1", keys[:4])                       # the copy landed: 2 replicas
+    place(svc, "c", n=6 * 16 + 3, keys=keys)
+    assert svc.replicated["started"] == 1
+    # c1 now holds the prefix too: it is a fetch source for a prefill node without it
+    report(svc, "p2", "prefill")
+    report(svc, "p1", "prefill", pending={"busy": [5000, 0]})
+    r = place(svc, "d", n=6 * 16 + 3, keys=keys)
+    assert r["prefill"]["node"] == "p2" and r["fetch"]["source"] == "c1"
+    assert r["prefix_tokens"] == 64

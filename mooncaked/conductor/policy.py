@@ -12,8 +12,9 @@ Policies (Mooncake paper, sections 4.1 and 4.2, Figure 5):
   longest prefix any node holds: a node whose own prefix is much shorter
   (best_len / own_len > threshold) may fetch the missing blocks from the holder,
   if transfer + prefill(best_len) beats prefill(own_len) (else it recomputes);
-  TTFT = transfer + queue + prefill; the lowest TTFT wins. Fetching replicates hot
-  blocks onto more nodes (section 4.2).
+  TTFT = transfer + queue + prefill; the lowest TTFT wins. Holders that do not
+  prefill (cache nodes) count as sources too. Fetching replicates hot blocks onto
+  more nodes (section 4.2).
 
 For every policy the decode node is the one with the lowest predicted step time
 (batch + 1, context + prompt) among those with KV room, and the request is
@@ -94,6 +95,9 @@ class Snapshot:
     Decode side: `decode_nodes` ids, `decode_batch` running requests, `decode_context_tokens`
     KV tokens those hold, `decode_free_kv_tokens` KV room left. An empty decode side
     places the prefill only (coupled instances, prefill-only runs).
+    Holders: `holder_nodes` that lend store memory to the pool but do not prefill (cache
+    nodes), with `holder_prefix_blocks` their prefix match; the global policy may fetch
+    from them (preferred over a prefill node holding as much, whose compute it spares).
     """
 
     prefill_nodes: Sequence[Hashable]
@@ -103,9 +107,13 @@ class Snapshot:
     decode_batch: Sequence[int] = ()
     decode_context_tokens: Sequence[float] = ()
     decode_free_kv_tokens: Sequence[float] = ()
+    holder_nodes: Sequence[Hashable] = ()
+    holder_prefix_blocks: Sequence[int] = ()
 
     def __post_init__(self) -> None:
         n, m = len(self.prefill_nodes), len(self.decode_nodes)
+        if len(self.holder_nodes) != len(self.holder_prefix_blocks):
+            raise ValueError("snapshot holder columns differ in length")
         if not (len(self.prefill_queue_s) == len(self.prefix_blocks) == n):
             raise ValueError("snapshot prefill columns differ in length")
         if not (len(self.decode_batch) == len(self.decode_context_tokens)
@@ -188,8 +196,9 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         return t
 
     policy = cfg.policy
-    fetch_from = -1          # index of the source node when the choice fetches
+    fetch_from = None        # the source node when the choice fetches
     xfer = 0.0
+    used = -1
     if policy == "random":
         if rng is None:
             raise ValueError("the random policy needs an rng")
@@ -201,7 +210,8 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         # fetch up to best_len) depends only on its own prefix length, not on its queue:
         # transfer + prefill(best) < prefill(own) is the same test on every node. So decide
         # once per distinct prefix length, then scan the nodes with plain list operations.
-        best = max(own)
+        holders = snap.holder_prefix_blocks if policy == "global_cache_aware" else ()
+        best = max(max(own), max(holders, default=0))
         thr = cfg.cache_balance_threshold
         fetches: dict[int, float] = {}   # own blocks -> transfer s, where fetching wins
         cost_of: dict[int, float] = {}   # own blocks -> transfer + prefill s
@@ -216,15 +226,17 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         ttfts = [q + cost_of[m] for q, m in zip(queue, own)]
         i = ttfts.index(min(ttfts))
         if own[i] in fetches:
-            xfer = fetches[own[i]]
-            fetch_from = own.index(best)
-    used = own[fetch_from] if fetch_from >= 0 else own[i]
+            xfer, used = fetches[own[i]], best
+            fetch_from = (snap.holder_nodes[list(holders).index(best)] if best in holders
+                          else nodes[own.index(best)])
+    if used < 0:
+        used = own[i]
     pf = prefill_s(used)
     ttft = xfer + queue[i] + pf
     fetch = None
-    if fetch_from >= 0:
+    if fetch_from is not None:
         lo = own[i]
-        fetch = Fetch(source=nodes[fetch_from], first_block=lo, keys=tuple(req.keys[lo:used]),
+        fetch = Fetch(source=fetch_from, first_block=lo, keys=tuple(req.keys[lo:used]),
                       tokens=min(used * bs, n) - min(lo * bs, n))
 
     # Decode: lowest predicted step time among nodes with KV room for prompt + output;

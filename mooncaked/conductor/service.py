@@ -36,7 +36,7 @@ import os
 import random
 import statistics
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,6 +53,7 @@ log = get_logger(__name__)
 INFLIGHT_TTL_S = 3.0        # a placement not seen in the chosen node's reports by then is gone
 REFIT_MIN_SAMPLES = 16      # prefill samples (run alone on their node) before a refit is tried
 ERROR_WINDOW = 200          # TTFT prediction errors kept for `status()`
+HITS_MAX = 100_000          # block keys whose reuse counts the conductor remembers (LRU)
 
 
 def _refit(current: PolyModel, samples: Any, terms: Any) -> tuple[PolyModel, dict] | None:
@@ -193,6 +194,11 @@ class ConductorService:
         self._predicted: dict[str, tuple[float, float]] = {}      # rid -> (ttft_s, monotonic)
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
+        # hot-block replication (section 4.2): block key -> placements that reused it
+        self.hits: OrderedDict[bytes, int] = OrderedDict()
+        self._replicating: set[bytes] = set()        # last keys of prefixes being copied
+        self._replications: set[asyncio.Task] = set()
+        self.replicated = {"started": 0, "blocks": 0, "failed": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -215,7 +221,8 @@ class ConductorService:
 
     async def stop(self) -> None:
         """Stops following membership; the index is dropped with the object."""
-        tasks = [t for t in [self._task, *self._pulls.values()] if t is not None]
+        tasks = [t for t in [self._task, *self._pulls.values(), *self._replications]
+                 if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -467,12 +474,79 @@ class ConductorService:
             free = v.free_kv_tokens if v.reported_at else \
                 int((v.info.get("model") or {}).get("kv_capacity_tokens", 0))   # not reported yet
             dfree.append(free - infl)
+        holders = [] if decode_only else [v.node_id for v in self._eligible("cache", set(), now)
+                                          if v.control]
         snap = Snapshot(*snap_pre, decode_nodes=[v.node_id for v in dec], decode_batch=dbatch,
-                        decode_context_tokens=dctx, decode_free_kv_tokens=dfree)
+                        decode_context_tokens=dctx, decode_free_kv_tokens=dfree,
+                        holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders))
         result = place(PlacementRequest(keys, n, max_new), snap, cost, cfg, self.rng)
         if isinstance(result, Rejection):
             return self._reject(result)
+        if not decode_only and keys:
+            self._note_request(keys, now)
         return self._accept(rid, result, n, max_new, decode_only, now)
+
+    # ------------------------------------------------------------------ hot-block replication
+
+    def _note_request(self, keys: list[bytes], now: float) -> None:
+        """Counts the requests for each block key; the longest prefix of keys requested
+        conductor.hot_block_hits times and held by fewer than hot_block_replicas nodes
+        is copied onto a cache node."""
+        cs = self.settings.conductor
+        if cs.hot_block_hits <= 0:
+            return
+        for k in keys:
+            self.hits[k] = self.hits.get(k, 0) + 1
+            self.hits.move_to_end(k)
+        # leading keys are requested at least as often as later ones (a prefix)
+        hot = 0
+        while hot < len(keys) and self.hits[keys[hot]] >= cs.hot_block_hits:
+            hot += 1
+        while len(self.hits) > HITS_MAX:
+            self.hits.popitem(last=False)
+        keys = keys[:min(hot, self.index.longest(keys[:hot]))]   # hot and held somewhere
+        if not keys:
+            return
+        last = keys[-1]
+        if last in self._replicating or self.index.replicas(last) >= cs.hot_block_replicas:
+            return
+        holders = self.index.holders(last)
+        full = [h for h, m in zip(holders, self.index.match(keys, holders)) if m == len(keys)]
+        sources = [self.nodes[h] for h in full if h in self.nodes and self.nodes[h].control]
+        targets = [v for v in self._eligible("cache", set(), now)
+                   if v.control and v.info.get("store") and v.node_id not in full]
+        if not sources or not targets:
+            return
+        have = self.index.match(keys, [v.node_id for v in targets])
+        j = have.index(max(have))             # the cache node missing the fewest blocks
+        # a cache node as the source spares the prefill nodes' compute
+        src = next((v for v in sources if v.role == "cache"), sources[0])
+        self._replicating.add(last)
+        self.replicated["started"] += 1
+        t = asyncio.get_running_loop().create_task(
+            self._replicate(src, targets[j], keys[have[j]:], last))
+        self._replications.add(t)
+        t.add_done_callback(self._replications.discard)
+
+    async def _replicate(self, src: NodeView, dst: NodeView, keys: list[bytes],
+                         last: bytes) -> None:
+        """dst's store fetches `keys` from src's (store.fetch); the index learns the new
+        replicas from dst's store events in its next report."""
+        timeout = self.settings.cluster.rpc_timeout_s + self.settings.transfer.request_timeout_s
+        try:
+            r = await self.client.call(dst.control, "store.fetch",
+                                       {"source": src.control, "keys": [k.hex() for k in keys]},
+                                       timeout_s=timeout)
+            ok = sum(1 for x in r["results"] if x.get("status") != "failed")
+            self.replicated["blocks"] += ok
+            log.info("hot_blocks_replicated", source=src.node_id, target=dst.node_id,
+                     blocks=len(keys), ok=ok)
+        except Exception as e:  # noqa: BLE001 - a replica is an optimisation; log and go on
+            self.replicated["failed"] += 1
+            log.warning("hot_blocks_replication_failed", source=src.node_id,
+                        target=dst.node_id, error=str(e))
+        finally:
+            self._replicating.discard(last)
 
     def _block_size(self, v: NodeView) -> int:
         m = v.info.get("model") or {}
@@ -547,6 +621,9 @@ class ConductorService:
             "cost_model": None if cost is None else {
                 "name": cost.name, "source": cost.meta.get("source", ""), "refits": self.refits,
                 "decode_refits": self.decode_refits, "meta": cost.meta},
+            "replication": {**self.replicated, "in_flight": len(self._replicating),
+                            "hot_block_hits": self.settings.conductor.hot_block_hits,
+                            "target_replicas": self.settings.conductor.hot_block_replicas},
             "ttft_prediction": _error_summary(errs),
             "decode_step_prediction": _error_summary(derrs),
         }
