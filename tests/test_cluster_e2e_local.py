@@ -10,6 +10,7 @@ Every wait is bounded; the fixture always stops every process it started.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -268,15 +269,41 @@ def test_client_disconnect_frees_kv_on_both_sides(env):
 
     assert asyncio.run(start_and_drop()) == 3
     t0 = time.monotonic()
+    wait_until(lambda: all_freed(cluster), 5.0, "KV freed on the prefill and decode nodes")
+    assert time.monotonic() - t0 < 2.0
 
-    def freed():
-        sts = [status(cluster, n) for n in ("p1", "d1", "d2")]
-        return all(not s["requests"]["prefill"] and not s["requests"]["decode"]
-                   and s["requests"]["staged"] == 0 and s["requests"]["receiving"] == 0
-                   and s["engine"]["kv_blocks_used"] == 0
-                   and s["engine"]["num_running"] == 0 for s in sts)
 
-    wait_until(freed, 5.0, "KV freed on the prefill and decode nodes")
+def all_freed(cluster: LocalCluster) -> bool:
+    """No request, staged KV, receive buffer or used KV block on any model node."""
+    sts = [status(cluster, n) for n in ("p1", "d1", "d2")]
+    return all(not s["requests"]["prefill"] and not s["requests"]["decode"]
+               and s["requests"]["staged"] == 0 and s["requests"]["receiving"] == 0
+               and s["engine"]["kv_blocks_used"] == 0
+               and s["engine"]["num_running"] == 0 for s in sts)
+
+
+def test_client_disconnect_during_a_pushed_prefill_frees_both_sides(env):
+    """The client leaves while the prefill node is still pushing layers into the decode
+    node's receive buffer: the prefill is aborted and the buffer is released."""
+    cluster, _ = env
+    prompt = " ".join(f"w{i}" for i in range(360))       # ~1,300 tokens: a long prefill
+
+    async def start_and_drop() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            # the API answers the headers with the first token: send without waiting
+            req = asyncio.ensure_future(s.post(f"{cluster.api_url('c1')}/v1/completions",
+                                               data=orjson.dumps(completion(20, prompt,
+                                                                            stream=True))))
+            await asyncio.to_thread(
+                wait_until, lambda: any(status(cluster, d)["requests"]["receiving"]
+                                        for d in ("d1", "d2")), 60, "a receive buffer")
+            req.cancel()         # the client goes away before the first token
+            with contextlib.suppress(asyncio.CancelledError):
+                await req
+
+    asyncio.run(start_and_drop())
+    t0 = time.monotonic()
+    wait_until(lambda: all_freed(cluster), 5.0, "KV freed on the prefill and decode nodes")
     assert time.monotonic() - t0 < 2.0
 
 
