@@ -28,6 +28,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections import Counter
 import time
 import urllib.request
 from pathlib import Path
@@ -58,7 +59,12 @@ def _replay(url: str, args: argparse.Namespace) -> dict[str, Any]:
         return await replay(cfg, requests)
 
     records, wall = asyncio.run(run())
-    return summarize(records, wall)
+    out = summarize(records, wall)
+    # why requests failed, most common first (an error's text up to its first digit run
+    # varies per request only in ids and times)
+    reasons = Counter(r.error[:120] for r in records if r.error)
+    out["error_reasons"] = reasons.most_common(5)
+    return out
 
 
 def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -127,15 +133,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", choices=("cluster", "single"), default=None,
+                    help="run one side only (the other's figures print as missing)")
     args = ap.parse_args(argv)
+    empty = dict.fromkeys(KEYS)
     with tempfile.TemporaryDirectory(prefix="bench-cluster-") as tmp:
         work = Path(tmp)
-        ours = run_cluster(args, work)
-        base = run_single(args, work)
+        ours = run_cluster(args, work) if args.only != "single" else empty
+        base = run_single(args, work) if args.only != "cluster" else empty
     result = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "disaggregated_1p1d": {k: ours[k] for k in KEYS},
               "single_all": {k: base[k] for k in KEYS},
-              "ratio_1p1d_over_all": {k: _ratio(ours[k], base[k]) for k in KEYS}}
+              "ratio_1p1d_over_all": {k: _ratio(ours[k], base[k]) for k in KEYS},
+              "error_reasons": {"disaggregated_1p1d": ours.get("error_reasons"),
+                                "single_all": base.get("error_reasons")}}
     if args.json:
         sys.stdout.write(orjson.dumps(result).decode() + "\n")
         return 0

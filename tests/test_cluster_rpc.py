@@ -102,6 +102,9 @@ def test_timeout_is_enforced_per_call():
                     await asyncio.sleep(0.01)
                 assert server.cancelled == [{"s": 3}]
                 assert await client.call(addr, "sleep", {"s": 0.01}, timeout_s=2) == "slept"
+                # only timeout_s bounds a call: no session-wide cap below it (aiohttp's
+                # default of 300 s once cut prefill calls queued longer than that)
+                assert client._s().timeout.total is None
         finally:
             await server.stop()
     asyncio.run(main())

@@ -175,8 +175,11 @@ class ControlClient:
 
     def _s(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
+            # No session-wide timeout: each call is bounded by its own timeout_s (aiohttp's
+            # default 300 s total would cut a prefill call that queued longer than that).
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit_per_host=self._limit_per_host),
+                timeout=aiohttp.ClientTimeout(total=None),
                 json_serialize=lambda o: orjson.dumps(o).decode())
         return self._session
 
