@@ -140,7 +140,8 @@ class ClusterSettings:
                                              "keep-alive) is failed, seconds.", min=0.5)
     stage_ttl_s: float = opt(30.0, "A prefill node keeps a request's exported KV for the decode "
                                    "node's READ at most this long, seconds.", min=0.5)
-    layerwise_kv_push: bool = opt(True, "The prefill node WRITEs each layer's KV into a buffer "
+    layerwise_kv_push: bool = opt(True, "Requests this node's API sends through the cluster have "
+                                        "the prefill node WRITE each layer's KV into a buffer "
                                         "the decode node reserved while it computes the next "
                                         "layer (paper section 3); false: the decode node READs "
                                         "all of it after the prefill.")

@@ -250,6 +250,26 @@ def test_hot_prefix_is_replicated_onto_the_cache_node(env):
     assert status(cluster, "c1")["store"]["dram_blocks"] >= reused
 
 
+def test_receive_buffers_belong_to_their_prefill_node(env):
+    """node.kv_reserve: a second attempt of a request replaces the first one's buffer, and
+    only the prefill node that reserved a buffer can release it."""
+    cluster, _ = env
+    d1 = cluster.control("d1")
+    shape = [30, 2, 2, 16, 3, 64]                      # SmolLM2-135M, 2 blocks
+    ask = {"rid": "r-own", "shape": shape, "dtype": "float32", "ttl_s": 30}
+    first = control_call(d1, "node.kv_reserve", {**ask, "owner": "p-a"})
+    second = control_call(d1, "node.kv_reserve", {**ask, "owner": "p-b"})
+    assert first["descriptor"]["access_key"] != second["descriptor"]["access_key"]
+    assert status(cluster, "d1")["requests"]["receiving"] == 1
+    assert not control_call(d1, "node.release", {"rid": "r-own", "owner": "p-a"})["released"]
+    assert status(cluster, "d1")["requests"]["receiving"] == 1
+    assert control_call(d1, "node.release", {"rid": "r-own", "owner": "p-b"})["released"]
+    assert status(cluster, "d1")["requests"]["receiving"] == 0
+    with pytest.raises(Exception, match="does not match"):
+        control_call(d1, "node.kv_reserve", {**ask, "shape": [30, 2, 2, 16, 3, 32],
+                                             "owner": "p-a"})
+
+
 def test_client_disconnect_frees_kv_on_both_sides(env):
     cluster, _ = env
 

@@ -165,6 +165,8 @@ def test_hot_prefix_is_replicated_onto_a_cache_node_once():
     assert svc.replicated["started"] == 0                 # requested once: not hot yet
     r = place(svc, "b", n=6 * 16 + 3, keys=keys)
     assert r["ok"] and svc.replicated["started"] == 1     # hot: c1 copies p1's 4 blocks
+    place(svc, "b2", n=6 * 16 + 3, keys=keys)
+    assert svc.replicated["started"] == 1                 # not again while it is copied
     assert svc.status()["replication"]["hot_block_hits"] == 2
     svc.index.stored("c1", keys[:4])                       # the copy landed: 2 replicas
     place(svc, "c", n=6 * 16 + 3, keys=keys)
@@ -175,3 +177,13 @@ def test_hot_prefix_is_replicated_onto_a_cache_node_once():
     r = place(svc, "d", n=6 * 16 + 3, keys=keys)
     assert r["prefill"]["node"] == "p2" and r["fetch"]["source"] == "c1"
     assert r["prefix_tokens"] == 64
+
+
+def test_decode_refit_never_accepts_a_negative_coefficient():
+    svc = service()
+    report(svc, "d1", "decode")
+    # steps that get faster with context (noise on a shared machine, say): a least-squares
+    # fit has a negative context term and would predict <= 0 for long contexts
+    steps = [[b, c, 0.2 + 0.002 * b - 2e-5 * c] for b in (1, 2, 4, 8) for c in (500, 2000, 8000)]
+    report(svc, "d1", "decode", decode_steps=steps * 6)
+    assert svc.decode_refits == 0 and svc.cost.decode is COST.decode

@@ -217,6 +217,7 @@ class ClusterFrontend:
         # at shutdown the API server itself refuses new requests.
         node.frontend_runs += 1
         staged: tuple[str, str] | None = None    # (prefill control address, rid) to release
+        pushed: tuple[str, str] | None = None    # (decode control address, owner) to release
         try:
             deadline = time.monotonic() + self.request_timeout_s
             keys = self.block_keys(prompt_token_ids, cache_salt)
@@ -243,6 +244,9 @@ class ClusterFrontend:
                                code="prefill_unavailable")
             if pre["kv"] is not None:
                 staged = (pl["prefill"]["control"], request_id)
+                if pre["kv"].get("pushed"):
+                    # until the decode node admits, its receive buffer is ours to free
+                    pushed = (pl["decode"]["control"], pl["prefill"]["control"])
             first = pre["output"]
             cached = int(first["cached"])
             finished = pre["kv"] is None
@@ -259,17 +263,20 @@ class ClusterFrontend:
                                place_req, first_text, deadline)
             async with contextlib.aclosing(dec):
                 async for out in dec:
-                    staged = None                # the decode node has read (and released) it
+                    staged = pushed = None       # the decode node admitted it: all released
                     out.num_prompt_tokens, out.num_cached_tokens = n, cached
                     yield out
         finally:
             node.frontend_runs -= 1
             if staged is not None:
                 node.spawn(self._release(*staged))
+            if pushed is not None:
+                node.spawn(self._release(pushed[0], request_id, pushed[1]))
 
-    async def _release(self, addr: str, rid: str) -> None:
+    async def _release(self, addr: str, rid: str, owner: str | None = None) -> None:
         with contextlib.suppress(ClusterError):
-            await self.node.client.call(addr, "node.release", {"rid": rid}, timeout_s=2.0)
+            await self.node.client.call(addr, "node.release", {"rid": rid, "owner": owner},
+                                        timeout_s=2.0)
 
     async def _prefill(self, pl: dict, prompt: list[int], params: SamplingParams, rid: str,
                        cache_salt: str | None, can_continue: bool, deadline: float) -> dict:
@@ -357,7 +364,7 @@ class ClusterFrontend:
                                    type="server_error", code="decode_failed") from e
                 log.warning("decode_replaced", request_id=rid, node=d["node"], reason=str(e))
                 if pre["kv"].get("pushed"):           # the new node READs the staged KV
-                    self.node.spawn(self._release(d["control"], rid))
+                    self.node.spawn(self._release(d["control"], rid, pl["prefill"]["control"]))
                 exclude.append(d["node"])
                 pl2 = await self._place({**place_req, "exclude": exclude, "decode_only": True},
                                         deadline)

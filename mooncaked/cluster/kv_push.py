@@ -73,7 +73,8 @@ class KVPusher:
             (node.kv_reserve); called once, before the first write. Its failure means no
             push (the decode node READs instead).
         timeout_s: bound on the reservation and on each WRITE.
-    Attributes: reserved (a receive buffer exists on the decode node), stats (PushStats).
+    Attributes: attempted (a reservation was asked for: the decode node may hold a buffer),
+        reserved (it answered with one), stats (PushStats).
     Use: pass `on_layer` as the LayerwiseKV callback, `start()` on the event loop before the
     prefill, `await finish(compute_end)` after it; `aclose()` in every case.
     """
@@ -84,6 +85,7 @@ class KVPusher:
         self.kv = stage
         self.reserve = reserve
         self.segment: str | None = None
+        self.attempted = False          # a reservation was asked for (release it if unused)
         self.reserved = False
         self.timeout_s = timeout_s
         self.stats = PushStats()
@@ -102,7 +104,10 @@ class KVPusher:
     def on_layer(self, layer: int, lo: int, hi: int, ready: Any) -> None:
         """LayerCallback: queues blocks [lo, hi) of `layer` (engine thread, thread-safe)."""
         item = (self.kv.layer_offset(layer, lo), self.kv.layer_offset(layer, hi), ready)
-        self._loop.call_soon_threadsafe(self._put, item)
+        try:
+            self._loop.call_soon_threadsafe(self._put, item)
+        except RuntimeError:        # the loop is closing (shutdown): nobody will send it
+            pass
 
     def _put(self, item: tuple | None) -> None:
         if item is None:
@@ -112,7 +117,6 @@ class KVPusher:
         self._wake.set()
 
     async def _send(self) -> None:
-        stage = self.kv.stage
         while True:
             if not self._items:
                 if self._closed:
@@ -134,7 +138,8 @@ class KVPusher:
                 await asyncio.to_thread(ready.synchronize)
             t0 = time.monotonic()
             try:
-                await asyncio.wait_for(self.transfer.write(self.segment, start, stage,
+                # the stage exists: the engine allocated it before its first on_layer
+                await asyncio.wait_for(self.transfer.write(self.segment, start, self.kv.stage,
                                                            end - start, start), self.timeout_s)
                 self.stats.bytes += end - start
                 self.stats.writes += 1
@@ -145,6 +150,7 @@ class KVPusher:
             self.stats.busy_s += self._last_end - t0
 
     async def _connect(self) -> None:
+        self.attempted = True
         try:
             desc = await asyncio.wait_for(self.reserve(), self.timeout_s)
             self.reserved = True
@@ -165,6 +171,8 @@ class KVPusher:
         except TimeoutError:
             self.cancel()
             self.stats.ok, self.stats.error = False, f"push not done within {self.timeout_s} s"
+        except Exception as e:  # noqa: BLE001 - the sender failed: the decode node READs
+            self.stats.ok, self.stats.error = False, f"{type(e).__name__}: {e}"
         s = self.stats
         s.exposed_s = max(0.0, self._last_end - compute_end) if s.writes else 0.0
         s.overlap = max(0.0, 1.0 - s.exposed_s / s.busy_s) if s.busy_s > 0 else 0.0

@@ -117,7 +117,7 @@ class ClusterNode:
         self._arrived: list[str] = []
         self._done: list[dict] = []
         self._stages: dict[str, tuple[str, Any, asyncio.TimerHandle]] = {}
-        self._recvs: dict[str, tuple[str, Any, asyncio.TimerHandle]] = {}
+        self._recvs: dict[str, tuple[str, Any, asyncio.TimerHandle, str]] = {}  # + owner
         # KV hand-over counters (node.status "kv_transfer"): prefill side pushes, decode
         # side receives (pushed) or READs (staged).
         self.kv_transfer = {"pushed": 0, "push_failed": 0, "staged_only": 0, "push_bytes": 0,
@@ -451,9 +451,9 @@ class ClusterNode:
     async def _h_release(self, payload: Any) -> dict:
         if not isinstance(payload, dict) or not isinstance(payload.get("rid"), str):
             raise ValueError("release needs {'rid': <request id>}")
-        rid = payload["rid"]
+        rid, owner = payload["rid"], payload.get("owner")
         staged = self._release_stage(rid)
-        received = self._release_recv(rid) is not None
+        received = self._release_recv(rid, owner) is not None
         return {"released": staged or received}
 
     def _release_stage(self, rid: str) -> bool:
@@ -538,20 +538,20 @@ class ClusterNode:
             self.prefill_reqs.pop(rid, None)
             if pusher is not None:
                 await pusher.aclose()
-                if pusher.reserved and not handed_over:
-                    self.spawn(self._release_remote(p["push_to"], rid))
+                if pusher.attempted and not handed_over:
+                    self.spawn(self._release_remote(p["push_to"], rid, owner=self.control_addr))
 
     def _pusher(self, rid: str, kv_stream: Any, decode_control: str, ttl_s: float) -> Any:
         """A KVPusher whose reservation asks the decode node for a receive buffer."""
         from .kv_push import KVPusher  # noqa: PLC0415
 
         cs = self.settings.cluster
-        shape = list(kv_stream.stage.shape)
+        shape = list(kv_stream.shape)
 
         async def reserve() -> dict:
             return await self.client.call(decode_control, "node.kv_reserve",
-                                          {"rid": rid, "shape": shape,
-                                           "dtype": str(kv_stream.stage.dtype).removeprefix("torch."),
+                                          {"rid": rid, "shape": shape, "owner": self.control_addr,
+                                           "dtype": str(kv_stream.dtype).removeprefix("torch."),
                                            "ttl_s": ttl_s})
 
         return KVPusher(self.transfer, kv_stream, reserve,
@@ -602,13 +602,15 @@ class ClusterNode:
     async def _h_kv_reserve(self, p: Any) -> dict:
         """`node.kv_reserve` (decode nodes): a receive buffer for one request's layer-wise
         KV push, registered as segment "<node>/recv/<rid>"; only the caller gets its
-        descriptor (access key). Freed when the request is admitted, by node.release, or
-        after ttl_s (at most server.request_timeout_s).
+        descriptor (access key). Freed when the request is admitted, by node.release from
+        its owner, or after ttl_s from now (clamped to [cluster.stage_ttl_s,
+        server.request_timeout_s]). A new reservation for the same rid (the request
+        placed again on another prefill node) replaces the old one.
 
-        Payload: {"rid", "shape": [layers, blocks, 2, block_size, kv_heads, head_dim],
-        "dtype", "ttl_s"}. Returns {"descriptor"}.
-        Raises: NodeDraining; ValueError for another role, a wrong geometry, a duplicate rid,
-        or when the receive buffers would exceed engine.kv_cache_bytes.
+        Payload: {"rid", "owner": the prefill node's control address, "shape": [layers,
+        blocks, 2, block_size, kv_heads, head_dim], "dtype", "ttl_s"}. Returns {"descriptor"}.
+        Raises: NodeDraining; ValueError for another role, a wrong geometry, or when the
+        receive buffers would exceed engine.kv_cache_bytes.
         """
         import torch  # noqa: PLC0415
 
@@ -624,10 +626,9 @@ class ClusterNode:
                 or p.get("dtype") != str(e.dtype).removeprefix("torch."):
             raise ValueError(f"receive buffer {shape} {p.get('dtype')} does not match this "
                              f"engine ({want[0]}, n, {want[1:]}, {e.dtype})")
-        if rid in self._recvs:
-            raise ValueError(f"request {rid} already has a receive buffer")
+        self._release_recv(rid)            # an earlier attempt of this request
         nbytes = shape[1] * e.block_bytes
-        held = sum(b.numel() * b.element_size() for _, b, _ in self._recvs.values())
+        held = sum(r[1].numel() * r[1].element_size() for r in self._recvs.values())
         if held + nbytes > self.settings.engine.kv_cache_bytes:
             raise ValueError(f"receive buffers full ({held} + {nbytes} bytes > "
                              f"engine.kv_cache_bytes)")
@@ -637,15 +638,17 @@ class ClusterNode:
         ttl = min(max(float(p.get("ttl_s") or 0), self.settings.cluster.stage_ttl_s),
                   self.settings.server.request_timeout_s)
         timer = asyncio.get_running_loop().call_later(ttl, self._release_recv, rid)
-        self._recvs[rid] = (name, buf, timer)
+        self._recvs[rid] = (name, buf, timer, str(p.get("owner") or ""))
         return {"descriptor": desc}
 
-    def _release_recv(self, rid: str) -> Any:
-        """Withdraws rid's receive segment; returns its buffer (None if there was none)."""
-        r = self._recvs.pop(rid, None)
-        if r is None:
+    def _release_recv(self, rid: str, owner: str | None = None) -> Any:
+        """Withdraws rid's receive segment (only if `owner`, when given, reserved it);
+        returns its buffer, or None."""
+        r = self._recvs.get(rid)
+        if r is None or (owner is not None and r[3] != owner):
             return None
-        name, buf, timer = r
+        del self._recvs[rid]
+        name, buf, timer, _ = r
         timer.cancel()
         with contextlib.suppress(Exception):
             self.transfer.unregister_segment(name)
@@ -654,11 +657,13 @@ class ClusterNode:
     # ------------------------------------------------------------------ decode route
 
     async def _decode_route(self, request: web.Request) -> web.StreamResponse:
-        """POST /internal/decode: READ the staged KV, admit, stream deltas as JSON lines.
+        """POST /internal/decode: take the pushed KV (or READ the staged KV), admit, stream
+        deltas as JSON lines.
 
         Body: {"rid", "prompt", "first_token", "params", "cache_salt", "kv": {descriptor,
-        shape, dtype, num_tokens}, "prefill": control address}. Answers 503 while draining,
-        502 when the KV cannot be read; then 200 with one JSON object a line: output
+        shape (layer-major), dtype, num_tokens, pushed}, "prefill": its control address}.
+        The receive buffer is used only when "pushed" and that prefill node reserved it.
+        Answers 503 while draining, 502 when the KV cannot be read; then 200 with one JSON object a line: output
         deltas (output_json), "{}" keep-alives every stream_idle_timeout_s / 3, or
         {"error", "status"} for a request the engine refuses or fails.
         """
@@ -675,9 +680,13 @@ class ClusterNode:
         rid, kv = str(body["rid"]), body["kv"]
         t0 = time.monotonic()
         # The pushed buffer, complete: the prefill node answered only after every WRITE.
+        # Any other buffer for rid (a push that failed part-way, another prefill node's
+        # attempt) goes, and the KV is READ from the prefill node's stage instead.
+        r = self._recvs.get(rid)
+        pushed_here = bool(kv.get("pushed")) and r is not None and r[3] == body.get("prefill")
         buf = self._release_recv(rid)
-        if buf is not None and not kv.get("pushed"):
-            buf = None                         # a push that failed part-way: READ instead
+        if not pushed_here:
+            buf = None
         if buf is not None:
             self.kv_transfer["received_pushed"] += 1
         else:
@@ -752,12 +761,13 @@ class ClusterNode:
             self.decode_reqs.pop(rid, None)
         return resp
 
-    async def _release_remote(self, addr: str | None, rid: str) -> None:
-        """Tells the prefill node that its staged KV of rid may go (best effort)."""
+    async def _release_remote(self, addr: str | None, rid: str, owner: str | None = None) -> None:
+        """Tells node addr that its staged KV of rid, or (with owner) the receive buffer
+        that owner reserved for rid, may go (best effort)."""
         if not addr:
             return
         try:
-            await self.client.call(addr, "node.release", {"rid": rid})
+            await self.client.call(addr, "node.release", {"rid": rid, "owner": owner})
         except ClusterError as e:
             log.debug("release_failed", request_id=rid, error=str(e))
 

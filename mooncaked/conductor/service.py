@@ -53,16 +53,23 @@ log = get_logger(__name__)
 INFLIGHT_TTL_S = 3.0        # a placement not seen in the chosen node's reports by then is gone
 REFIT_MIN_SAMPLES = 16      # prefill samples (run alone on their node) before a refit is tried
 ERROR_WINDOW = 200          # TTFT prediction errors kept for `status()`
+REPLICATE_COOLDOWN_S = 5.0  # a prefix is not copied again this soon (its events lag)
 HITS_MAX = 100_000          # block keys whose reuse counts the conductor remembers (LRU)
 
 
-def _refit(current: PolyModel, samples: Any, terms: Any) -> tuple[PolyModel, dict] | None:
+def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = False
+           ) -> tuple[PolyModel, dict] | None:
     """A PolyModel fitted to (x1, x2, seconds) samples, with its provenance, when it beats
-    `current` on them by 20% in mean relative error; else None."""
+    `current` on them by 20% in mean relative error; else None. Never a fit that predicts
+    <= 0 at the largest observed (x1, x2), nor (nonnegative) one with a negative
+    coefficient: live samples move together (batch and context grow alike), so a fit can
+    look good on them and still go negative elsewhere."""
     x1, x2, y = zip(*samples)
     try:
         new = PolyModel.fit(x1, x2, y, tuple(terms))
     except ValueError:
+        return None
+    if new(max(x1), max(x2)) <= 0 or (nonnegative and min(new.coef) < 0):
         return None
 
     def err(m) -> float:
@@ -196,7 +203,7 @@ class ConductorService:
         self._task: asyncio.Task | None = None
         # hot-block replication (section 4.2): block key -> placements that reused it
         self.hits: OrderedDict[bytes, int] = OrderedDict()
-        self._replicating: set[bytes] = set()        # last keys of prefixes being copied
+        self._replicating: dict[bytes, float] = {}   # last key of a prefix -> copy ended (inf: running)
         self._replications: set[asyncio.Task] = set()
         self.replicated = {"started": 0, "blocks": 0, "failed": 0}
 
@@ -395,7 +402,7 @@ class ConductorService:
         contexts = [s[1] for s in self.decode_samples]
         if len(batches) < 3 or max(contexts) < 2 * max(1, min(contexts)):
             return
-        new = _refit(self.cost.decode, self.decode_samples, DECODE_TERMS)
+        new = _refit(self.cost.decode, self.decode_samples, DECODE_TERMS, nonnegative=True)
         if new is not None:
             model, info = new
             self.cost = dataclasses.replace(self.cost, decode=model,
@@ -508,7 +515,10 @@ class ConductorService:
         if not keys:
             return
         last = keys[-1]
-        if last in self._replicating or self.index.replicas(last) >= cs.hot_block_replicas:
+        started = self._replicating.get(last)
+        if started is not None and now - started < REPLICATE_COOLDOWN_S:
+            return                  # being copied, or copied and not yet in the index
+        if self.index.replicas(last) >= cs.hot_block_replicas:
             return
         holders = self.index.holders(last)
         full = [h for h, m in zip(holders, self.index.match(keys, holders)) if m == len(keys)]
@@ -521,7 +531,10 @@ class ConductorService:
         j = have.index(max(have))             # the cache node missing the fewest blocks
         # a cache node as the source spares the prefill nodes' compute
         src = next((v for v in sources if v.role == "cache"), sources[0])
-        self._replicating.add(last)
+        self._replicating[last] = math.inf          # in flight
+        if len(self._replicating) > 1000:
+            self._replicating = {k: t for k, t in self._replicating.items()
+                                 if now - t < REPLICATE_COOLDOWN_S}
         self.replicated["started"] += 1
         t = asyncio.get_running_loop().create_task(
             self._replicate(src, targets[j], keys[have[j]:], last))
@@ -537,16 +550,16 @@ class ConductorService:
             r = await self.client.call(dst.control, "store.fetch",
                                        {"source": src.control, "keys": [k.hex() for k in keys]},
                                        timeout_s=timeout)
-            ok = sum(1 for x in r["results"] if x.get("status") != "failed")
+            ok = sum(1 for x in r["results"] if x.get("status") == "stored")
             self.replicated["blocks"] += ok
             log.info("hot_blocks_replicated", source=src.node_id, target=dst.node_id,
-                     blocks=len(keys), ok=ok)
+                     blocks=len(keys), stored=ok)
         except Exception as e:  # noqa: BLE001 - a replica is an optimisation; log and go on
             self.replicated["failed"] += 1
             log.warning("hot_blocks_replication_failed", source=src.node_id,
                         target=dst.node_id, error=str(e))
         finally:
-            self._replicating.discard(last)
+            self._replicating[last] = time.monotonic()   # the cooldown runs from here
 
     def _block_size(self, v: NodeView) -> int:
         m = v.info.get("model") or {}
@@ -621,7 +634,7 @@ class ConductorService:
             "cost_model": None if cost is None else {
                 "name": cost.name, "source": cost.meta.get("source", ""), "refits": self.refits,
                 "decode_refits": self.decode_refits, "meta": cost.meta},
-            "replication": {**self.replicated, "in_flight": len(self._replicating),
+            "replication": {**self.replicated, "in_flight": len(self._replications),
                             "hot_block_hits": self.settings.conductor.hot_block_hits,
                             "target_replicas": self.settings.conductor.hot_block_replicas},
             "ttft_prediction": _error_summary(errs),

@@ -37,8 +37,10 @@ class LayerwiseKV:
         pin_memory: page-lock the staging buffer (CUDA engines: asynchronous device-to-host
             copies).
     Attributes:
-        stage: [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim], `dtype`, CPU,
-            contiguous. Layer l, block b starts at byte (l * num_blocks + b) * layer_block_bytes.
+        shape: (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim); dtype.
+        stage: a tensor of that shape and dtype, CPU, contiguous, allocated by the first
+            step (in the engine's thread, so a request waiting in the queue holds no
+            memory). Layer l, block b starts at byte (l * num_blocks + b) * layer_block_bytes.
         layer_block_bytes: bytes of one block of one layer (K and V).
         num_final_blocks: leading blocks whose K/V is complete in `stage` for every layer
             (the engine advances it after each step).
@@ -50,11 +52,14 @@ class LayerwiseKV:
                  pin_memory: bool = False):
         if num_blocks < 1:
             raise ValueError("a layer-wise export needs at least one block")
-        self.stage = torch.empty((num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim),
-                                 dtype=dtype, pin_memory=pin_memory)
+        self.shape = (num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.pin_memory = pin_memory
+        self.stage: torch.Tensor | None = None
         self.block_size = block_size
         self.on_layer = on_layer
-        self.layer_block_bytes = self.stage[0, 0].numel() * self.stage.element_size()
+        self.layer_block_bytes = (2 * block_size * num_kv_heads * head_dim
+                                  * torch.empty((), dtype=dtype).element_size())
         self.num_final_blocks = 0
         self.num_tokens = 0
         # the current step's range: blocks [lo, hi) and their page ids
@@ -64,7 +69,7 @@ class LayerwiseKV:
     @property
     def num_blocks(self) -> int:
         """Blocks of the staged prompt (tokens / block_size, rounded up)."""
-        return self.stage.shape[1]
+        return self.shape[1]
 
     def layer_offset(self, layer: int, block: int) -> int:
         """Byte offset of (layer, block) in `stage`."""
@@ -82,6 +87,8 @@ class LayerwiseKV:
         if hi > self.num_blocks:
             raise ValueError(f"step reaches token {end_token}; the export holds "
                              f"{self.num_blocks} blocks")
+        if self.stage is None:
+            self.stage = torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
         self._lo, self._hi = self.num_final_blocks, hi
         self._ids = torch.tensor(block_table[self._lo:hi], dtype=torch.long, device=device)
         self.num_tokens = max(self.num_tokens, end_token)

@@ -169,9 +169,9 @@ class LLMEngine:
         if kv_stream is not None:
             want = (self.cfg.num_layers, -(-n // self.block_size), 2, self.block_size,
                     self.cfg.num_kv_heads, self.cfg.head_dim)
-            if tuple(kv_stream.stage.shape) != want or kv_stream.stage.dtype != self.dtype:
-                raise InvalidRequest(f"kv_stream stage is {tuple(kv_stream.stage.shape)} "
-                                     f"{kv_stream.stage.dtype}; expected {want} {self.dtype}", "kv")
+            if tuple(kv_stream.shape) != want or kv_stream.dtype != self.dtype:
+                raise InvalidRequest(f"kv_stream stage is {tuple(kv_stream.shape)} "
+                                     f"{kv_stream.dtype}; expected {want} {self.dtype}", "kv")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, prompt_token_ids, params, self.salt(cache_salt), max_tokens, detok)
         seq.kv_import, seq.export_kv, seq.kv_stream = kv_import, export_kv, kv_stream
