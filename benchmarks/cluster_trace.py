@@ -47,7 +47,7 @@ KEYS = ("completed", "rejected", "errors", "ttft_mean_s", "ttft_p50_s", "ttft_p9
         "tbt_mean_s", "tbt_p90_s", "cache_hit_rate", "output_throughput_tok_s", "duration_s")
 
 
-def _replay(url: str, args: argparse.Namespace) -> dict[str, Any]:
+def _replay(url: str, args: argparse.Namespace, side: str = "") -> dict[str, Any]:
     requests = load_trace(args.trace, args.limit)
 
     async def run():
@@ -64,6 +64,15 @@ def _replay(url: str, args: argparse.Namespace) -> dict[str, Any]:
     # varies per request only in ids and times)
     reasons = Counter(r.error[:120] for r in records if r.error)
     out["error_reasons"] = reasons.most_common(5)
+    if args.records:
+        # one JSON line per request: when it was sent and each token's arrival, for
+        # finding stalls (seconds; token times relative to the send)
+        with args.records.open("ab") as f:
+            for r in records:
+                f.write(orjson.dumps({"side": side, "index": r.index, "sent_s": r.sent_s,
+                                      "ttft_s": r.ttft_s, "tbt_s": r.tbt_s,
+                                      "token_times_s": r.token_times_s, "error": r.error})
+                        + b"\n")
     return out
 
 
@@ -79,7 +88,7 @@ def run_cluster(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 "conductor.tbt_slo_s": float("inf"), "store.dram_bytes": args.kv_cache_bytes}
     with LocalCluster(work / "cluster", [NodeSpec("prefill", "p0"), NodeSpec("decode", "d0")],
                       settings=settings, log_level="warning") as cl:
-        return _replay(cl.api_url("p0"), args)
+        return _replay(cl.api_url("p0"), args, "disaggregated_1p1d")
 
 
 def run_single(args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -106,7 +115,7 @@ def run_single(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise RuntimeError("role all not ready in 300 s")
             time.sleep(0.2)
-        return _replay(url, args)
+        return _replay(url, args, "single_all")
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -133,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0)
     ap.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--records", type=Path, default=None,
+                    help="append every request's token arrival times here (JSON lines)")
     ap.add_argument("--only", choices=("cluster", "single"), default=None,
                     help="run one side only (the other's figures print as missing)")
     args = ap.parse_args(argv)
