@@ -117,9 +117,13 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     med = err.get("median_abs_rel_error")
     derr = c.get("decode_step_prediction") or {}
     dmed = derr.get("median_abs_rel_error")
+    rejected = f"rejected {sum(c['rejected'].values())}" + (f" {c['rejected']}"
+                                                             if c['rejected'] else "")
+    rep = c.get("replication") or {}
     typer.echo(f"conductor on {c['leader']}: policy {c['policy']}, placed {c['placed']}, "
-               f"rejected {sum(c['rejected'].values())} {c['rejected'] or ''}, "
-               f"indexed blocks {c['indexed_keys']}")
+               f"{rejected}, indexed blocks {c['indexed_keys']}, hot-block copies "
+               f"{rep.get('started', 0)} ({rep.get('blocks', 0)} blocks, "
+               f"{rep.get('failed', 0)} failed)")
     typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}], refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
     typer.echo(f"prediction error (median |rel|): TTFT "
