@@ -74,7 +74,7 @@ class KVPusher:
             push (the decode node READs instead).
         timeout_s: bound on the reservation and on each WRITE.
     Attributes: attempted (a reservation was asked for: the decode node may hold a buffer),
-        reserved (it answered with one), stats (PushStats).
+        stats (PushStats).
     Use: pass `on_layer` as the LayerwiseKV callback, `start()` on the event loop before the
     prefill, `await finish(compute_end)` after it; `aclose()` in every case.
     """
@@ -86,7 +86,6 @@ class KVPusher:
         self.reserve = reserve
         self.segment: str | None = None
         self.attempted = False          # a reservation was asked for (release it if unused)
-        self.reserved = False
         self.timeout_s = timeout_s
         self.stats = PushStats()
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -153,7 +152,6 @@ class KVPusher:
         self.attempted = True
         try:
             desc = await asyncio.wait_for(self.reserve(), self.timeout_s)
-            self.reserved = True
             self.segment = self.transfer.add_peer_segment(desc["descriptor"])
         except Exception as e:  # noqa: BLE001 - refused, unreachable, full: fall back to READ
             self.stats.ok, self.stats.error = False, f"reserve: {type(e).__name__}: {e}"
