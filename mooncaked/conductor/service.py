@@ -357,7 +357,7 @@ class ConductorService:
         seconds = float(d.get("seconds", 0.0))
         if pred is not None and seconds > 0:
             self.errors.append((pred[0] - seconds) / seconds)
-        if d.get("alone") and seconds > 0:
+        if d.get("alone") and seconds > 0 and self.settings.conductor.refit_cost_model:
             self.samples.append((int(d.get("new", 0)), int(d.get("cached", 0)), seconds))
             self._new_samples += 1
             if self._new_samples >= REFIT_MIN_SAMPLES:
@@ -387,6 +387,8 @@ class ConductorService:
         if self.cost is not None:
             pred = self.cost.decode_step_s(batch, context_tokens)
             self.decode_errors.append((pred - seconds) / seconds)
+        if not self.settings.conductor.refit_cost_model:
+            return
         self.decode_samples.append((int(batch), int(context_tokens), float(seconds)))
         self._new_decode_samples += 1
         if self._new_decode_samples >= 4 * REFIT_MIN_SAMPLES:
