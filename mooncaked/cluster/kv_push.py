@@ -30,6 +30,7 @@ from dataclasses import asdict, dataclass
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from mooncaked import failpoints
 from mooncaked.log import get_logger
 
 log = get_logger(__name__)
@@ -137,6 +138,7 @@ class KVPusher:
                 await asyncio.to_thread(ready.synchronize)
             t0 = time.monotonic()
             try:
+                failpoints.hit("kv_push.write")
                 # the stage exists: the engine allocated it before its first on_layer
                 await asyncio.wait_for(self.transfer.write(self.segment, start, self.kv.stage,
                                                            end - start, start), self.timeout_s)

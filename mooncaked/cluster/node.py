@@ -41,6 +41,7 @@ import orjson
 from aiohttp import web
 
 import mooncaked
+from mooncaked import failpoints
 from mooncaked.config import Settings
 from mooncaked.conductor.service import ConductorService, NotLeader
 from mooncaked.log import get_logger
@@ -122,7 +123,8 @@ class ClusterNode:
         # side receives (pushed) or READs (staged).
         self.kv_transfer = {"pushed": 0, "push_failed": 0, "staged_only": 0, "push_bytes": 0,
                             "push_busy_s": 0.0, "push_exposed_s": 0.0, "received_pushed": 0,
-                            "read": 0, "read_bytes": 0, "read_s": 0.0}
+                            "read": 0, "read_bytes": 0, "read_s": 0.0, "fetches": 0,
+                            "fetched_blocks": 0, "fetch_failed": 0}
         self._background: set[asyncio.Task] = set()
         from .frontend import ClusterFrontend  # noqa: PLC0415 - frontend imports node types
         self.frontend = ClusterFrontend(self)
@@ -189,6 +191,10 @@ class ClusterNode:
                         ("conductor.place", self._h_place), ("conductor.report", self._h_report),
                         ("conductor.status", self._h_conductor_status)):
             self.control.add_handler(name, h)
+        if failpoints.enabled():       # test processes only (MOONCAKED_FAILPOINTS set)
+            failpoints.load_from_env()
+            self.control.add_handler("debug.failpoint", self._h_failpoint)
+            log.warning("failpoints_enabled", node=self.node_id)
         self.coord = make_coordinator(self.settings.cluster)
         await self.coord.start()
         self.info = self._info()
@@ -442,6 +448,19 @@ class ClusterNode:
                 "kv_transfer": {k: round(v, 6) if isinstance(v, float) else v
                                 for k, v in self.kv_transfer.items()}}
 
+    async def _h_failpoint(self, payload: Any) -> dict:
+        """`debug.failpoint` (only with MOONCAKED_FAILPOINTS set): sets one failpoint.
+
+        Payload: {"name", "action": "off" | "error" | "pause", "skip": int, "times": int |
+        null}. Returns {"failpoints": failpoints.status()}.
+        Raises: ValueError for a malformed payload or an unknown action.
+        """
+        if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+            raise ValueError("debug.failpoint needs {'name': <point>, 'action': ...}")
+        failpoints.set_action(payload["name"], str(payload.get("action", "off")),
+                              skip=int(payload.get("skip", 0)), times=payload.get("times"))
+        return {"failpoints": failpoints.status()}
+
     async def _h_drain(self, payload: Any) -> dict:
         """`mooncake ctl drain`: no new requests; running ones finish (in the background)."""
         self.spawn(self.drain(self.settings.cluster.drain_timeout_s))
@@ -499,6 +518,7 @@ class ClusterNode:
         kv_stream = pusher = None
         handed_over = False
         try:
+            await failpoints.ahit("node.prefill")
             fetch = p.get("fetch")
             if fetch and self.store_node is not None:
                 await self._fetch(fetch)
@@ -581,8 +601,14 @@ class ClusterNode:
             ok = sum(r.ok for r in results)
             log.info("prefix_fetched", source=fetch.get("source"), blocks=len(keys), ok=ok,
                      seconds=round(time.monotonic() - t0, 4))
+            self.kv_transfer["fetches"] += 1
+            self.kv_transfer["fetched_blocks"] += ok
+            if ok < len(keys):
+                self.kv_transfer["fetch_failed"] += 1
         except (ClusterError, TimeoutError, OSError, ValueError) as e:
             log.warning("prefix_fetch_failed", source=fetch.get("source"), error=str(e))
+            self.kv_transfer["fetches"] += 1
+            self.kv_transfer["fetch_failed"] += 1
 
     def _stage(self, rid: str, kv_stream: Any) -> dict:
         """Registers the staged KV (layer-major) as segment "<node>/stage/<rid>" for a
@@ -618,6 +644,7 @@ class ClusterNode:
             raise ValueError(f"{self.node_id} is a {self.role} node, not a decode node")
         if self.draining:
             raise NodeDraining(f"{self.node_id} is draining")
+        failpoints.hit("node.kv_reserve")
         rid = str(p["rid"])
         e = self.engine.engine
         shape = [int(x) for x in p["shape"]]

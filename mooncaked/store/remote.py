@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mooncaked import failpoints
 from mooncaked.cluster import ClusterError, ControlClient, ControlServer
 from mooncaked.log import get_logger
 from mooncaked.transfer import TransferEngine, TransferOp, TransferRequest
@@ -115,9 +116,11 @@ class StoreNode:
                 "prefix": self.store.longest_prefix(keys)}
 
     async def _h_locate(self, payload: Any) -> dict:
+        failpoints.hit("store.locate")
         keys = _unhex(payload)
         ttl = payload.get("ttl_s")
         locs, lease = await self.store.locate_many(keys, None if ttl is None else float(ttl))
+        self.store.metrics.served += sum(loc is not None for loc in locs)
         return {"lease": lease.id, "segment": self.store.dram.segment,
                 "locations": [None if loc is None else [loc.offset, loc.length] for loc in locs]}
 

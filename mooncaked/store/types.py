@@ -104,6 +104,7 @@ class StoreMetrics:
     corrupt: int = 0  # SSD blocks that failed their checksum/header check (served as misses)
     io_errors: int = 0  # SSD read/write errors other than corruption (ENOSPC, EACCES, ...)
     lease_expired: int = 0
+    served: int = 0  # blocks handed to peers' READs (store.locate)
 
     def as_dict(self) -> dict:
         """Flat dict, e.g. {"hits_dram": 3, ...}."""

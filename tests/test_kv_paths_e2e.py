@@ -1,0 +1,553 @@
+"""Output equality on every KV hand-over path of a disaggregated cluster.
+
+A hand-over that delivers wrong or out-of-order KV still answers, with other
+text: so every test here compares the cluster's greedy output (ignore_eos,
+32 tokens: text, token ids and each token's logprob) with a single-process
+`--role all` reference on the same weights and engine settings, and checks,
+through the nodes' counters, that the request took the path the test is about.
+
+Cluster (real `mooncaked serve` processes, local coordination backend):
+- c1: cache node, started first so that it leads (the conductor); its API front
+  end has `cluster.layerwise_kv_push = false`, so requests sent through it hand
+  the KV over by the decode node READing the prefill node's stage;
+- p1, p2: prefill nodes; d1: decode node, whose API front end pushes KV layer by
+  layer (the default path).
+Every node starts with MOONCAKED_FAILPOINTS set, so a test can inject a fault
+(mooncaked/failpoints.py): a refused or failed push, a failed fetch, or a prefill
+held in a node's queue (which makes the conductor place the next request on the
+other prefill node, fetching the prefix from its holder).
+
+Prompts are token ids (text tokenized here), so lengths are exact: more than three
+prefill chunks (engine.max_num_batched_tokens = 56, not a multiple of the
+16-token block, so a partial block is sent again with the next chunk) and a
+partial last block. Each test makes its own prompts and compares counters as
+deltas; an autouse fixture turns every failpoint off and waits until no request
+runs, so the tests pass alone and in any order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+import orjson
+import pytest
+
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
+
+BIN = Path(sys.executable).parent
+READY_TIMEOUT_S = 300.0          # four model loads on two shared cores
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+BLOCK = 16                       # engine.block_size
+CHUNK = 56                       # engine.max_num_batched_tokens: a prefill chunk, tokens
+LAYERS = 30                      # SmolLM2-135M
+BLOCK_BYTES = LAYERS * 2 * BLOCK * 3 * 64 * 4    # one block of every layer's K and V, fp32
+OUT = 32                         # greedy output tokens compared
+# Logprobs of the same tokens from the cluster and the reference differ only by float
+# rounding (other chunk boundaries and batch shapes); measured up to ~2e-5 here.
+LOGPROB_TOL = 1e-3
+MODEL_NODES = ("p1", "p2", "d1")
+PREFILL = ("p1", "p2")
+
+# Known, fixed costs (no refits): prefill 0.3 s + 2 ms a token, transfer at 1 GB/s. A node
+# holding a queued prefill therefore loses to an idle node that fetches the prefix.
+TEST_COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.3, 0.002)),
+                      decode=PolyModel(((0, 0), (1, 0), (0, 1)), (0.05, 0.001, 1e-5)),
+                      transfer=TransferModel(1e9), kv_bytes_per_token=BLOCK_BYTES // BLOCK,
+                      name="test", meta={"source": "test"})
+ENGINE = {"engine.max_num_batched_tokens": CHUNK, "engine.kv_cache_bytes": 256 << 20}
+
+SENTENCES = [
+    "The river bends twice before it reaches the old mill.",
+    "Every winter the village repairs the stone bridge by hand.",
+    "A good map shows the roads, the rivers and the height of the hills.",
+    "The library keeps its oldest books in a cool, dry room.",
+    "Bakers start work long before the sun comes up.",
+    "The train to the coast leaves at seven and arrives at noon.",
+    "In spring the orchard is white with apple blossom.",
+    "The lighthouse keeper writes the weather in a log every hour.",
+    "Children learn to swim in the lake behind the school.",
+    "The market sells fish, bread, cheese and fresh vegetables.",
+    "Engineers tested the new pump for three weeks without a fault.",
+    "The museum shows tools that farmers used two hundred years ago.",
+    "A narrow path climbs from the harbour to the church on the hill.",
+    "The choir practises every Thursday evening in the town hall.",
+    "Storms from the west bring rain to the valley in autumn.",
+    "The post office opens at nine and closes at five.",
+]
+
+
+# ---------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tokenizer(bundled_model):
+    from mooncaked.model.tokenizer import Tokenizer
+
+    return Tokenizer(Path(bundled_model), [])
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """(cluster, reference URL): the cluster and a `--role all` process, both ready."""
+    tmp = tmp_path_factory.mktemp("kvpaths")
+    cost = tmp / "cost_model.json"
+    TEST_COST.save(cost)
+    settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
+                "cluster.poll_interval_s": 0.1, "cluster.stream_idle_timeout_s": 10.0,
+                "cluster.drain_timeout_s": 5.0, "conductor.cost_model": str(cost),
+                "conductor.refit_cost_model": False, "conductor.ttft_slo_s": 1000.0,
+                "conductor.tbt_slo_s": 1000.0, "conductor.hot_block_hits": 4,
+                "conductor.hot_block_replicas": 2, "store.dram_bytes": 128 << 20,
+                "server.request_timeout_s": 120.0, **ENGINE}
+    faults = {"MOONCAKED_FAILPOINTS": ""}
+    nodes = [NodeSpec("cache", "c1", settings={"cluster.layerwise_kv_push": False}, env=faults),
+             *(NodeSpec("prefill", n, env=faults) for n in PREFILL),
+             NodeSpec("decode", "d1", env=faults)]
+    cluster = LocalCluster(tmp / "c", nodes, settings=settings)
+    ref_port = free_port()
+    ref_log = (tmp / "ref.log").open("wb")
+    ref = subprocess.Popen([str(BIN / "mooncaked"), "serve", "--role", "all", "--port",
+                            str(ref_port), *(a for k, v in ENGINE.items()
+                                             for a in ("--set", f"{k}={v}"))],
+                           stdout=ref_log, stderr=subprocess.STDOUT, cwd=tmp,
+                           start_new_session=True)
+    ref_url = f"http://127.0.0.1:{ref_port}"
+    try:
+        cluster.start_backend()
+        cluster.start_node("c1")                       # first: it wins the election
+        cluster.wait_ready(60, nodes=["c1"])
+        for nid in (*PREFILL, "d1"):
+            cluster.start_node(nid)
+        cluster.wait_ready(READY_TIMEOUT_S)
+        wait_until(lambda: _health(ref_url) or ref.poll() is not None, READY_TIMEOUT_S,
+                   "the reference server")
+        assert ref.poll() is None, (tmp / "ref.log").read_text()[-3000:]
+        yield cluster, ref_url
+    finally:
+        cluster.stop()
+        if ref.poll() is None:
+            ref.send_signal(signal.SIGTERM)
+            try:
+                ref.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(ref.pid, signal.SIGKILL)
+                ref.wait(10)
+        ref_log.close()
+
+
+@pytest.fixture(autouse=True)
+def clean_slate(env):
+    """After each test: every failpoint off, every node alive, no request running."""
+    yield
+    cluster, _ = env
+    for nid in cluster.nodes:
+        if cluster.procs[nid].poll() is None:
+            with contextlib.suppress(OSError, RuntimeError):
+                for point in ("node.prefill", "node.kv_reserve", "kv_push.write",
+                              "store.locate"):
+                    set_failpoint(cluster, nid, point, "off")
+    dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
+    for nid in dead:
+        cluster.start_node(nid)
+    if dead:
+        cluster.wait_ready(READY_TIMEOUT_S)
+    wait_until(lambda: idle(cluster), 30, "every node idle")
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_until(pred, timeout_s: float, what: str):
+    """Polls pred every 0.1 s until it returns a true value (returned); fails after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.1)   # poll interval
+
+
+def status(cluster: LocalCluster, nid: str) -> dict:
+    return control_call(cluster.control(nid), "node.status", timeout_s=5.0)
+
+
+def leader(cluster: LocalCluster) -> str:
+    """The node that leads now, as a live model node sees it."""
+    for nid in MODEL_NODES:
+        if cluster.procs[nid].poll() is None:
+            lead = status(cluster, nid)["leader"]
+            if lead:
+                return lead
+    raise AssertionError("no leader")
+
+
+def conductor(cluster: LocalCluster) -> dict:
+    return control_call(cluster.control(leader(cluster)), "conductor.status", timeout_s=5.0)
+
+
+def set_failpoint(cluster: LocalCluster, nid: str, name: str, action: str, **kw) -> dict:
+    return control_call(cluster.control(nid), "debug.failpoint",
+                        {"name": name, "action": action, **kw}, timeout_s=5.0)
+
+
+def idle(cluster: LocalCluster) -> bool:
+    """No request, staged KV, receive buffer or used KV page on any model node."""
+    for nid in MODEL_NODES:
+        s = status(cluster, nid)
+        r = s["requests"]
+        if r["prefill"] or r["decode"] or r["staged"] or r["receiving"] \
+                or s["engine"]["num_running"] or s["engine"]["kv_blocks_used"]:
+            return False
+    return True
+
+
+def counters(cluster: LocalCluster) -> dict:
+    """{node: kv_transfer counters + store "served" + conductor "placed"}."""
+    placed = conductor(cluster)["nodes"]
+    out = {}
+    for nid in (*MODEL_NODES, "c1"):
+        s = status(cluster, nid)
+        out[nid] = {**s["kv_transfer"], "served": s["store"]["served"] if s["store"] else 0,
+                    "placed": placed.get(nid, {}).get("placed", 0)}
+    return out
+
+
+def delta(before: dict, after: dict) -> dict:
+    """after - before per node and counter (numbers only)."""
+    return {n: {k: after[n][k] - before[n].get(k, 0) for k in after[n]
+                if isinstance(after[n][k], (int, float))} for n in after}
+
+
+def prompt_ids(tokenizer, tag: str, n: int) -> list[int]:
+    """n token ids of natural text, different for each tag (so tests share no prefix)."""
+    rng = random.Random(tag)
+    ids = tokenizer.encode(f"Notes on {tag}.")
+    while len(ids) < n:
+        ids += tokenizer.encode(" " + rng.choice(SENTENCES))
+    return ids[:n]
+
+
+def body(prompt: list[int], salt: str | None = None, **kw) -> dict:
+    b = {"model": MODEL, "prompt": prompt, "max_tokens": OUT, "temperature": 0.0,
+         "ignore_eos": True, "logprobs": 1, **kw}
+    if salt is not None:
+        b["cache_salt"] = salt
+    return b
+
+
+async def _post(url: str, payload: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.post(f"{url}/v1/completions", data=orjson.dumps(payload),
+                          headers={"Content-Type": "application/json"}) as r:
+            return r.status, orjson.loads(await r.read())
+
+
+def complete(url: str, prompt: list[int], salt: str | None = None) -> dict:
+    """One greedy completion; returns the response body (asserts 200)."""
+    code, out = asyncio.run(_post(url, body(prompt, salt)))
+    assert code == 200, out
+    return out
+
+
+_REF: dict[tuple, dict] = {}
+
+
+def reference(ref_url: str, prompt: list[int]) -> dict:
+    """The single-process answer for prompt (cached per prompt)."""
+    key = tuple(prompt)
+    if key not in _REF:
+        _REF[key] = complete(ref_url, prompt)
+    return _REF[key]
+
+
+def assert_same_output(got: dict, want: dict) -> None:
+    """Same text, same number of tokens, same tokens and logprobs within LOGPROB_TOL."""
+    g, w = got["choices"][0], want["choices"][0]
+    assert g["text"] == w["text"], (g["text"], w["text"])
+    assert got["usage"]["completion_tokens"] == want["usage"]["completion_tokens"] == OUT
+    assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+    gl, wl = g["logprobs"], w["logprobs"]
+    assert gl["tokens"] == wl["tokens"]
+    worst = max(abs(a - b) for a, b in zip(gl["token_logprobs"], wl["token_logprobs"]))
+    assert worst <= LOGPROB_TOL, worst
+
+
+def cached_tokens(out: dict) -> int:
+    return out["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def served_by(d: dict, requests: int = 1) -> str:
+    """The one prefill node the conductor placed `requests` requests on, from a counters
+    delta (fails if they went to several nodes)."""
+    nodes = [n for n in PREFILL if d[n]["placed"]]
+    assert len(nodes) == 1 and d[nodes[0]]["placed"] == requests, d
+    return nodes[0]
+
+
+def other(node: str) -> str:
+    return "p2" if node == "p1" else "p1"
+
+
+def push_blocks(n: int, start: int = 0, chunk: int = CHUNK) -> int:
+    """Blocks a layer-wise push sends for a prompt of n tokens whose first `start` tokens
+    were cached (sent with the first chunk): each prefill step sends the blocks its tokens
+    touch, so a block split by a chunk boundary is sent again with the next chunk."""
+    sent, lo = 0, start
+    first = True
+    while lo < n:
+        hi = min(n, lo + chunk)
+        first_block = 0 if first else lo // BLOCK
+        sent += -(-hi // BLOCK) - first_block
+        lo, first = hi, False
+    return sent
+
+
+@contextlib.contextmanager
+def occupied(cluster: LocalCluster, api: str, node: str, prompt: list[int],
+             salt: str | None = None):
+    """Holds a request for `prompt` queued on prefill node `node` (failpoint node.prefill
+    paused) until the block ends, so the conductor places the next ones on the other node.
+    `prompt` must extend a prefix `node` holds (so it is placed there). Yields a future of
+    the held request's response body."""
+    before = counters(cluster)
+    set_failpoint(cluster, node, "node.prefill", "pause", times=1)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    fut = pool.submit(complete, api, prompt, salt)
+    try:
+        wait_until(lambda: status(cluster, node)["requests"]["prefill"] or fut.done(), 30,
+                   f"a request held on {node}")
+        assert not fut.done(), fut.result()
+        assert served_by(delta(before, counters(cluster))) == node
+        wait_until(lambda: conductor(cluster)["nodes"][node]["queue_s"] > 0.3, 10,
+                   f"the conductor seeing {node}'s queue")
+        yield fut
+    finally:
+        set_failpoint(cluster, node, "node.prefill", "off")
+        fut.result(timeout=120)
+        pool.shutdown()
+
+
+# ---------------------------------------------------------------------------- tests
+
+
+def test_push_multichunk_resends_the_partial_block(env, tokenizer):
+    cluster, ref = env
+    prompt = prompt_ids(tokenizer, "push", 203)             # chunks 56+56+56+35, last block 11
+    before = counters(cluster)
+    got = complete(cluster.api_url("d1"), prompt)
+    d = delta(before, counters(cluster))
+    assert_same_output(got, reference(ref, prompt))
+    assert cached_tokens(got) == 0
+    p = served_by(d)
+    assert d[p]["pushed"] == d["d1"]["received_pushed"] == 1, d
+    assert d[p]["push_failed"] == d["d1"]["read"] == 0, d
+    # 13 blocks, 2 of them split by a chunk boundary and sent twice
+    assert push_blocks(203) == 15
+    assert d[p]["push_bytes"] == 15 * BLOCK_BYTES, d[p]
+
+
+def test_prefix_hit_then_push(env, tokenizer):
+    cluster, ref = env
+    api = cluster.api_url("d1")
+    shared = prompt_ids(tokenizer, "prefix hit", 150)
+    prompt = shared + prompt_ids(tokenizer, "prefix hit tail", 70)
+    first = complete(api, shared)
+    before = counters(cluster)
+    got = complete(api, prompt)
+    d = delta(before, counters(cluster))
+    assert_same_output(first, reference(ref, shared))
+    assert_same_output(got, reference(ref, prompt))
+    assert cached_tokens(got) == 144                        # shared's 9 full blocks
+    p = served_by(d)
+    assert d[p]["pushed"] == d["d1"]["received_pushed"] == 1 and d["d1"]["read"] == 0, d
+    assert d[p]["fetches"] == 0                             # its own prefix
+    # the cached blocks go with the first chunk
+    assert d[p]["push_bytes"] == push_blocks(220, start=144) * BLOCK_BYTES, d[p]
+
+
+def test_read_fallback_when_the_push_is_off(env, tokenizer):
+    cluster, ref = env
+    prompt = prompt_ids(tokenizer, "push off", 190)
+    before = counters(cluster)
+    got = complete(cluster.api_url("c1"), prompt)            # c1's front end: no push
+    d = delta(before, counters(cluster))
+    assert_same_output(got, reference(ref, prompt))
+    p = served_by(d)
+    assert d[p]["staged_only"] == 1 and d[p]["pushed"] == d[p]["push_failed"] == 0, d
+    assert d["d1"]["read"] == 1 and d["d1"]["received_pushed"] == 0, d
+    assert d["d1"]["read_bytes"] == 12 * BLOCK_BYTES         # ceil(190 / 16) blocks, once
+
+
+def test_read_fallback_when_the_push_is_refused(env, tokenizer):
+    cluster, ref = env
+    prompt = prompt_ids(tokenizer, "push refused", 185)
+    set_failpoint(cluster, "d1", "node.kv_reserve", "error")
+    before = counters(cluster)
+    got = complete(cluster.api_url("d1"), prompt)
+    d = delta(before, counters(cluster))
+    assert_same_output(got, reference(ref, prompt))
+    p = served_by(d)
+    assert d[p]["push_failed"] == 1 and d[p]["push_bytes"] == 0, d
+    assert d["d1"]["read"] == 1 and d["d1"]["received_pushed"] == 0, d
+
+
+def test_read_fallback_when_the_push_fails_part_way(env, tokenizer):
+    cluster, ref = env
+    prompt = prompt_ids(tokenizer, "push fails", 199)
+    for p in PREFILL:                   # whichever is chosen: 40 layer WRITEs land, then one fails
+        set_failpoint(cluster, p, "kv_push.write", "error", skip=40)
+    before = counters(cluster)
+    got = complete(cluster.api_url("d1"), prompt)
+    d = delta(before, counters(cluster))
+    assert_same_output(got, reference(ref, prompt))
+    p = served_by(d)
+    assert d[p]["push_failed"] == 1 and d[p]["pushed"] == 0, d
+    assert 0 < d[p]["push_bytes"] < push_blocks(199) * BLOCK_BYTES, d[p]   # part of it landed
+    assert d["d1"]["read"] == 1 and d["d1"]["received_pushed"] == 0, d
+
+
+def test_prefix_fetched_from_the_other_prefill_node(env, tokenizer):
+    cluster, ref = env
+    api = cluster.api_url("d1")
+    shared = prompt_ids(tokenizer, "fetch from prefill", 170)      # 10 full blocks
+    held = shared + prompt_ids(tokenizer, "fetch held", 60)
+    prompt = shared + prompt_ids(tokenizer, "fetch tail", 45)
+    before = counters(cluster)
+    complete(api, shared)
+    holder = served_by(delta(before, counters(cluster)))
+    with occupied(cluster, api, holder, held) as held_out:
+        before = counters(cluster)
+        got = complete(api, prompt)
+        d = delta(before, counters(cluster))
+    assert served_by(d) == other(holder)
+    assert d[other(holder)]["fetches"] == 1 and d[other(holder)]["fetch_failed"] == 0, d
+    assert d[other(holder)]["fetched_blocks"] == 10 and d[holder]["served"] == 10, d
+    assert d["c1"]["served"] == 0
+    assert cached_tokens(got) == 160
+    assert_same_output(got, reference(ref, prompt))
+    assert_same_output(held_out.result(), reference(ref, held))
+
+
+def test_hot_prefix_replicated_onto_the_cache_node_is_fetched_from_it(env, tokenizer):
+    cluster, ref = env
+    api = cluster.api_url("d1")
+    hot = prompt_ids(tokenizer, "hot prefix", 180)                 # 11 full blocks
+    before = counters(cluster)
+    repl = conductor(cluster)["replication"]
+    for i in range(4):                   # hot at conductor.hot_block_hits = 4
+        complete(api, hot + prompt_ids(tokenizer, f"hot variant {i}", 20))
+    holder = served_by(delta(before, counters(cluster)), requests=4)
+    wait_until(lambda: conductor(cluster)["replication"]["blocks"] - repl["blocks"] >= 11
+               and conductor(cluster)["nodes"]["c1"]["indexed_blocks"] >= 11, 20,
+               "the hot prefix replicated onto c1")
+    assert status(cluster, "c1")["store"]["dram_blocks"] >= 11
+    held = hot + prompt_ids(tokenizer, "hot held", 40)
+    prompt = hot + prompt_ids(tokenizer, "hot tail", 37)
+    with occupied(cluster, api, holder, held) as held_out:
+        before = counters(cluster)
+        got = complete(api, prompt)
+        d = delta(before, counters(cluster))
+    assert served_by(d) == other(holder)
+    assert d[other(holder)]["fetched_blocks"] == 11 and d[other(holder)]["fetch_failed"] == 0
+    assert d["c1"]["served"] == 11 and d[holder]["served"] == 0, d   # from the cache node
+    assert cached_tokens(got) == 176
+    assert_same_output(got, reference(ref, prompt))
+    assert_same_output(held_out.result(), reference(ref, held))
+
+
+def test_cache_salt_keeps_tenants_apart_across_the_cluster(env, tokenizer):
+    cluster, ref = env
+    api = cluster.api_url("d1")
+    shared = prompt_ids(tokenizer, "tenants", 165)                 # 10 full blocks
+    before = counters(cluster)
+    a = complete(api, shared, salt="tenant-a")
+    holder = served_by(delta(before, counters(cluster)))
+    with occupied(cluster, api, holder, shared + prompt_ids(tokenizer, "tenant held", 30),
+                  salt="tenant-a"):
+        # another tenant, same tokens: the index holds nothing of its keys, so no fetch
+        before = counters(cluster)
+        c = complete(api, shared, salt="tenant-c")
+        dc = delta(before, counters(cluster))
+        # the same tenant again, on the other node: it fetches tenant-a's blocks
+        before = counters(cluster)
+        a2 = complete(api, shared + prompt_ids(tokenizer, "tenant tail", 20), salt="tenant-a")
+        da = delta(before, counters(cluster))
+    assert cached_tokens(a) == 0
+    assert served_by(dc) == other(holder) and dc[other(holder)]["fetches"] == 0, dc
+    assert dc[holder]["served"] == 0 and cached_tokens(c) == 0
+    assert served_by(da) == other(holder) and da[other(holder)]["fetched_blocks"] == 10, da
+    assert cached_tokens(a2) == 160
+    want = reference(ref, shared)
+    assert_same_output(a, want)
+    assert_same_output(c, want)
+    assert_same_output(a2, reference(ref, shared + prompt_ids(tokenizer, "tenant tail", 20)))
+
+
+def test_failed_fetch_recomputes_the_same_text(env, tokenizer):
+    cluster, ref = env
+    api = cluster.api_url("d1")
+    shared = prompt_ids(tokenizer, "failed fetch", 175)            # 10 full blocks
+    prompt = shared + prompt_ids(tokenizer, "failed fetch tail", 50)
+    before = counters(cluster)
+    complete(api, shared)
+    holder = served_by(delta(before, counters(cluster)))
+    with occupied(cluster, api, holder, shared + prompt_ids(tokenizer, "ff held", 30)):
+        set_failpoint(cluster, holder, "store.locate", "error")
+        before = counters(cluster)
+        got = complete(api, prompt)
+        d = delta(before, counters(cluster))
+        set_failpoint(cluster, holder, "store.locate", "off")
+    assert served_by(d) == other(holder)
+    assert d[other(holder)]["fetches"] == d[other(holder)]["fetch_failed"] == 1, d
+    assert d[other(holder)]["fetched_blocks"] == 0 and d[holder]["served"] == 0, d
+    assert cached_tokens(got) == 0                                 # recomputed
+    assert_same_output(got, reference(ref, prompt))
+
+
+def test_after_leader_failover(env, tokenizer):
+    cluster, ref = env
+    shared = prompt_ids(tokenizer, "failover", 170)                # 10 full blocks
+    prompt = shared + prompt_ids(tokenizer, "failover tail", 40)
+    old = leader(cluster)
+    front = next(n for n in ("d1", "c1") if n != old)
+    before = counters(cluster)
+    complete(cluster.api_url(front), shared)
+    holder = served_by(delta(before, counters(cluster)))
+    cluster.kill(old)                                              # kill -9 of the conductor
+
+    def new_leader() -> str | None:
+        for nid in MODEL_NODES:
+            if nid != old and cluster.procs[nid].poll() is None:
+                lead = status(cluster, nid)["leader"]
+                return lead if lead and lead != old else None
+        return None
+
+    new = wait_until(new_leader, 30, "a new leader")
+    # the new conductor rebuilds its index from the nodes' store inventories
+    wait_until(lambda: control_call(cluster.control(new), "conductor.status")["nodes"]
+               .get(holder, {}).get("indexed_blocks", 0) >= 10, 30, "the index rebuilt")
+    code, got = asyncio.run(_post(cluster.api_url(front), body(prompt), timeout=90))
+    assert code == 200, got
+    assert cached_tokens(got) == 160
+    assert_same_output(got, reference(ref, prompt))
