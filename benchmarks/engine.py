@@ -47,6 +47,10 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = {"decode_batch1": "decode, batch 1", "concurrent_32": "32 concurrent",
           "ttft_prefix_cached": "TTFT warm / cold", "ttft_cold_vs_transformers": "TTFT cold vs HF"}
 SHORT_PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
+# `--quick`: every case at toy sizes (a smoke run of the whole pipeline, about half a minute
+# on 2 cores, mostly loading the model twice); the figures say little about performance.
+QUICK = {"decode_tokens": 8, "concurrent": 4, "concurrent_tokens": 4, "concurrent_max_prompt": 32,
+         "ttft_prompt": 80, "ttft_cached": 64, "kv_cache_bytes": 64 * 1024 * 1024}
 
 
 class _Run:
@@ -186,12 +190,13 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
 
     # Warm-up: every kernel shape family once on both sides (decode, short and long prefill,
     # batched decode, cached-prefix prefill).
-    _ours_generate(engine, [short], 32, ids.next("salt"), ids)
+    warm = min(32, decode_tokens)
+    _ours_generate(engine, [short], warm, ids.next("salt"), ids)
     _ours_generate(engine, batch, 2, ids.next("salt"), ids)
     salt = ids.next("salt")
     _ours_generate(engine, [long_prompt[:ttft_cached]], 1, salt, ids)
     _ours_generate(engine, [long_prompt], 1, salt, ids)
-    _hf_generate(hf, [short], 32, pad_id)
+    _hf_generate(hf, [short], warm, pad_id)
     _hf_generate(hf, batch, 2, pad_id)
     _hf_generate(hf, [long_prompt], 1, pad_id)
 

@@ -13,10 +13,14 @@ def bench_engine(json_out: bool = typer.Option(False, "--json", help="Print one 
                                                                 "bfloat16."),
                  reps: int = typer.Option(3, min=1, help="Timed repetitions per case (medians)."),
                  threads: int = typer.Option(0, min=0, help="torch threads for both sides; 0 = torch's "
-                                                            "default.")) -> None:
+                                                            "default."),
+                 quick: bool = typer.Option(False, "--quick", help="Toy sizes for every case (8 "
+                                            "decode tokens, 4 concurrent requests, an 80-token "
+                                            "TTFT prompt): a smoke run, not a measurement.")
+                 ) -> None:
     """Decode at batch 1, 32 concurrent requests, and TTFT cold/warm, ours vs transformers."""
     if dtype not in ("float32", "bfloat16"):
         raise typer.BadParameter(f"dtype must be float32 or bfloat16, not {dtype!r}", param_hint="--dtype")
-    from mooncaked.benchmarks.engine import main as run  # noqa: PLC0415
+    from mooncaked.benchmarks.engine import QUICK, main as run  # noqa: PLC0415
 
-    run(json_out=json_out, dtype=dtype, reps=reps, threads=threads)
+    run(json_out=json_out, dtype=dtype, reps=reps, threads=threads, **(QUICK if quick else {}))

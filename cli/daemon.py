@@ -64,6 +64,8 @@ def profile(
     out: Optional[Path] = typer.Option(None, help="Where to write the cost model (default: "
                                        "conductor.cost_model, else <state dir>/cost_model.json)."),
     quick: bool = typer.Option(False, help="A smaller grid (for slow machines)."),
+    tiny: bool = typer.Option(False, help="The smallest grid that fits every term (seconds; "
+                              "for smoke tests, too noisy for a real cost model)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Any setting as KEY=VALUE."),
 ) -> None:
     """Fit the conductor's cost models on this hardware (prefill, decode step, transfer)."""
@@ -72,7 +74,11 @@ def profile(
     from mooncaked.log import setup_logging  # noqa: PLC0415
 
     setup_logging(settings.log.level, settings.log.format)
-    model, path = run_profile(settings, ProfileGrid.quick() if quick else None, out)
+    if quick and tiny:
+        typer.echo("mooncaked profile: --quick and --tiny exclude each other", err=True)
+        raise typer.Exit(2)
+    grid = ProfileGrid.tiny() if tiny else ProfileGrid.quick() if quick else None
+    model, path = run_profile(settings, grid, out)
     pf, df = model.meta.get("prefill_fit", {}), model.meta.get("decode_fit", {})
     typer.echo(f"cost model written to {path}")
     typer.echo(f"  prefill: {pf.get('samples')} samples, max relative error "
@@ -97,7 +103,7 @@ def config_cmd(example: bool = typer.Option(False, "--example", help="Print conf
             raise typer.Exit(2) from None
         typer.echo(f"{check}: ok")
         return
-    typer.echo(example_toml())
+    typer.echo(example_toml(), nl=False)   # byte for byte config.example.toml (ends in \n)
 
 
 def main() -> None:

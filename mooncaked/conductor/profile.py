@@ -55,6 +55,16 @@ class ProfileGrid:
                    decode_context=(32, 128), decode_steps=4, repeats=1,
                    transfer_bytes=16 * 1024 * 1024)
 
+    @classmethod
+    def tiny(cls) -> "ProfileGrid":
+        """The smallest grid that still gives every fitted term a sample (6 prefill points
+        for 5 prefill terms, 8 decode steps for 3 decode terms, prompts of at most 96
+        tokens, a 1 MiB transfer): seconds after the model loads, for smoke tests. The fit
+        is as noisy as its few short samples; not for a cluster's real cost model."""
+        return cls(prefill_new=(16, 32, 64), prefill_cached=(0, 32), decode_batch=(1, 2),
+                   decode_context=(16, 32), decode_steps=2, repeats=1,
+                   transfer_bytes=1024 * 1024)
+
 
 def _run(engine, rid: str, prompt: list[int], max_tokens: int = 1):
     """Runs one request to completion on a synchronous LLMEngine; returns (seconds, last output)."""
