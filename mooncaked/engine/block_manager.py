@@ -36,6 +36,7 @@ class BlockManager:
         self.cached_free: OrderedDict[bytes, int] = OrderedDict()  # keyed, no refs; LRU first
         self.key_to_block: dict[bytes, int] = {}
         self.evicted_keys: list[bytes] = []                        # for store events
+        self._num_evictions = 0
 
     # -- accounting
 
@@ -43,6 +44,12 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free + evictable cached)."""
         return len(self.free) + len(self.cached_free)
+
+    @property
+    def num_evictions(self) -> int:
+        """Cached free blocks evicted so far (their keys dropped to hand the page out), a
+        monotonic count since construction; read-only."""
+        return self._num_evictions
 
     @property
     def num_used_blocks(self) -> int:
@@ -102,6 +109,7 @@ class BlockManager:
             del self.key_to_block[key]
             self.block_key[b] = None
             self.evicted_keys.append(key)
+            self._num_evictions += 1
         self.ref_count[b] = 1
         return b
 
