@@ -256,6 +256,11 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
             num_output_tokens=seq.num_output_tokens)
 
+    def _is_stop_token(self, p: SamplingParams, token: int) -> bool:
+        """True if `token` ends a request with params `p`: EOS (unless ignore_eos) or a
+        stop_token_ids entry."""
+        return (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids
+
     def _check_stop(self, seq: Sequence, token: int) -> bool:
         p = seq.params
         if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
@@ -303,7 +308,12 @@ class LLMEngine:
                 continue
             token, logprob = sampled[i]
             seq.token_ids.append(token)
-            text = seq.detokenizer.add(token)
+            # As vLLM: the token that stops a request (EOS, a stop_token_ids entry) stays in
+            # the token ids but its text is not output, unless include_stop_str_in_output.
+            if self._is_stop_token(seq.params, token) and not seq.params.include_stop_str_in_output:
+                text = ""
+            else:
+                text = seq.detokenizer.add(token)
             if seq.pending_ids:  # a first token sampled by the prefill node
                 text = seq.pending_text + text
                 token_ids, seq.pending_ids, seq.pending_text = seq.pending_ids + [token], [], ""

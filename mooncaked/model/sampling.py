@@ -1,12 +1,15 @@
 """Next-token selection: penalties, temperature, top-k, top-p, min-p, seeded sampling.
 
-Semantics follow vLLM's sampler: penalties first (repetition on prompt and
-output tokens; presence and frequency on output tokens), then greedy argmax or
-temperature scaling, top-k, top-p and min-p filtering and a multinomial draw
-with a generator seeded from (request seed, output position), so a seeded request
-samples the same tokens wherever its steps run (one engine, or a prefill node then
-a decode node). Logprobs come from the raw model
-distribution (log_softmax of the unmodified logits), like vLLM's default.
+Semantics follow vLLM's v1 sampler (vllm/v1/sample/sampler.py, ops/penalties.py,
+ops/topk_topp_sampler.py, logits_processor/builtin.py): penalties first
+(repetition on prompt and output tokens; frequency and presence on output tokens),
+then greedy argmax of the penalised logits, or temperature scaling, min-p, top-k and
+top-p filtering (in that order) and a multinomial draw from the renormalised
+distribution (`sampling_probs`) with a generator seeded from (request seed, output
+position), so a seeded request samples the same tokens wherever its steps run (one
+engine, or a prefill node then a decode node). Logprobs come from the raw model
+distribution (log_softmax of the unmodified logits), like vLLM's default
+`raw_logprobs` mode.
 """
 
 from __future__ import annotations
@@ -41,7 +44,20 @@ class SamplingRow:
         return torch.Generator().manual_seed((seed * 1_000_003 + position) % (1 << 63))
 
 
-def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
+    """Applies the row's penalties to one row of logits, in place, as vLLM does.
+
+    Repetition penalty r != 1 (vllm apply_repetition_penalties_torch): every token in the
+    prompt or the output has its logit l replaced by l / r if l > 0, else by l * r (so a
+    logit of exactly 0 stays 0). Then frequency f and presence q (OpenAI's definition,
+    vllm apply_penalties): l -= f * count(token in output) + q * [token in output]; prompt
+    tokens do not count for these two.
+
+    Args:
+        logits: [vocab] float tensor (fp32 in the engine); modified in place.
+        row: the row's params, token ids (prompt + output) and prompt length.
+    Returns: `logits` (the same tensor).
+    """
     p = row.params
     if p.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
@@ -54,25 +70,52 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a non-greedy draw samples from, as vLLM's v1 sampler builds it.
+
+    Steps, in vLLM's order: divide by temperature; min-p drops tokens whose probability
+    (of softmax(logits / T)) is below min_p * the largest probability; top-k keeps the
+    k largest logits and every token tied with the k-th (vLLM masks `logit < k-th
+    largest`); top-p sorts ascending, takes the cumulative sum of the (top-k
+    renormalised) probabilities and drops every token whose ascending cumulative mass is
+    <= 1 - top_p, always keeping the most likely one. Equivalently, going from the most
+    likely token down, a token is kept while the mass before it is < top_p, so the kept
+    set is the smallest prefix whose mass reaches top_p. Finally softmax over the
+    survivors (dropped tokens get probability exactly 0).
+
+    Args:
+        logits: [vocab] float tensor, penalties already applied; not modified.
+        params: temperature > 0 (greedy rows never get here), top_k (<= 0: off),
+            top_p in (0, 1] (1: off), min_p in [0, 1] (0: off).
+    Returns: fp32 [vocab] probabilities summing to 1.
+    Raises: ValueError if params.temperature <= 0.
+    """
+    if params.temperature <= 0.0:
+        raise ValueError(f"sampling_probs needs temperature > 0, got {params.temperature}")
+    logits = logits.to(torch.float32) / params.temperature
+    ninf = float("-inf")
+    if params.min_p > 0.0:
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), ninf)
+    if 0 < params.top_k < logits.shape[0]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, ninf)
+    if params.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=False)
+        cum = torch.cumsum(torch.softmax(sorted_logits, dim=-1), dim=-1)
+        # 1 - p in fp32, as vLLM computes it from its fp32 top_p tensor
+        drop = cum <= 1.0 - torch.tensor(params.top_p, dtype=torch.float32)
+        drop[-1] = False                      # at least one token survives
+        logits = logits.scatter(0, order, sorted_logits.masked_fill(drop, ninf))
+    return torch.softmax(logits, dim=-1)
+
+
 def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+    """One row's token: argmax when greedy, else a draw from sampling_probs (penalised logits)."""
     p = row.params
     if p.greedy:
         return int(torch.argmax(logits))
-    logits = logits / p.temperature
-    if p.top_k > 0 and p.top_k < logits.shape[0]:
-        kth = torch.topk(logits, p.top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if p.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        cum = torch.cumsum(sorted_probs, dim=-1)
-        # Drop tokens whose preceding mass already reaches top_p (keep at least one).
-        drop = (cum - sorted_probs) >= p.top_p
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    if p.min_p > 0.0:
-        probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-    return int(torch.multinomial(probs, 1, generator=row.generator))
+    return int(torch.multinomial(sampling_probs(logits, p), 1, generator=row.generator))
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -90,7 +133,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if plain_greedy:
         tokens = torch.argmax(logits, dim=-1).tolist()
     else:
-        tokens = [_sample_row(_apply_penalties(logits[i], r), r) for i, r in enumerate(rows)]
+        tokens = [_sample_row(apply_penalties(logits[i], r), r) for i, r in enumerate(rows)]
     out: list[TokenLogprob | None] = []
     for i, r in enumerate(rows):
         if not wants_logprobs[i]:
