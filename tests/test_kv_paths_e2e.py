@@ -55,8 +55,9 @@ LAYERS = 30                      # SmolLM2-135M
 BLOCK_BYTES = LAYERS * 2 * BLOCK * 3 * 64 * 4    # one block of every layer's K and V, fp32
 OUT = 32                         # greedy output tokens compared
 # Logprobs of the same tokens from the cluster and the reference differ only by float
-# rounding (other chunk boundaries and batch shapes); measured up to ~2e-5 here.
-LOGPROB_TOL = 1e-3
+# rounding (other chunk boundaries and batch shapes): at most 5.5e-6 over every comparison
+# of this module here. One corrupted KV byte moved them by 0.28 or more.
+LOGPROB_TOL = 1e-4
 MODEL_NODES = ("p1", "p2", "d1")
 PREFILL = ("p1", "p2")
 
