@@ -14,13 +14,18 @@ def bench_store(
     total_mb: int = typer.Option(64, help="MiB moved per case and repetition."),
     reps: int = typer.Option(5, min=1, help="Repetitions; the median is reported."),
     dir: str = typer.Option(None, help="Directory for the SSD cases (default: the temp dir)."),
-    trace: str = typer.Option("/work/shared/traces/conversation_trace.jsonl",
-                              help="Mooncake trace for the eviction study; '' skips it."),
+    trace: str = typer.Option(None, help="Mooncake trace for the eviction study (default: the "
+                                         "shared conversation trace beside the checkout, or "
+                                         "in $MOONCAKE_TRACE_DIR); '' skips it."),
     capacities: str = typer.Option("1024,4096,16384,65536",
                                    help="Cache capacities of the eviction study, in blocks."),
 ) -> None:
     """DRAM and SSD put/get throughput next to memcpy and plain file I/O in the same run."""
     from mooncaked.benchmarks.store import main as run  # noqa: PLC0415
+    from mooncaked.replay.trace import shared_trace_path  # noqa: PLC0415
+
+    if trace is None:
+        trace = str(shared_trace_path() or "")
 
     run(json_out=json_out, block_sizes=tuple(int(x) for x in block_sizes.split(",")),
         total_mb=total_mb, reps=reps, directory=dir, trace=trace or None,
