@@ -249,23 +249,31 @@ class LocalCluster:
                 continue
         return None
 
-    def wait_ready(self, timeout_s: float = 300.0, nodes: list[str] | None = None) -> dict:
+    def wait_ready(self, timeout_s: float = 300.0, nodes: list[str] | None = None,
+                   reported_since: float | None = None) -> dict:
         """Waits until `nodes` (default: every running one) answer /health and the conductor
-        has a report from each; returns the conductor's status.
+        has a report from each (with `reported_since`, a time.monotonic(): one sent after
+        it, so a restarted node's old reports do not count); returns the conductor's status.
 
         Raises: ClusterStartError when a node exits or time runs out.
         """
         want = nodes or [n for n, p in self.procs.items() if p.poll() is None]
         deadline = time.monotonic() + timeout_s
+
+        def reported(st: dict, nid: str, asked: float) -> bool:
+            age = (st["nodes"].get(nid) or {}).get("report_age_s")
+            # the report was sent at (the conductor's now - age) >= asked - age
+            return age is not None and (reported_since is None or asked - age > reported_since)
+
         while True:
             for nid in want:
                 rc = self.procs[nid].poll()
                 if rc is not None:
                     raise ClusterStartError(f"node {nid} exited with {rc}:\n{self.log_tail(nid)}")
             if all(self._health(n) for n in want):
+                asked = time.monotonic()
                 st = self.status()
-                if st is not None and all((st["nodes"].get(n) or {}).get("report_age_s")
-                                          is not None for n in want):
+                if st is not None and all(reported(st, n, asked) for n in want):
                     return st
             if time.monotonic() > deadline:
                 tails = "\n".join(f"--- {n}:\n{self.log_tail(n, 1500)}" for n in want)
@@ -280,6 +288,29 @@ class LocalCluster:
             os.killpg(proc.pid, sig)
             if sig == signal.SIGKILL:
                 proc.wait(10)
+
+    def restart_node(self, node_id: str, timeout_s: float = 300.0,
+                     stop_timeout_s: float = 30.0) -> dict:
+        """Starts a node again (same id, port and settings) and waits until it serves.
+
+        A node that still runs is stopped first (SIGTERM: it drains and leaves; SIGKILL after
+        stop_timeout_s). Then waits, at most timeout_s, until it answers /health and the
+        conductor has a report it sent after the restart. Returns the conductor's status.
+        Raises: ClusterStartError when the node exits or time runs out.
+        """
+        proc = self.procs.get(node_id)
+        if proc is not None and proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait(stop_timeout_s)
+            except ProcessLookupError:
+                pass
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        started = time.monotonic()
+        self.start_node(node_id)
+        return self.wait_ready(timeout_s, nodes=[node_id], reported_since=started)
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM to every node (they drain and leave), SIGKILL after timeout_s; stops etcd.
