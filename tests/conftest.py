@@ -1,8 +1,22 @@
-"""Shared fixtures: the bundled model's path and a small-engine factory."""
+"""Shared fixtures (the bundled model's path, the shared trace) and the suite's CI rule.
+
+The CI rule: when the environment variable CI is set (to anything but "", "0", "false" or
+"no"; `.ci/run` runs under CI=true), a test that skips FAILS instead, whatever skipped it:
+pytest.skip in a test or fixture, a skipif mark, importorskip, or a module-level skip at
+collection. So a missing etcd, pyverbs, shared trace or package is a red CI run, never a
+quiet "s". The rule lives in the report hooks below, so a new test cannot forget it.
+
+The one exception is hardware: `@pytest.mark.gpu(condition, reason=...)` (needs a GPU) and
+`@pytest.mark.rdma_devices(condition, reason=...)` (written for a host without RDMA
+devices) skip the test when condition is true, and that skip, with that reason, is allowed
+in CI; any other skip of the same test still fails there. Locally (CI unset) every skip
+stays a skip with its reason (`pytest -rs` lists them).
+"""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +24,63 @@ import pytest
 # so every kernel test runs in this process (the GPU check runs with --noconftest).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
+CI_SKIP_MARKERS = ("gpu", "rdma_devices")
+_HARDWARE_SKIP = pytest.StashKey[str]()
+
+
+def in_ci() -> bool:
+    """True when the environment variable CI says this run is CI (then skips fail)."""
+    return os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no")
+
+
+def _skip_reason(longrepr) -> str:
+    """The reason text of a skip report's longrepr ((file, line, reason) or a string)."""
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        return str(longrepr[2]).removeprefix("Skipped: ")
+    return str(longrepr)
+
+
+def _ci_failure(where: str, longrepr) -> str:
+    return (f"skipped under CI={os.environ.get('CI')!r}, which fails here (only a "
+            f"{' or '.join(CI_SKIP_MARKERS)} marker's own skip may skip in CI): {where}: "
+            f"{_skip_reason(longrepr)}")
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Skips a test whose gpu / rdma_devices marker's condition is true, remembering the
+    reason so that the CI rule lets exactly this skip through."""
+    for name in CI_SKIP_MARKERS:
+        for mark in item.iter_markers(name):
+            if not mark.args or "reason" not in mark.kwargs:
+                raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.{name}(condition, "
+                                        f"reason=...)")
+            if mark.args[0]:
+                item.stash[_HARDWARE_SKIP] = mark.kwargs["reason"]
+                pytest.skip(mark.kwargs["reason"])
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Under CI, turns the skip of a test (setup, call or teardown) into a failure, unless
+    it is the skip of the test's own gpu / rdma_devices marker. xfails are left alone."""
+    rep = yield
+    if rep.skipped and in_ci() and not hasattr(rep, "wasxfail"):
+        allowed = item.stash.get(_HARDWARE_SKIP, None)
+        if allowed is None or _skip_reason(rep.longrepr) != allowed:
+            rep.longrepr = _ci_failure(item.nodeid, rep.longrepr)
+            rep.outcome = "failed"
+    return rep
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_make_collect_report(collector: pytest.Collector):
+    """Under CI, turns a skip at collection (pytest.skip(allow_module_level=True), a
+    module-level importorskip) into a collection error."""
+    rep = yield
+    if rep.skipped and in_ci():
+        rep.longrepr = _ci_failure(collector.nodeid, rep.longrepr)
+        rep.outcome = "failed"
+    return rep
 
 
 @pytest.fixture(scope="session")
@@ -20,3 +91,14 @@ def bundled_model():
     return bundled_model_path()
 
 
+@pytest.fixture(scope="session")
+def shared_trace() -> Path:
+    """Path of the shared Mooncake conversation trace: ../shared/traces beside the checkout,
+    or $MOONCAKE_TRACE_DIR. Skips without it (so fails under CI)."""
+    from mooncaked.replay.trace import shared_trace_path
+
+    path = shared_trace_path()
+    if path is None:
+        pytest.skip("shared conversation trace not found: put shared/ beside the checkout "
+                    "(../shared/traces/conversation_trace.jsonl) or set MOONCAKE_TRACE_DIR")
+    return path

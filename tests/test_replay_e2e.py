@@ -3,75 +3,32 @@
 Replays the first requests of the shared conversation trace, scaled down so CPU prefill
 stays short, one at a time (--concurrency-limit 1) so each request finds the blocks of
 the ones before it: all of them start with hash id 0, so every request after the first
-must report cached prompt tokens.
+must report exactly that block as cached prompt tokens. The chat test writes its own trace
+and needs nothing shared.
 """
 
-import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import orjson
 import pytest
-from mooncaked.replay.trace import shared_trace_path
 
-TRACE = shared_trace_path() or Path("missing-conversation_trace.jsonl")
+from api_server import run_server
+from mooncaked.model.tokenizer import Tokenizer
+from mooncaked.replay import load_trace
+from mooncaked.replay.prompts import scale_length
+
 BIN = Path(sys.executable).parent
-READY_TIMEOUT_S = 240.0  # model load on 2 shared cores
 RUN_TIMEOUT_S = 300.0
-
-pytestmark = pytest.mark.skipif(not TRACE.exists(), reason="shared conversation trace not present")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def log_tail(path: Path) -> str:
-    return path.read_text(errors="replace")[-3000:] if path.exists() else ""
+BLOCK = 16               # the engine's block size; also 512 trace tokens at --length-scale 32
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A real `mooncaked serve --role all` on a free loopback port; yields its URL."""
-    tmp = tmp_path_factory.mktemp("replay_server")
-    port = free_port()
-    log = tmp / "server.log"
-    with log.open("wb") as out:
-        proc = subprocess.Popen(
-            [str(BIN / "mooncaked"), "serve", "--role", "all", "--host", "127.0.0.1",
-             "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"server exited with {proc.returncode}:\n{log_tail(log)}")
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"server not ready after {READY_TIMEOUT_S} s:\n{log_tail(log)}")
-            time.sleep(0.2)  # poll interval, not synchronization: readiness is /health
-        yield url
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)  # the group this fixture created
-                proc.wait(timeout=10)
+    with run_server(tmp_path_factory.mktemp("replay_server")) as s:
+        yield s.url
 
 
 def bench(args, cwd):
@@ -82,9 +39,28 @@ def bench(args, cwd):
     return orjson.loads(cp.stdout.strip().splitlines()[-1])
 
 
-def test_replay_conversation_prefix_hits(server, tmp_path):
+def expected_cached_tokens(trace_path: Path, limit: int, length_scale: int) -> list[int]:
+    """Cached prompt tokens each of the first `limit` requests must report when replayed one
+    at a time in order on a fresh server: the full blocks whose hash-id prefix an earlier
+    request already sent (a hash id is one BLOCK-token block at this scale), never the
+    block holding the last prompt token (the engine computes at least one token)."""
+    assert 512 // length_scale == BLOCK
+    seen: set[tuple[int, ...]] = set()
+    out = []
+    for r in load_trace(trace_path, limit=limit):
+        n = scale_length(r.input_length, length_scale)
+        ids = r.hash_ids[: n // BLOCK]          # the hash ids whose block is wholly sent
+        hit = 0
+        while hit < len(ids) and ids[: hit + 1] in seen:
+            hit += 1
+        out.append(BLOCK * min(hit, (n - 1) // BLOCK))
+        seen.update(ids[: j + 1] for j in range(len(ids)))
+    return out
+
+
+def test_replay_conversation_prefix_hits(server, tmp_path, shared_trace):
     out = tmp_path / "out"
-    summary = bench([str(TRACE), "--url", server, "--limit", "6", "--length-scale", "32",
+    summary = bench([str(shared_trace), "--url", server, "--limit", "6", "--length-scale", "32",
                      "--time-scale", "0", "--concurrency-limit", "1", "--max-output-tokens", "4",
                      "--timeout", "120", "--out", str(out)], tmp_path)
     doc = orjson.loads((out / "replay.json").read_bytes())
@@ -92,20 +68,26 @@ def test_replay_conversation_prefix_hits(server, tmp_path):
     assert summary == doc["summary"]
     assert summary["requests"] == 6 and summary["completed"] == 6
     assert summary["rejected"] == 0 and summary["errors"] == 0
-    for r in recs:
+    trace = load_trace(shared_trace, limit=6)
+    assert [r["index"] for r in recs] == [r.index for r in trace]
+    for r, t in zip(recs, trace):
         assert r["ok"], r["error"]
         assert r["ttft_s"] > 0
-        assert r["output_tokens"] == r["max_tokens"] == len(r["token_times_s"])  # ignore_eos
-        assert r["prompt_tokens"] >= r["sent_prompt_tokens"] > 0
+        assert r["output_tokens"] == r["max_tokens"] == min(4, scale_length(t.output_length, 32))
+        assert len(r["token_times_s"]) == r["output_tokens"]  # ignore_eos
+        # token-id prompts: the server counts exactly what was sent (no BOS added)
+        assert r["prompt_tokens"] == r["sent_prompt_tokens"] == scale_length(t.input_length, 32)
     # All six start with hash id 0 = one 16-token block at --length-scale 32 (one engine
-    # block at block_size 16); run in order, so request 0 is cold and the rest hit it.
-    assert recs[0]["cached_tokens"] == 0
-    assert all(r["cached_tokens"] >= 16 for r in recs[1:]), [r["cached_tokens"] for r in recs]
-    assert summary["cache_hit_rate"] > 0
+    # block at block_size 16) and share nothing after it; run in order, so request 0 is
+    # cold and each later one hits exactly that block.
+    cached = [r["cached_tokens"] for r in recs]
+    assert cached == expected_cached_tokens(shared_trace, 6, 32) == [0] + [BLOCK] * 5
+    assert summary["cached_tokens"] == sum(cached)
+    assert summary["cache_hit_rate"] == pytest.approx(sum(cached) / summary["prompt_tokens"])
     assert (out / "ttft_cdf.png").exists() and (out / "tbt_cdf.png").exists()
 
 
-def test_replay_text_input_over_chat(server, tmp_path):
+def test_replay_text_input_over_chat(server, tmp_path, bundled_model):
     trace = tmp_path / "text.jsonl"
     trace.write_text(
         '{"timestamp": 0, "input_length": 8, "output_length": 3, "hash_ids": [], '
@@ -116,6 +98,9 @@ def test_replay_text_input_over_chat(server, tmp_path):
                      "--out", str(tmp_path / "out")], tmp_path)
     assert summary["completed"] == 2 and summary["errors"] == 0
     assert summary["output_tokens"] == 5
-    # The chat template wraps the short question in many more tokens than its words.
-    assert summary["prompt_tokens"] > 2 * 4
+    # Sent through the chat template: the server counts the templated prompt's tokens.
+    tok = Tokenizer(bundled_model, [])
+    assert summary["prompt_tokens"] == sum(
+        len(tok.apply_chat_template([{"role": "user", "content": q}]))
+        for q in ("Name a colour.", "Name a fruit."))
     assert summary["ttft_mean_s"] > 0

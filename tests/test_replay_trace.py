@@ -1,13 +1,8 @@
 """Mooncake trace parsing (mooncaked.replay.trace)."""
 
-from pathlib import Path
-
 import pytest
 
 from mooncaked.replay import TraceError, load_trace
-from mooncaked.replay.trace import shared_trace_path
-
-SHARED_TRACE = shared_trace_path() or Path("missing-conversation_trace.jsonl")
 
 
 def write(tmp_path, text):
@@ -61,9 +56,8 @@ def test_missing_and_empty_files(tmp_path):
         load_trace(write(tmp_path, "\n\n"))
 
 
-@pytest.mark.skipif(not SHARED_TRACE.exists(), reason="shared conversation trace not present")
-def test_reads_the_conversation_trace():
-    reqs = load_trace(SHARED_TRACE)
+def test_reads_the_conversation_trace(shared_trace):
+    reqs = load_trace(shared_trace)
     assert len(reqs) == 12031  # shared/traces/README.md
     assert reqs[0].hash_ids[:2] == (0, 1) and reqs[0].input_length == 6758
     assert all(len(r.hash_ids) * 512 >= r.input_length for r in reqs[:1000])

@@ -6,7 +6,6 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -16,11 +15,6 @@ from mooncaked.sim.engine import SimConfig, simulate
 from mooncaked.sim.hitrate import sequential_hit_rate
 from mooncaked.sim.sweep import capacity_sweep
 from mooncaked.sim.trace import TraceRequest, load_trace
-from mooncaked.replay.trace import shared_trace_path
-
-ROOT = Path(__file__).resolve().parents[1]
-TRACE = shared_trace_path()
-needs_trace = pytest.mark.skipif(TRACE is None, reason="shared/traces/conversation_trace.jsonl not found")
 
 # Prefill 1 ms a new token, decode 10 ms a step whatever the batch, transfer 1 us a token.
 FLAT = CostModel(prefill=PolyModel(PREFILL_TERMS, (0.0, 1e-3, 0.0, 0.0, 0.0)),
@@ -96,17 +90,15 @@ def test_trace_errors(tmp_path):
     assert load_trace(p, limit=1)[0] == TraceRequest(0.0, 10, 1, (1,))
 
 
-@needs_trace
-def test_unbounded_hit_rate_is_0_374():
-    trace = load_trace(TRACE)
+def test_unbounded_hit_rate_is_0_374(shared_trace):
+    trace = load_trace(shared_trace)
     assert len(trace) == 12031
     assert round(sequential_hit_rate(trace), 3) == 0.374
     assert sequential_hit_rate(trace, 3e6) < 0.374 / 2          # Figure 9: 3M is under half
 
 
-@needs_trace
-def test_policy_ordering_on_the_conversation_trace():
-    trace = load_trace(TRACE, limit=2000)
+def test_policy_ordering_on_the_conversation_trace(shared_trace):
+    trace = load_trace(shared_trace, limit=2000)
     res = {p: simulate(trace, SimConfig(policy=p, prefill=10, decode=6, cache_tokens=3e6)).summary
            for p in ("random", "load_balancing", "local_cache_aware", "global_cache_aware",
                      "coupled")}
@@ -125,9 +117,8 @@ def test_policy_ordering_on_the_conversation_trace():
     assert g["effective_request_capacity"] > res["coupled"]["effective_request_capacity"]
 
 
-@needs_trace
-def test_sweep_finds_a_higher_capacity_for_disaggregation():
-    trace = load_trace(TRACE, limit=400)
+def test_sweep_finds_a_higher_capacity_for_disaggregation(shared_trace):
+    trace = load_trace(shared_trace, limit=400)
     out = capacity_sweep(trace, SimConfig(prefill=10, decode=6, cache_tokens=3e6, replica_ranks=()),
                          ["coupled", "global_cache_aware"], [0.1], target=0.9, bisections=3)
     c = out["results"]["coupled"]["0.1"]
@@ -143,11 +134,10 @@ def _mooncake(*args):
                           env=dict(os.environ, MPLBACKEND="Agg"))
 
 
-@needs_trace
-def test_cli_json(tmp_path):
+def test_cli_json(tmp_path, shared_trace):
     cost = tmp_path / "cost.json"
     dataclasses.replace(FLAT, name="flat test model").save(cost)
-    out = _mooncake("sim", TRACE, "--policy", "global_cache_aware", "--prefill", "4",
+    out = _mooncake("sim", shared_trace, "--policy", "global_cache_aware", "--prefill", "4",
                     "--decode", "2", "--cache-tokens", "3M", "--time-scale", "0.5",
                     "--limit", "300", "--json", "--plot-dir", tmp_path, "--cost-model", cost)
     assert out.returncode == 0, out.stderr
@@ -157,9 +147,9 @@ def test_cli_json(tmp_path):
     assert 0 < s["cache_hit_rate"] < 1 and s["ttft_p90_s"] >= s["ttft_p50_s"]
     assert (tmp_path / "ttft_tbt_cdf.png").stat().st_size > 10_000
     assert (tmp_path / "replicas_global_cache_aware.png").exists()
-    bad = _mooncake("sim", TRACE, "--policy", "fastest")
+    bad = _mooncake("sim", shared_trace, "--policy", "fastest")
     assert bad.returncode != 0 and "unknown policy" in bad.stderr
-    curve = _mooncake("sim", TRACE, "--policy", "global_cache_aware", "--limit", "300",
+    curve = _mooncake("sim", shared_trace, "--policy", "global_cache_aware", "--limit", "300",
                       "--output-tokens", "1", "--hit-curve", "100k,inf", "--json")
     assert curve.returncode == 0, curve.stderr
     c = json.loads(curve.stdout)

@@ -14,11 +14,7 @@ import pytest
 from mooncaked.cluster import PeerUnavailable
 from mooncaked.config import StoreSettings
 from mooncaked.store import DRAM, PutStatus
-
-try:  # the transfer engine lands separately; without it these tests cannot run
-    from mooncaked.store.node import fill_blocks, fill_keys, start_node
-except ImportError as e:  # pragma: no cover
-    pytest.skip(f"transfer engine not available: {e}", allow_module_level=True)
+from mooncaked.store.node import fill_blocks, fill_keys, start_node
 
 BLOCK = 64 * 1024
 
