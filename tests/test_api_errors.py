@@ -1,13 +1,16 @@
 """Bad input to the OpenAI API gets the right status and an OpenAI error body, and the
 server keeps answering good requests correctly; SIGTERM shuts it down gracefully.
 
-One real `mooncaked serve --role all` (SmolLM2-135M on CPU) for the module.
+One real `mooncaked serve --role all` (SmolLM2-135M on CPU) for the module's error tests,
+and one more for the SIGTERM test, which stops it (tests run in any order).
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import socket
+import time
 
 import aiohttp
 import orjson
@@ -184,24 +187,63 @@ def test_streaming_request_with_bad_input_gets_status_not_stream(server, info):
     asyncio.run(go())
 
 
-def test_sigterm_finishes_in_flight_stream_and_exits_zero(server, info):
+def _log_event(log, event: str, timeout_s: float) -> dict:
+    """The first JSON line of the server's log whose "event" is `event`, waiting for it at
+    most timeout_s (polling the file)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        for line in log.read_bytes().splitlines():
+            if line.startswith(b"{") and f'"event":"{event}"'.encode() in line:
+                return orjson.loads(line)
+        assert time.monotonic() < deadline, f"no {event} in the server log within {timeout_s} s"
+        time.sleep(0.02)   # poll interval
+
+
+def _refused_at(port: int, timeout_s: float) -> float:
+    """Opens new TCP connections to 127.0.0.1:port until one is refused; returns when
+    (time.time()). A connection the kernel accepted in the instant before the listener
+    closed is dropped and tried again, within timeout_s in all."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+        except ConnectionRefusedError:
+            return time.time()
+        assert time.monotonic() < deadline, f"new connections still accepted after {timeout_s} s"
+        time.sleep(0.02)   # poll interval
+
+
+def test_sigterm_finishes_in_flight_stream_refuses_new_connections_and_exits_zero(tmp_path):
     """Graceful shutdown: a stream in flight when SIGTERM arrives still ends with [DONE];
-    new connections are refused; the process exits 0. Runs last: it stops the server."""
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0,
-                    "ignore_eos": True, "stream": True}
-            async with s.post(f"{server.url}/v1/completions", data=orjson.dumps(body)) as r:
-                assert r.status == 200
-                first = await asyncio.wait_for(r.content.readline(), 60)
-                assert first.startswith(b"data: {")
-                server.proc.send_signal(signal.SIGTERM)
-                rest = await asyncio.wait_for(r.content.read(), 60)
-            lines = [ln for ln in (first + rest).decode().split("\n") if ln]
-            assert lines[-1] == "data: [DONE]"
-            chunks = [orjson.loads(ln[6:]) for ln in lines[:-1]]
-            assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-            assert sum(1 for c in chunks if c["choices"][0]["text"]) >= 1
-    asyncio.run(go())
-    assert server.proc.wait(timeout=60) == 0
-    assert b'"event":"stopped"' in server.log.read_bytes()
+    once the server logged shutting_down, a new connection is refused while it still runs
+    (before it logs stopped, server-side time); the process exits 0."""
+    with run_server(tmp_path) as server:
+        port = int(server.url.rsplit(":", 1)[1])
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                body = {"prompt": "Once upon a time", "max_tokens": 32, "temperature": 0,
+                        "ignore_eos": True}
+                status, whole = await post(s, f"{server.url}/v1/completions", body)
+                assert status == 200, whole
+                body["stream"] = True
+                async with s.post(f"{server.url}/v1/completions", data=orjson.dumps(body)) as r:
+                    assert r.status == 200
+                    first = await asyncio.wait_for(r.content.readline(), 60)
+                    assert first.startswith(b"data: {")
+                    server.proc.send_signal(signal.SIGTERM)
+                    await asyncio.to_thread(_log_event, server.log, "shutting_down", 30)
+                    refused = await asyncio.to_thread(_refused_at, port, 10)
+                    rest = await asyncio.wait_for(r.content.read(), 60)
+            return first + rest, refused, whole["choices"][0]["text"]
+
+        text, refused, whole_text = asyncio.run(go())
+        lines = [ln for ln in text.decode().split("\n") if ln]
+        assert lines[-1] == "data: [DONE]"
+        chunks = [orjson.loads(ln[6:]) for ln in lines[:-1]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        # all of it: the same 32 greedy tokens' text as the same request unstreamed
+        assert "".join(c["choices"][0]["text"] for c in chunks) == whole_text
+        assert server.proc.wait(timeout=60) == 0
+        stopped = _log_event(server.log, "stopped", 0)
+        assert refused < stopped["ts"], (refused, stopped)

@@ -19,6 +19,19 @@ QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 
              "Write one sentence about cats.", "Who wrote Hamlet?", "What is water made of?"]
 
 
+MAX_STEPS = 10_000   # far above any test's need: a stuck scheduler fails, not hangs
+
+
+def step_all(engine: LLMEngine, max_steps: int = MAX_STEPS) -> list:
+    """Steps the engine until it has no work; returns every output. Fails after max_steps."""
+    outs = []
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return outs
+        outs += engine.step()
+    raise AssertionError(f"engine still has work after {max_steps} steps")
+
+
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, salt=None) -> list[dict]:
     """Runs prompts to completion together; returns per request tokens, text, cached tokens."""
     res = {}
@@ -27,16 +40,12 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, sal
         engine.add_request(rid, p, params, salt)
         res[rid] = {"tokens": [], "text": "", "cached": None, "reason": None}
     order = list(res)
-    for _ in range(10_000):
-        if not engine.has_work():
-            break
-        for out in engine.step():
-            r = res[out.request_id]
-            r["tokens"] += out.new_token_ids
-            r["text"] += out.new_text
-            r["cached"] = out.num_cached_tokens
-            r["reason"] = out.finish_reason
-    assert not engine.has_work()
+    for out in step_all(engine):
+        r = res[out.request_id]
+        r["tokens"] += out.new_token_ids
+        r["text"] += out.new_text
+        r["cached"] = out.num_cached_tokens
+        r["reason"] = out.finish_reason
     return [res[k] for k in order]
 
 
@@ -61,12 +70,15 @@ def alone(engine, chats):
     return [run(engine, [c], GROW)[0]["tokens"] for c in chats[:4]]
 
 
-def test_prefix_cache_hit_gives_same_greedy_output(engine, chats):
-    long = chats[0] + engine.tokenizer.encode(" Also, explain why in detail please." * 4)
+def test_prefix_cache_hit_gives_same_greedy_output(engine):
+    # A prompt no other test sends (the module's engine and its prefix cache are shared).
+    long = engine.tokenizer.encode("Prefix cache check: say why the sky is blue. "
+                                   "Also, explain why in detail please." * 4)
     (cold,) = run(engine, [long], GREEDY)
     (warm,) = run(engine, [long], GREEDY)
     assert cold["cached"] == 0
-    assert warm["cached"] >= 16 * ((len(long) - 1) // 16) - 16 and warm["cached"] > 0
+    # every full block except the one holding the last prompt token (always computed)
+    assert warm["cached"] == 16 * ((len(long) - 1) // 16) > 0
     assert warm["tokens"] == cold["tokens"]
 
 
@@ -75,8 +87,8 @@ def test_cache_salt_separates_tenants(engine, chats):
     (a,) = run(engine, [prompt], GREEDY, salt="tenant-a")
     (b,) = run(engine, [prompt], GREEDY, salt="tenant-b")
     (a2,) = run(engine, [prompt], GREEDY, salt="tenant-a")
-    assert b["cached"] == 0
-    assert a2["cached"] > 0
+    assert a["cached"] == b["cached"] == 0            # the salts are this test's own
+    assert a2["cached"] == 16 * ((len(prompt) - 1) // 16) > 0
     assert a["tokens"] == b["tokens"] == a2["tokens"]
 
 
@@ -120,14 +132,14 @@ def test_penalties_change_repetitive_output(engine):
     pen = run(engine, [prompt], SamplingParams(max_tokens=10, temperature=0.0,
                                                repetition_penalty=1.8, frequency_penalty=1.5))[0]["tokens"]
     assert plain != pen
-    assert len(set(pen)) > len(set(plain)) or plain.count(plain[0]) > pen.count(plain[0])
+    # greedy repeats itself on this prompt; with the penalties no token comes twice
+    assert len(set(plain)) < len(plain) and len(set(pen)) == len(pen) == 10
 
 
 def test_logprobs_are_consistent(engine, chats):
     engine.add_request("lp", chats[0], SamplingParams(max_tokens=3, temperature=0.0, logprobs=5))
-    outs = []
-    while engine.has_work():
-        outs += engine.step()
+    outs = step_all(engine)
+    assert sum(len(o.new_token_ids) for o in outs) == 3
     for o in outs:
         (lp,) = o.logprobs
         assert lp.logprob <= 0.0
@@ -182,10 +194,7 @@ def test_prefill_export_then_decode_import_equals_one_engine(engine, chats, seed
 
     engine.add_request(f"p{seed}", prompt, SamplingParams(max_tokens=1, temperature=temp, seed=seed),
                        export_kv=True)
-    outs = []
-    while engine.has_work():
-        outs += engine.step()
-    (final,) = [o for o in outs if o.finished]
+    (final,) = [o for o in step_all(engine) if o.finished]
     exp = final.kv_export
     assert exp.num_tokens == len(prompt)
     assert exp.blocks.shape[0] == -(-len(prompt) // engine.block_size)
@@ -196,11 +205,10 @@ def test_prefill_export_then_decode_import_equals_one_engine(engine, chats, seed
     decoder.add_request(f"d{seed}", prompt, params, kv_import=KVImport(exp.blocks.clone(), exp.num_tokens),
                         first_token=first)
     tokens, text, cached = [], "", None
-    while decoder.has_work():
-        for o in decoder.step():
-            tokens += o.new_token_ids
-            text += o.new_text
-            cached = o.num_cached_tokens
+    for o in step_all(decoder):
+        tokens += o.new_token_ids
+        text += o.new_text
+        cached = o.num_cached_tokens
     assert tokens == whole["tokens"]
     assert text == whole["text"]
     assert cached == len(prompt)
@@ -216,10 +224,7 @@ def test_layerwise_stage_equals_gathered_export(engine, chats):
     ks = engine.layerwise_kv(len(prompt), lambda *a: calls.append(a[:3]))
     engine.add_request("layerwise", prompt, SamplingParams(max_tokens=1), export_kv=True,
                        kv_stream=ks)
-    outs = []
-    while engine.has_work():
-        outs += engine.step()
-    (final,) = [o for o in outs if o.finished]
+    (final,) = [o for o in step_all(engine) if o.finished]
     assert final.num_cached_tokens == 384
     exp = final.kv_export
     assert ks.num_tokens == exp.num_tokens == len(prompt)

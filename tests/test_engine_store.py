@@ -4,6 +4,7 @@ device pages but hits the store (DRAM or SSD) is loaded, not recomputed."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 from mooncaked.config import load_settings
 from mooncaked.engine.async_llm import AsyncLLM
@@ -32,10 +33,11 @@ def test_prefix_from_store_after_device_cache_is_gone(tmp_path):
         await llm.start()
         cold, cached_cold = await generate(llm, prompt, "a")
         await llm.stop()
-        for _ in range(200):  # the offload runs in the background: wait (bounded) until it lands
-            if store.longest_prefix(first.block_keys_for(prompt[:-1])) > 0:
-                break
-            await asyncio.sleep(0.05)
+        # the offload runs in the background: wait (bounded) until it lands
+        deadline = time.monotonic() + 60
+        while (store.longest_prefix(first.block_keys_for(prompt[:-1])) < (len(prompt) - 1) // 16
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)   # poll interval
         held = store.longest_prefix(first.block_keys_for(prompt[:-1]))
         # A fresh engine (empty device pages) sharing only the store.
         second = AsyncLLM(LLMEngine(settings), store)

@@ -1,13 +1,28 @@
 """Our forward pass against Hugging Face transformers on the same weights (the oracle).
 
-Tolerance: fp32 last-position logits within 2e-3 absolute (logits are O(10)); greedy
-tokens identical.
+Each prompt runs through our paged path: a prefill (logits at every prompt position), then
+NEW_TOKENS decode steps on scattered pages. transformers runs the same token sequence in
+one forward pass, so the logits are compared at every position, prefill and decode.
+
+Tolerances, each near the error measured on this machine over the three prompts' ~70
+positions (torch 2.13 CPU, transformers 5.24):
+- fp32: max |ours - transformers| 7.9e-5 (logits are O(10)); bound FP32_ATOL = 2e-4.
+  Greedy tokens identical for all NEW_TOKENS.
+- bf16 against transformers in bf16 (same GGUF weights; it rounds activations to bf16 but
+  runs its matmuls in fp32, we run them in bf16): per position max |diff| up to 1.86 (a
+  system-prompt position; decode steps <= 1.0), mean over positions 0.60-0.67; bounds
+  BF16_MAX_ATOL = 2.0 and BF16_MEAN_ATOL = 0.75. Our bf16 is as close to fp32 as
+  transformers' own bf16 is (mean 0.55 vs 0.63, measured): bound, ours <= 1.1x theirs.
+  Greedy picks differ only at near-ties: where ours chose another token, transformers'
+  top two were within 0.19 (measured); bound NEAR_TIE = 0.25, which leaves 78-84% of the
+  positions checked.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import transformers
 
 from mooncaked.kernels import reference
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
@@ -19,18 +34,25 @@ PROMPTS = [
     "Write a haiku about the sea.",
     "Explain in two sentences why the sky is blue.",
 ]
-LOGIT_ATOL = 2e-3
-NEW_TOKENS = 24
+NEW_TOKENS = 32
+FP32_ATOL = 2e-4
+BF16_MAX_ATOL = 2.0
+BF16_MEAN_ATOL = 0.75
+BF16_VS_FP32_RATIO = 1.1
+NEAR_TIE = 0.25
+
+
+def load_hf(bundled_model, dtype: torch.dtype):
+    """transformers' model from the bundled GGUF file, in `dtype`, in eval mode."""
+    pytest.importorskip("accelerate")
+    m = transformers.AutoModelForCausalLM.from_pretrained(
+        str(bundled_model.parent), gguf_file=bundled_model.name, dtype=dtype)
+    return m.eval()
 
 
 @pytest.fixture(scope="module")
 def hf_model(bundled_model):
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        str(bundled_model.parent), gguf_file=bundled_model.name, dtype=torch.float32)
-    m.eval()
-    return m
+    return load_hf(bundled_model, torch.float32)
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +62,14 @@ def ours(bundled_model):
     return model, Tokenizer(bundled_model, cfg.eos_token_ids)
 
 
-def greedy(model: LlamaModel, ids: list[int], n: int, block_size: int = 16) -> tuple[list[int], torch.Tensor]:
-    """Greedy decode with one sequence on scattered pages; returns tokens and prompt logits."""
+def paged_logits(model: LlamaModel, ids: list[int], n: int, forced: list[int] | None = None,
+                 block_size: int = 16) -> tuple[list[int], torch.Tensor]:
+    """Prefills `ids` on scattered, reversed pages, then runs n decode steps, each feeding
+    the previous step's greedy token (or forced[i] when given).
+
+    Returns (the n tokens fed or chosen, fp32 logits [len(ids) + n - 1, vocab]): row p
+    predicts position p + 1; rows len(ids) - 1 onward come from the decode path.
+    """
     cfg = model.cfg
     num_blocks = (len(ids) + n) // block_size + 2
     kv = torch.zeros(num_blocks * 2, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim,
@@ -56,31 +84,52 @@ def greedy(model: LlamaModel, ids: list[int], n: int, block_size: int = 16) -> t
     meta = AttentionMetadata(slots(range(T)), 0, prefill_block_tables=table,
                              prefill_cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
                              prefill_context_lens=torch.tensor([T], dtype=torch.int32))
-    logits = model.logits(model.forward(torch.tensor(ids), torch.arange(T), meta, kv)[-1:])[0]
-    first_logits = logits.clone()
+    rows = [model.logits(model.forward(torch.tensor(ids), torch.arange(T), meta, kv))]
     out = []
-    for pos in range(T, T + n):
-        tok = int(logits.argmax())
+    for i, pos in enumerate(range(T, T + n)):
+        tok = forced[i] if forced is not None else int(rows[-1][-1].argmax())
         out.append(tok)
+        if i == n - 1:
+            break
         meta = AttentionMetadata(slots([pos]), 1, decode_block_tables=table,
                                  decode_context_lens=torch.tensor([pos + 1], dtype=torch.int32))
-        logits = model.logits(model.forward(torch.tensor([tok]), torch.tensor([pos]), meta, kv))[0]
-    return out, first_logits
+        rows.append(model.logits(model.forward(torch.tensor([tok]), torch.tensor([pos]), meta, kv)))
+    return out, torch.cat(rows)
+
+
+def hf_logits(hf, seq: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits at every position of seq, one forward pass."""
+    with torch.no_grad():
+        return hf(torch.tensor([seq])).logits[0].float()
+
+
+@pytest.fixture(scope="module")
+def greedy32(ours):
+    """Per prompt: (prompt ids, our fp32 greedy NEW_TOKENS, our fp32 logits at every position)."""
+    model, tok = ours
+    out = {}
+    for prompt in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
+        tokens, logits = paged_logits(model, ids, NEW_TOKENS)
+        out[prompt] = (ids, tokens, logits)
+    return out
+
+
+def per_position_max(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """max over the vocabulary of |a - b|, one value per position."""
+    return (a - b).abs().amax(-1)
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-def test_greedy_tokens_and_logits_match_transformers(ours, hf_model, prompt):
-    model, tok = ours
-    ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
-    mine, my_logits = greedy(model, ids, NEW_TOKENS)
-    with torch.no_grad():
-        ref_logits = hf_model(torch.tensor([ids])).logits[0, -1]
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS,
-                                do_sample=False)[0, len(ids):].tolist()
-    assert (my_logits - ref_logits).abs().max().item() < LOGIT_ATOL
-    # transformers stops at EOS (id 2); compare up to and including it.
-    assert len(ref) >= 5
-    assert mine[:len(ref)] == ref
+def test_greedy_tokens_and_logits_match_transformers(hf_model, greedy32, prompt):
+    ids, mine, my_logits = greedy32[prompt]
+    ref = hf_logits(hf_model, ids + mine[:-1])
+    assert ref.shape == my_logits.shape == (len(ids) + NEW_TOKENS - 1, ref.shape[1])
+    err = per_position_max(my_logits, ref)
+    assert err.max().item() < FP32_ATOL, err.max().item()
+    # transformers' greedy choice along our sequence is our token at every step, so its own
+    # greedy generation produces exactly our NEW_TOKENS tokens.
+    assert ref[len(ids) - 1:].argmax(-1).tolist() == mine
 
 
 def test_safetensors_directory_loads_to_the_same_logits(ours, hf_model, bundled_model, tmp_path):
@@ -94,7 +143,6 @@ def test_safetensors_directory_loads_to_the_same_logits(ours, hf_model, bundled_
     config = hf_model.config.to_dict()
     config.pop("quantization_config", None)
     (tmp_path / "config.json").write_text(json.dumps(config))
-    transformers = pytest.importorskip("transformers")
     transformers.AutoTokenizer.from_pretrained(str(bundled_model.parent),
                                                gguf_file=bundled_model.name).save_pretrained(tmp_path)
     cfg, tensors = load_weights(tmp_path)
@@ -104,19 +152,31 @@ def test_safetensors_directory_loads_to_the_same_logits(ours, hf_model, bundled_
     msgs = [{"role": "user", "content": PROMPTS[0]}]
     ids = tok.apply_chat_template(msgs)
     assert st_tok.apply_chat_template(msgs) == ids
-    a, la = greedy(model, ids, 8)
-    b, lb = greedy(gguf_model, ids, 8)
+    a, la = paged_logits(model, ids, 8)
+    b, lb = paged_logits(gguf_model, ids, 8)
     assert a == b
-    assert (la - lb).abs().max().item() < 1e-4
+    assert per_position_max(la, lb).max().item() < 1e-4
 
 
-def test_bfloat16_forward_agrees_with_fp32_on_greedy_start(ours, bundled_model):
+def test_bfloat16_forward_matches_transformers_in_bfloat16(ours, hf_model, bundled_model, greedy32):
+    """Our bf16 model and transformers' bf16 model, teacher-forced along our fp32 greedy
+    sequence: logits close at every position, greedy picks equal except at near-ties, and
+    no further from fp32 than transformers' own bf16."""
     cfg, tensors = load_weights(bundled_model)
     model16 = LlamaModel(cfg, tensors, torch.bfloat16, torch.device("cpu"), reference, max_positions=2048)
-    model32, tok = ours
-    ids = tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}])
-    a, la = greedy(model16, ids, 4)
-    b, lb = greedy(model32, ids, 4)
-    assert a[:2] == b[:2]
-    # bf16 has ~3 significant digits: logits agree to a few tenths.
-    assert (la - lb).abs().max().item() < 1.5
+    hf16 = load_hf(bundled_model, torch.bfloat16)
+    for prompt in PROMPTS:
+        ids, tokens, _ = greedy32[prompt]
+        seq = ids + tokens[:-1]
+        _, mine = paged_logits(model16, ids, NEW_TOKENS, forced=tokens)
+        ref16, ref32 = hf_logits(hf16, seq), hf_logits(hf_model, seq)
+        err = per_position_max(mine, ref16)
+        assert err.max().item() < BF16_MAX_ATOL, (prompt, err.max().item())
+        assert err.mean().item() < BF16_MEAN_ATOL, (prompt, err.mean().item())
+        ours_vs_fp32 = per_position_max(mine, ref32).mean().item()
+        theirs_vs_fp32 = per_position_max(ref16, ref32).mean().item()
+        assert ours_vs_fp32 < BF16_VS_FP32_RATIO * theirs_vs_fp32, (ours_vs_fp32, theirs_vs_fp32)
+        top2 = ref16.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > NEAR_TIE
+        assert (mine.argmax(-1) == ref16.argmax(-1))[clear].all(), prompt
+        assert clear.sum().item() > 0.7 * len(seq)     # most are checked (measured 78-84%)

@@ -226,13 +226,13 @@ def test_hung_peer_fails_within_the_timeout_then_recovers(peers):
             buf = bytearray(2 * MiB)
             await eng.read("b/dram", 0, buf)  # connections are up
             peer.signal(signal.SIGSTOP)
-            t0 = time.monotonic()
-            with pytest.raises(TransferError, match=r"timed out after 1 s"):
-                await eng.read("b/dram", 0, buf)
-            with pytest.raises(TransferError, match=r"timed out after 1 s"):
-                await eng.read("b/dram", 0, bytearray(100))
-            elapsed = time.monotonic() - t0
-            assert 2.0 <= elapsed < 6.0  # two requests, each failed at its 1 s timeout
+            # each request fails at its own 1 s timeout: not earlier, and (the message says
+            # so) not at this test's outer bound
+            for dst in (buf, bytearray(100)):
+                t0 = time.monotonic()
+                with pytest.raises(TransferError, match=r"timed out after 1 s"):
+                    await asyncio.wait_for(eng.read("b/dram", 0, dst), 20)
+                assert time.monotonic() - t0 >= 1.0
             peer.signal(signal.SIGCONT)
             await eng.read("b/dram", 0, buf)
             assert buf == seeded(4 * MiB, 4)[:2 * MiB]
@@ -245,7 +245,9 @@ def test_peer_killed_mid_batch_fails_fast_and_a_restart_is_reachable(peers):
     port = peer.port
 
     async def main():
-        async with engine(timeout=10.0) as eng:
+        # a 60 s request timeout: the batch below must fail through resets and refused
+        # dials within wait_batch's 20 s, never through that timeout
+        async with engine(timeout=60.0) as eng:
             local = bytearray(64)
             eng.register_segment("test/dram", local)
             eng.add_peer_segment(peer.descriptors["b/dram"])
@@ -261,12 +263,9 @@ def test_peer_killed_mid_batch_fails_fast_and_a_restart_is_reachable(peers):
                                 + [TransferRequest(TransferOp.READ, "b/dram", 0, bytearray(100))])
             await asyncio.sleep(0)  # let the transfers start sending
             assert all(s.state is TransferState.PENDING for s in eng.get_transfer_status(bid))
-            t0 = time.monotonic()
             await asyncio.to_thread(peer.kill)
-            statuses = await eng.wait_batch(bid, timeout=10)
-            elapsed = time.monotonic() - t0
-            assert all(s.failed for s in statuses)
-            assert elapsed < 5.0  # resets and refused dials, not the 10 s timeout
+            statuses = await eng.wait_batch(bid, timeout=20)
+            assert all(s.failed for s in statuses), [s.state for s in statuses]
             assert all("node b at 127.0.0.1" in s.reason and "unreachable" in s.reason
                        for s in statuses), [s.reason for s in statuses]
             eng.free_batch_id(bid)
