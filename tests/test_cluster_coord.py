@@ -154,7 +154,7 @@ def test_resign_hands_leadership_over_and_watch_leader_sees_it(backend):
 
     async def main():
         async with make_coordinator(settings) as a, make_coordinator(settings) as b:
-            await a.register("a", {})
+            first_session = (await a.register("a", {})).incarnation
             lead_a = await asyncio.wait_for(a.campaign("a"), 5)
             assert lead_a.held and await b.leader() == "a"
             changes = b.watch_leader()
@@ -168,9 +168,9 @@ def test_resign_hands_leadership_over_and_watch_leader_sees_it(backend):
             assert lead_a.lost.is_set() and not lead_a.held
             lead_b = await asyncio.wait_for(b_task, 5)
             assert lead_b.held and lead_b.node_id == "b"
-            # a's lease lived on (its registration, bound to that lease, is still there):
-            # b took over through the resign, not through an expiry.
-            assert (await b.members())["a"].incarnation == a.session_id
+            # a's first lease lived on (its registration on that lease is still there, not a
+            # re-registration): b took over through the resign, not through an expiry.
+            assert (await b.members())["a"].incarnation == first_session == a.session_id
             seen = [await asyncio.wait_for(anext(changes), 5)]
             if seen[0] is None:
                 seen.append(await asyncio.wait_for(anext(changes), 5))
@@ -301,12 +301,13 @@ def test_leader_kill9_new_leader_within_seconds(backend):
     async def main(spawn):
         async with make_coordinator(settings) as obs, make_coordinator(settings) as b, \
                 make_coordinator(settings) as c:
-            a = spawn("a", probe_kw, settings.key_prefix, campaign=True)
+            # (in a thread: the in-process coordinators keep their heartbeats meanwhile)
+            a = await asyncio.to_thread(spawn, "a", probe_kw, settings.key_prefix, campaign=True)
             await asyncio.to_thread(a.wait_for, "elected", 10, node="a")
             assert await obs.leader() == "a"
-            candidates = {}
+            candidates, first_session = {}, {}
             for coord, name in ((b, "b"), (c, "c")):
-                await coord.register(name, {})
+                first_session[name] = (await coord.register(name, {})).incarnation
                 waiting = campaign_waiting(coord)
                 candidates[asyncio.create_task(coord.campaign(name))] = (name, coord)
                 await asyncio.wait_for(waiting.wait(), 5)  # campaigning, behind a's key
@@ -327,7 +328,7 @@ def test_leader_kill9_new_leader_within_seconds(backend):
             assert await winner_coord.resign() is True
             assert (await asyncio.wait_for(lost, 5)).held
             assert await obs.leader() == loser
-            assert (await obs.members())[winner].incarnation == winner_coord.session_id
+            assert (await obs.members())[winner].incarnation == first_session[winner]
     with probes() as spawn:
         run(main(spawn))
 

@@ -105,14 +105,17 @@ def hf_logits(hf, seq: list[int]) -> torch.Tensor:
 
 @pytest.fixture(scope="module")
 def greedy32(ours):
-    """Per prompt: (prompt ids, our fp32 greedy NEW_TOKENS, our fp32 logits at every position)."""
+    """greedy32(prompt) -> (prompt ids, our fp32 greedy NEW_TOKENS, our fp32 logits at every
+    position); each prompt computed once, when first asked for."""
     model, tok = ours
-    out = {}
-    for prompt in PROMPTS:
-        ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
-        tokens, logits = paged_logits(model, ids, NEW_TOKENS)
-        out[prompt] = (ids, tokens, logits)
-    return out
+    done = {}
+
+    def get(prompt: str):
+        if prompt not in done:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}])
+            done[prompt] = (ids, *paged_logits(model, ids, NEW_TOKENS))
+        return done[prompt]
+    return get
 
 
 def per_position_max(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -122,7 +125,7 @@ def per_position_max(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_tokens_and_logits_match_transformers(hf_model, greedy32, prompt):
-    ids, mine, my_logits = greedy32[prompt]
+    ids, mine, my_logits = greedy32(prompt)
     ref = hf_logits(hf_model, ids + mine[:-1])
     assert ref.shape == my_logits.shape == (len(ids) + NEW_TOKENS - 1, ref.shape[1])
     err = per_position_max(my_logits, ref)
@@ -166,7 +169,7 @@ def test_bfloat16_forward_matches_transformers_in_bfloat16(ours, hf_model, bundl
     model16 = LlamaModel(cfg, tensors, torch.bfloat16, torch.device("cpu"), reference, max_positions=2048)
     hf16 = load_hf(bundled_model, torch.bfloat16)
     for prompt in PROMPTS:
-        ids, tokens, _ = greedy32[prompt]
+        ids, tokens, _ = greedy32(prompt)
         seq = ids + tokens[:-1]
         _, mine = paged_logits(model16, ids, NEW_TOKENS, forced=tokens)
         ref16, ref32 = hf_logits(hf16, seq), hf_logits(hf_model, seq)
