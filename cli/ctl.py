@@ -86,10 +86,6 @@ def _bytes(n: float | None) -> str:
     return str(n)
 
 
-def _pct(a: float, b: float) -> str:
-    return f"{a / b:.1%}" if b else "-"
-
-
 @ctl_app.command()
 def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
            state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,

@@ -37,24 +37,16 @@ def serve(
 
 def _settings(config: Optional[Path], overrides: dict, pairs: Optional[list[str]]):
     """Settings from the file, the named flags and --set pairs; exits 2 on a bad value."""
-    import tomllib  # noqa: PLC0415
+    from mooncaked.config import ConfigError, load_settings, parse_set_pairs  # noqa: PLC0415
 
-    from mooncaked.config import ConfigError, load_settings  # noqa: PLC0415
-
-    for pair in pairs or []:
-        key, sep, raw = pair.partition("=")
-        if not sep or not key.strip():
-            typer.echo(f"mooncaked: --set needs KEY=VALUE, got {pair!r}", err=True)
-            raise typer.Exit(2)
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw
-        overrides[key.strip()] = value
     try:
+        overrides.update(parse_set_pairs(pairs))
         return load_settings(config, overrides)
     except ConfigError as e:
         typer.echo(f"mooncaked: configuration error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except ValueError as e:
+        typer.echo(f"mooncaked: {e}", err=True)
         raise typer.Exit(2) from None
 
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -75,17 +77,12 @@ def sim(
                                          "capacities, e.g. 1M,3M,10M,50M,inf; simulates the given "
                                          "policies at each as well."),
 ) -> None:
-    """Discrete-event simulation of N prefill + M decode instances replaying FILE."""
-    import dataclasses
-
+    """Discrete-event simulation of N prefill + M decode instances replaying FILE: every
+    policy side by side (default), --sweep for capacity, or --hit-curve for hit rates."""
     from rich.console import Console
-    from rich.table import Table
 
     from mooncaked.conductor.cost_model import CostModel, TransferModel, paper_cost_model
-    from mooncaked.sim import plots
-    from mooncaked.sim.engine import SIM_POLICIES, SimConfig, config_dict, simulate
-    from mooncaked.sim.hitrate import sequential_hit_rate
-    from mooncaked.sim.sweep import capacity_sweep
+    from mooncaked.sim.engine import SIM_POLICIES, SimConfig
     from mooncaked.sim.trace import load_trace
 
     console = Console(stderr=json_out)
@@ -110,84 +107,136 @@ def sim(
                          output_tokens=output_tokens, seed=seed, **kw)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
-
+    run = _Run(trace, base, policies, thresholds, cost, console, json_out, plot_dir)
     if sweep:
-        def progress(p, mult, res):
-            s = res.summary
-            console.print(f"  {p} x{mult:.3f} ({s['arrival_rate_rps']:.2f} req/s): "
+        _sweep(run, target)
+    elif hit_curve:
+        _hit_curve(run, [parse_tokens(c) for c in hit_curve.split(",")])
+    else:
+        _compare(run, file.name, cache_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every mode of `mooncake sim` works from: the trace, the base SimConfig, the
+    policies (the first is the baseline), TBT thresholds (s), the cost model, and where
+    the output goes."""
+
+    trace: list
+    base: Any
+    policies: list[str]
+    thresholds: tuple[float, ...]
+    cost: Any
+    console: Any
+    json_out: bool
+    plot_dir: Path | None
+
+    def emit_json(self, out: dict) -> None:
+        print(json.dumps(_jsonable(out)))
+
+
+def _sweep(run: _Run, target: float) -> None:
+    """--sweep: each policy's highest arrival rate with effective request capacity >= target
+    (the paper's Figure 7 measure), as a table or JSON."""
+    from rich.table import Table
+
+    from mooncaked.sim import plots
+    from mooncaked.sim.sweep import capacity_sweep
+
+    def progress(p, mult, res):
+        s = res.summary
+        run.console.print(f"  {p} x{mult:.3f} ({s['arrival_rate_rps']:.2f} req/s): "
                           f"within thresholds {s['effective_request_capacity_by_tbt']}")
-        out = capacity_sweep(trace, base, policies, thresholds, target, cost,
-                             on_run=None if json_out else progress)
-        if plot_dir:
-            out["plots"] = [str(plots.plot_capacity(out, plot_dir / "capacity.png"))]
-        if json_out:
-            print(json.dumps(_jsonable(out)))
-            return
-        table = Table(title=f"Highest arrival rate with >= {target:.0%} of requests within "
-                            f"TTFT {ttft_threshold:g} s and TBT")
-        table.add_column("policy")
-        for t in thresholds:
-            table.add_column(f"TBT {t * 1000:g} ms (req/s)", justify="right")
-        ratios = out[f"ratio_vs_{policies[0]}"]
-        for p, per in out["results"].items():
-            table.add_row(p, *[f"{v['arrival_rate_rps']:.2f}  ({ratios[p][k]:.2f}x)"
-                               for k, v in per.items()])
-        console.print(table)
+    out = capacity_sweep(run.trace, run.base, run.policies, run.thresholds, target, run.cost,
+                         on_run=None if run.json_out else progress)
+    if run.plot_dir:
+        out["plots"] = [str(plots.plot_capacity(out, run.plot_dir / "capacity.png"))]
+    if run.json_out:
+        run.emit_json(out)
         return
+    table = Table(title=f"Highest arrival rate with >= {target:.0%} of requests within "
+                        f"TTFT {run.base.ttft_threshold_s:g} s and TBT")
+    table.add_column("policy")
+    for t in run.thresholds:
+        table.add_column(f"TBT {t * 1000:g} ms (req/s)", justify="right")
+    ratios = out[f"ratio_vs_{run.policies[0]}"]
+    for p, per in out["results"].items():
+        table.add_row(p, *[f"{v['arrival_rate_rps']:.2f}  ({ratios[p][k]:.2f}x)"
+                           for k, v in per.items()])
+    run.console.print(table)
 
-    if hit_curve:
-        caps = [parse_tokens(c) for c in hit_curve.split(",")]
-        seq = [sequential_hit_rate(trace, c) for c in caps]
-        sims = {p: [simulate(trace, dataclasses.replace(base, policy=p, cache_tokens=c), cost)
-                    .summary["cache_hit_rate"] for c in caps] for p in policies}
-        out = {"capacities_tokens": caps, "sequential_hit_rate": seq, "simulated_hit_rate": sims,
-               "unbounded_hit_rate": sequential_hit_rate(trace)}
-        if plot_dir:
-            finite = [i for i, c in enumerate(caps) if math.isfinite(c)]
-            out["plots"] = [str(plots.plot_hit_rate_vs_capacity(
-                [caps[i] for i in finite], [seq[i] for i in finite], plot_dir / "hit_rate_vs_capacity.png",
-                unbounded=out["unbounded_hit_rate"],
-                points={f"{p} ({prefill if p != 'coupled' else prefill + decode} nodes, per node)":
-                        [(caps[i], sims[p][i]) for i in finite] for p in policies}))]
-        if json_out:
-            print(json.dumps(_jsonable(out)))
-            return
-        table = Table(title="Cache hit rate vs capacity")
-        table.add_column("capacity (tokens)", justify="right")
-        table.add_column("one cache, in order", justify="right")
-        for p in policies:
-            table.add_column(f"{p} (per node)", justify="right")
-        for i, c in enumerate(caps):
-            table.add_row(f"{c:,.0f}" if math.isfinite(c) else "inf", f"{seq[i]:.3f}",
-                          *[f"{sims[p][i]:.3f}" for p in policies])
-        console.print(table)
+
+def _hit_curve(run: _Run, caps: list[float]) -> None:
+    """--hit-curve: cache hit rate against cache capacity (the paper's Figure 9), one cache
+    in arrival order and each policy per node."""
+    from rich.table import Table
+
+    from mooncaked.sim import plots
+    from mooncaked.sim.engine import simulate
+    from mooncaked.sim.hitrate import sequential_hit_rate
+
+    base, policies = run.base, run.policies
+    seq = [sequential_hit_rate(run.trace, c) for c in caps]
+    sims = {p: [simulate(run.trace, dataclasses.replace(base, policy=p, cache_tokens=c), run.cost)
+                .summary["cache_hit_rate"] for c in caps] for p in policies}
+    out = {"capacities_tokens": caps, "sequential_hit_rate": seq, "simulated_hit_rate": sims,
+           "unbounded_hit_rate": sequential_hit_rate(run.trace)}
+    if run.plot_dir:
+        finite = [i for i, c in enumerate(caps) if math.isfinite(c)]
+        nodes = {p: base.prefill if p != "coupled" else base.prefill + base.decode
+                 for p in policies}
+        out["plots"] = [str(plots.plot_hit_rate_vs_capacity(
+            [caps[i] for i in finite], [seq[i] for i in finite],
+            run.plot_dir / "hit_rate_vs_capacity.png", unbounded=out["unbounded_hit_rate"],
+            points={f"{p} ({nodes[p]} nodes, per node)": [(caps[i], sims[p][i]) for i in finite]
+                    for p in policies}))]
+    if run.json_out:
+        run.emit_json(out)
         return
-
-    results = {}
+    table = Table(title="Cache hit rate vs capacity")
+    table.add_column("capacity (tokens)", justify="right")
+    table.add_column("one cache, in order", justify="right")
     for p in policies:
-        results[p] = simulate(trace, dataclasses.replace(base, policy=p), cost)
+        table.add_column(f"{p} (per node)", justify="right")
+    for i, c in enumerate(caps):
+        table.add_row(f"{c:,.0f}" if math.isfinite(c) else "inf", f"{seq[i]:.3f}",
+                      *[f"{sims[p][i]:.3f}" for p in policies])
+    run.console.print(table)
+
+
+def _compare(run: _Run, name: str, cache_tokens: str) -> None:
+    """The default mode: every policy on the trace, side by side (TTFT, TBT, hit rate,
+    effective request capacity), with figures in --plot-dir."""
+    from rich.table import Table
+
+    from mooncaked.sim import plots
+    from mooncaked.sim.engine import config_dict, simulate
+
+    base, policies, thresholds = run.base, run.policies, run.thresholds
+    results = {p: simulate(run.trace, dataclasses.replace(base, policy=p), run.cost)
+               for p in policies}
     summaries = {p: r.summary for p, r in results.items()}
-    if plot_dir:
-        files = [plots.plot_distributions(results, plot_dir / "ttft_tbt_cdf.png", thresholds,
-                                          ttft_threshold),
-                 plots.plot_hit_windows(results, plot_dir / "hit_rate_over_time.png")]
+    if run.plot_dir:
+        d = run.plot_dir
+        files = [plots.plot_distributions(results, d / "ttft_tbt_cdf.png", thresholds,
+                                          base.ttft_threshold_s),
+                 plots.plot_hit_windows(results, d / "hit_rate_over_time.png")]
         for p, r in results.items():
             if p in ("local_cache_aware", "global_cache_aware"):
-                files.append(plots.plot_replicas(r, plot_dir / f"replicas_{p}.png", prefill))
+                files.append(plots.plot_replicas(r, d / f"replicas_{p}.png", base.prefill))
         if set(_PAPER_FIG5) <= set(policies):
             files.append(plots.plot_ttft_bars({p: s["ttft_mean_s"] for p, s in summaries.items()},
-                                              plot_dir / "ttft_by_policy.png", _PAPER_FIG5))
+                                              d / "ttft_by_policy.png", _PAPER_FIG5))
         for s in summaries.values():
             s["plots"] = [str(f) for f in files]
-    if json_out:
+    if run.json_out:
         if len(policies) == 1:
-            out = dict(summaries[policies[0]],
-                       config=config_dict(dataclasses.replace(base, policy=policies[0])))
+            run.emit_json(dict(summaries[policies[0]],
+                               config=config_dict(dataclasses.replace(base, policy=policies[0]))))
         else:
-            out = {"config": config_dict(base), "runs": summaries}
-        print(json.dumps(_jsonable(out)))
+            run.emit_json({"config": config_dict(base), "runs": summaries})
         return
-    table = Table(title=f"{file.name}: {len(trace)} requests, "
+    table = Table(title=f"{name}: {len(run.trace)} requests, "
                         f"{summaries[policies[0]]['arrival_rate_rps']:.2f} req/s, "
                         f"cache {cache_tokens} tokens/node")
     cols = ["policy", "hit rate", "TTFT mean (s)", "TTFT p90 (s)", "TBT mean (ms)",
@@ -202,6 +251,6 @@ def sim(
                       *[f"{erc[f'{t:g}']:.3f}" for t in thresholds], str(s["rejected"]),
                       f"{s['prefill_compute_s_per_request']:.3f}", str(s["fetches"]),
                       f"{s['sim_wall_s']:.1f}")
-    console.print(table)
-    if plot_dir:
-        console.print(f"figures in {plot_dir}")
+    run.console.print(table)
+    if run.plot_dir:
+        run.console.print(f"figures in {run.plot_dir}")

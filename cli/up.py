@@ -35,20 +35,18 @@ def up(
                                   "in the work directory)."),
 ) -> None:
     """Start a local cluster and serve until Ctrl-C / SIGTERM."""
-    import tomllib  # noqa: PLC0415
-
     from mooncaked.cluster.launcher import ClusterStartError, LocalCluster, NodeSpec  # noqa
 
     if backend not in ("local", "etcd"):
         typer.echo("mooncake up: --backend must be local or etcd", err=True)
         raise typer.Exit(2)
-    extra = {}
-    for pair in set_ or []:
-        key, _, raw = pair.partition("=")
-        try:
-            extra[key] = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            extra[key] = raw
+    from mooncaked.config import parse_set_pairs  # noqa: PLC0415
+
+    try:
+        extra = parse_set_pairs(set_)
+    except ValueError as e:
+        typer.echo(f"mooncake up: {e}", err=True)
+        raise typer.Exit(2) from None
     nodes = [NodeSpec("cache", f"cache{i}", port=port if i == 0 else 0) for i in range(cache)]
     nodes += [NodeSpec("prefill", f"prefill{i}", port=port if i == 0 and not cache else 0)
               for i in range(prefill)]

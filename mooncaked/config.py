@@ -311,6 +311,36 @@ def _apply(where: str, obj: Any, data: dict, prefix: str) -> None:
             setattr(obj, key, _check_value(where, dotted, f, tp, value))
 
 
+def parse_set_pairs(pairs: list[str] | None) -> dict[str, Any]:
+    """`--set KEY=VALUE` pairs -> {dotted key: value}; a VALUE that parses as a TOML value
+    (number, bool, quoted string, array, inline table) takes that type, else it is the
+    raw string.
+
+    Raises: ValueError naming a pair without "=" or with an empty key.
+    """
+    out: dict[str, Any] = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set needs KEY=VALUE, got {pair!r}")
+        try:
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[key.strip()] = value
+    return out
+
+
+def state_dir(settings: Settings) -> Path:
+    """The node's persistent state directory: node.state_dir, else the first directory of
+    $STATE_DIRECTORY (systemd's StateDirectory=, colon-separated), else
+    ~/.local/state/mooncaked."""
+    import os  # noqa: PLC0415
+
+    d = settings.node.state_dir or os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+    return Path(d or os.path.expanduser("~/.local/state/mooncaked"))
+
+
 def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Reads settings from a TOML file (optional), then applies dotted overrides.
 
@@ -396,4 +426,5 @@ def as_dict(settings: Settings) -> dict:
     return dataclasses.asdict(settings)
 
 
-__all__ = ["ConfigError", "Settings", "load_settings", "example_toml", "as_dict", "ROLES"]
+__all__ = ["ConfigError", "Settings", "load_settings", "example_toml", "as_dict", "ROLES",
+           "parse_set_pairs", "state_dir"]

@@ -91,6 +91,10 @@ async def _serve(settings: Settings) -> int:
     from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
     stop = _stop_event()
+    if settings.store != type(settings.store)():
+        # The single-process role keeps KV in its device pages only (no store yet).
+        log.warning("store_settings_unused", role="all",
+                    reason="the all role attaches no KV store; [store] applies to cluster roles")
     # Loading takes seconds and blocks the loop; a signal meanwhile is handled right after.
     try:
         engine = AsyncLLM.from_settings(settings)
