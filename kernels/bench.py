@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import sys
 import time
@@ -38,6 +37,8 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from mooncaked.utils import cdiv
 
 from . import reference
 
@@ -131,7 +132,7 @@ def _paged_pool(batch: int, lengths: list[int], shape: Shape, device: torch.devi
     Returns (kv_cache [blocks, 1, 2, bs, H_kv, D], k view, v view, block_tables int32 [batch, width]).
     """
     bs = shape.block_size
-    need = [math.ceil(n / bs) for n in lengths]
+    need = [cdiv(n, bs) for n in lengths]
     num_blocks = sum(need)
     gen = torch.Generator(device=device).manual_seed(seed)
     kv = torch.randn(num_blocks, 1, 2, bs, shape.num_kv_heads, shape.head_dim, generator=gen,

@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from mooncaked.utils import cdiv
+
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
@@ -46,7 +48,7 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 def _gather(cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
     """[length, num_kv_heads, head_dim]: one sequence's first `length` tokens from its pages."""
     block_size = cache.shape[1]
-    n_blocks = (length + block_size - 1) // block_size
+    n_blocks = cdiv(length, block_size)
     pages = cache[block_table[:n_blocks].long()]  # [n_blocks, block_size, H, D]
     return pages.reshape(-1, *cache.shape[2:])[:length]
 
@@ -71,7 +73,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     group = num_heads // num_kv_heads
     lens = context_lens.tolist()
     max_len = max(lens)
-    n_blocks = (max_len + block_size - 1) // block_size
+    n_blocks = cdiv(max_len, block_size)
     table = block_tables[:, :n_blocks].long()
     # [S, n_blocks*block_size, H_kv, D] -> [S, H_kv, L, D]
     k = k_cache[table].reshape(num_seqs, -1, num_kv_heads, head_dim)[:, :max_len]

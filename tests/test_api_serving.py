@@ -379,3 +379,45 @@ def test_client_disconnect_aborts_the_request(server):
                                     {"prompt": PROMPT, "max_tokens": 2, "temperature": 0})
             assert status == 200 and ok["choices"][0]["text"]
     run(go())
+
+
+def test_async_llm_and_cluster_frontend_implement_engine_client():
+    """Both things the API serves (AsyncLLM in one process, ClusterFrontend on a cluster
+    node) have every member of the EngineClient protocol, with a compatible generate().
+    No model: the members are looked up statically (no property runs)."""
+    import inspect
+    from types import SimpleNamespace
+
+    from mooncaked.api.engine_client import ApiTokenizer, EngineClient, EngineInfo
+    from mooncaked.cluster.frontend import ClusterFrontend
+    from mooncaked.config import load_settings
+    from mooncaked.engine.async_llm import AsyncLLM
+    from mooncaked.engine.types import SamplingParams
+    from mooncaked.model.tokenizer import Tokenizer
+
+    def members(proto) -> set[str]:
+        return {n for c in proto.__mro__ if c.__dict__.get("_is_protocol")
+                for n in c.__dict__ if not n.startswith("_")}
+
+    assert members(EngineClient) == {"tokenizer", "model_name", "max_model_len", "max_logprobs",
+                                     "generate", "abort", "stats"}
+    assert members(EngineInfo) < members(EngineClient)
+    for name in members(ApiTokenizer) - {"vocab_size"}:   # an instance attribute there
+        assert callable(inspect.getattr_static(Tokenizer, name)), name
+
+    settings = load_settings(None, {})
+    tok = SimpleNamespace(vocab_size=10)
+    fake_engine = SimpleNamespace(tokenizer=tok, model_name="m", max_model_len=64,
+                                  max_logprobs=5, offload_finished=False)
+    fake_port = SimpleNamespace(settings=settings, tokenizer=tok)
+    llm = AsyncLLM(fake_engine)
+    try:
+        for impl in (llm, ClusterFrontend(fake_port)):
+            for name in members(EngineClient):
+                inspect.getattr_static(impl, name)         # AttributeError if missing
+            assert inspect.isasyncgenfunction(type(impl).generate)
+            inspect.signature(impl.generate).bind([1, 2], SamplingParams(), "rid", cache_salt=None)
+            inspect.signature(impl.abort).bind("rid")
+            inspect.signature(impl.stats).bind()
+    finally:
+        llm._executor.shutdown()

@@ -247,3 +247,67 @@ def engine_without_prefix_cache() -> LLMEngine:
     if not _DECODER:
         _DECODER.append(LLMEngine(make_settings(**{"engine.enable_prefix_caching": False})))
     return _DECODER[0]
+
+
+def test_block_copies_use_the_attention_kernels_module(engine):
+    """KV import/export copies go through the kernel module the attention uses (Triton
+    on CUDA, the torch references on this CPU engine), not a hard-wired one."""
+    from mooncaked.kernels import reference
+
+    assert engine.runner.ops is engine.model.ops is reference
+    ids = [0, 2]
+    before = engine.runner.read_blocks(ids)
+    assert before.shape == (2, *engine.runner.kv_cache.shape[1:]) and before.is_contiguous()
+    engine.runner.write_blocks(ids, before.flip(0))
+    assert torch.equal(engine.runner.read_blocks(ids), before.flip(0))
+    engine.runner.write_blocks(ids, before)           # leave the pages as they were
+
+
+def test_schedule_returns_one_output_with_loads_and_preemptions():
+    """Scheduler.schedule() alone (no model): decodes and prefill chunks with their token
+    counts, the KV load of an admitted import (its kv_import consumed), and a preemption
+    when pages run out."""
+    from mooncaked.engine.block_manager import BlockManager
+    from mooncaked.engine.handover import HandOver
+    from mooncaked.engine.scheduler import Scheduler
+    from mooncaked.engine.scheduler_output import SchedulerOutput
+    from mooncaked.engine.sequence import Sequence
+    from mooncaked.engine.types import KVImport
+
+    bm = BlockManager(num_blocks=5, block_size=4)
+    sch = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=64)
+    a = Sequence("a", list(range(6)), GREEDY, b"salt", 16, detokenizer=None)
+    b = Sequence("b", list(range(100, 110)), GREEDY, b"salt", 16, detokenizer=None)
+    given = torch.randn(2, 1, 2, 4, 1, 1)
+    b.handover = HandOver(kv_import=KVImport(given, 8))
+    sch.add(a)
+    sch.add(b)
+
+    def advance(out: SchedulerOutput) -> None:
+        """What a step does to the scheduled sequences: K/V computed, tokens sampled."""
+        for s in out.scheduled:
+            samples = s.samples
+            s.seq.num_computed_tokens += s.num_new_tokens
+            if samples:
+                s.seq.token_ids.append(7)
+
+    out = sch.schedule()
+    assert isinstance(out, SchedulerOutput)
+    assert out.decodes == () and out.preempted == ()
+    assert [(s.seq, s.num_new_tokens) for s in out.prefills] == [(a, 6), (b, 2)]
+    assert out.scheduled == out.prefills and out.num_scheduled_tokens == 8
+    (load,) = out.kv_loads
+    assert load.seq is b and load.block_ids == tuple(b.block_table[:2])
+    assert torch.equal(load.blocks, given)
+    assert b.handover.kv_import is None                # consumed by the load
+    assert bm.num_free_blocks == 0
+    advance(out)
+    for _ in range(2):                                 # both decode inside their last page
+        out = sch.schedule()
+        assert [(s.seq, s.num_new_tokens) for s in out.decodes] == [(a, 1), (b, 1)]
+        assert out.prefills == () and out.kv_loads == () and out.preempted == ()
+        advance(out)
+    out = sch.schedule()                               # a needs a page: b (newest) goes
+    assert [(s.seq, s.num_new_tokens) for s in out.decodes] == [(a, 1)]
+    assert out.preempted == (b,) and out.prefills == ()
+    assert b.block_table == [] and b.num_computed_tokens == 0 and sch.waiting[0] is b

@@ -17,11 +17,13 @@ parts, response_format other than text.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import orjson
 
 from mooncaked.engine.types import InvalidRequest, SamplingParams
+
+from .engine_client import EngineInfo
 
 MAX_CHOICES = 64          # prompts x n per API request: bounds the engine requests one call makes
 MAX_SEED = 2**63 - 1
@@ -50,15 +52,6 @@ def error_body(message: str, type: str = "invalid_request_error", param: str | N
                code: str | None = None) -> dict:
     """{"error": {"message", "type", "param", "code"}} as the OpenAI API answers errors."""
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
-class EngineInfo(Protocol):
-    """What parsing needs from the engine (AsyncLLM satisfies it)."""
-
-    tokenizer: Any
-    model_name: str
-    max_model_len: int
-    max_logprobs: int
 
 
 @dataclass

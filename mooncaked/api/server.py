@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API (aiohttp) in front of an AsyncLLM.
+"""The OpenAI-compatible HTTP API (aiohttp) in front of an EngineClient (engine_client.py:
+an AsyncLLM in one process, a ClusterFrontend on a cluster node).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE
 and not), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics, and
@@ -28,10 +29,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from mooncaked.engine.types import InvalidRequest, RequestOutput, TokenLogprob
+from mooncaked.engine.types import InvalidRequest, RequestOutput, SamplingParams, TokenLogprob
 from mooncaked.log import get_logger
 
 from . import sse
+from .engine_client import ApiTokenizer, EngineClient
 from .metrics import ApiMetrics
 from .protocol import (ApiError, GenerationRequest, Prompt, check_model, error_body, parse_chat,
                        parse_completion, parse_json, token_ids)
@@ -58,7 +60,7 @@ class _Choice:
     index: int
     prompt: Prompt
     request_id: str
-    params: Any
+    params: SamplingParams
     text: list[str] = dataclasses.field(default_factory=list)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     token_times: list[float] = dataclasses.field(default_factory=list)
@@ -99,8 +101,8 @@ class _Run:
     aborts anything unfinished, and records metrics.
     """
 
-    def __init__(self, engine: Any, req: GenerationRequest, request_id: str, arrival_s: float,
-                 metrics: ApiMetrics):
+    def __init__(self, engine: EngineClient, req: GenerationRequest, request_id: str,
+                 arrival_s: float, metrics: ApiMetrics):
         self.engine, self.req, self.arrival_s, self.metrics = engine, req, arrival_s, metrics
         self.choices: list[_Choice] = []
         for p_idx, prompt in enumerate(req.prompts):
@@ -179,7 +181,7 @@ class _Run:
 # ---------------------------------------------------------------------------- logprobs
 
 
-def _completion_logprobs(lps: list[TokenLogprob], tok: Any, offset: int) -> tuple[dict, int]:
+def _completion_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer, offset: int) -> tuple[dict, int]:
     """OpenAI completions logprobs {tokens, token_logprobs, top_logprobs, text_offset};
     returns it and the text offset after these tokens."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
@@ -195,7 +197,7 @@ def _completion_logprobs(lps: list[TokenLogprob], tok: Any, offset: int) -> tupl
     return out, offset
 
 
-def _chat_logprobs(lps: list[TokenLogprob], tok: Any) -> dict:
+def _chat_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer) -> dict:
     """OpenAI chat logprobs {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def entry(token_id: int, logprob: float) -> dict:
         text = tok.token_text(token_id)
@@ -212,12 +214,12 @@ class ApiServer:
     """HTTP handlers over one engine.
 
     Args:
-        engine: an AsyncLLM (tokenizer, model_name, max_model_len, max_logprobs,
-            generate, abort, stats).
+        engine: the EngineClient to serve (tokenizer, model_name, max_model_len,
+            max_logprobs, generate, abort, stats): an AsyncLLM or a ClusterFrontend.
         request_timeout_s: upper bound on one request's generation, seconds.
     """
 
-    def __init__(self, engine: Any, request_timeout_s: float = 600.0,
+    def __init__(self, engine: EngineClient, request_timeout_s: float = 600.0,
                  client_max_size: int = MAX_BODY_BYTES):
         self.engine = engine
         self.client_max_size = client_max_size
@@ -483,12 +485,13 @@ def _http_error(request: web.Request, e: web.HTTPException) -> web.Response:
                          headers=headers)
 
 
-def build_app(engine: Any, *, request_timeout_s: float = 600.0,
+def build_app(engine: EngineClient, *, request_timeout_s: float = 600.0,
               client_max_size: int = MAX_BODY_BYTES) -> web.Application:
     """The aiohttp application serving the OpenAI API over `engine`.
 
     Args:
-        engine: an AsyncLLM (already started, or started by the caller before serving).
+        engine: an EngineClient: an AsyncLLM (already started, or started by the caller
+            before serving) or a cluster node's ClusterFrontend.
         request_timeout_s: upper bound on one request's generation, seconds.
         client_max_size: largest request body accepted, bytes (larger: 413).
     Returns: the app; `app[SERVER_KEY]` is its ApiServer (for begin_drain()).

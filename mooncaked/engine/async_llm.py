@@ -17,7 +17,8 @@ from mooncaked.log import get_logger
 import torch
 
 from .llm_engine import LLMEngine
-from .types import EngineStats, KVExport, KVImport, RequestOutput, SamplingParams
+from .kv_stream import LayerwiseKV
+from .types import EngineStats, KVExport, KVGeometry, KVImport, RequestOutput, SamplingParams
 
 log = get_logger(__name__)
 
@@ -176,3 +177,32 @@ class AsyncLLM:
     def stats(self) -> EngineStats:
         """Engine counters for metrics."""
         return self.engine.stats()
+
+    # ------------------------------------------------------------------ what the cluster needs
+
+    @property
+    def model_id(self) -> str:
+        """Identity of the weights (file name and size): part of every block key's salt."""
+        return self.engine.model_id
+
+    def kv_geometry(self) -> KVGeometry:
+        """The paged KV layout (layers, block size, heads, dtype, bytes and count of blocks)."""
+        e = self.engine
+        return KVGeometry(e.cfg.num_layers, e.block_size, e.cfg.num_kv_heads, e.cfg.head_dim,
+                          e.dtype, e.block_bytes, e.block_manager.num_blocks)
+
+    def layerwise_kv(self, num_tokens: int) -> LayerwiseKV:
+        """A layer-major stage for the KV of a prompt of num_tokens tokens, to pass to
+        `generate(kv_stream=...)`: filled layer by layer as the prefill computes.
+        Raises: ValueError when num_tokens is not in [1, max_model_len]."""
+        return self.engine.layerwise_kv(num_tokens)
+
+    def take_decode_steps(self, limit: int = 64) -> list[tuple[int, int, float]]:
+        """The timed decode steps since the last call, newest `limit` of them: (batch size,
+        context tokens, seconds) each. Safe from the event loop (a deque the step thread
+        appends to)."""
+        log_ = self.engine.decode_steps
+        steps = []
+        while log_:
+            steps.append(log_.popleft())
+        return steps[-limit:]

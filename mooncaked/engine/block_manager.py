@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 
 from mooncaked.store.keys import block_keys
+from mooncaked.utils import cdiv
 
 from .sequence import Sequence
 
@@ -35,7 +36,6 @@ class BlockManager:
         self.free: deque[int] = deque(range(num_blocks))           # no key, no refs
         self.cached_free: OrderedDict[bytes, int] = OrderedDict()  # keyed, no refs; LRU first
         self.key_to_block: dict[bytes, int] = {}
-        self.evicted_keys: list[bytes] = []                        # for store events
         self._num_evictions = 0
 
     # -- accounting
@@ -58,7 +58,7 @@ class BlockManager:
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         """Extra pages `seq` needs to hold `num_new_tokens` more tokens of K/V."""
-        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        total = cdiv(seq.num_computed_tokens + num_new_tokens, self.block_size)
         return max(0, total - len(seq.block_table))
 
     # -- prefix caching
@@ -108,14 +108,9 @@ class BlockManager:
             key, b = self.cached_free.popitem(last=False)  # least recently freed
             del self.key_to_block[key]
             self.block_key[b] = None
-            self.evicted_keys.append(key)
             self._num_evictions += 1
         self.ref_count[b] = 1
         return b
-
-    def can_allocate(self, num_blocks: int) -> bool:
-        """True if `num_blocks` pages can be handed out now."""
-        return num_blocks <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Adds pages so `seq` can hold `num_new_tokens` more tokens; False if not enough."""
@@ -126,18 +121,16 @@ class BlockManager:
             seq.block_table.append(self._take_block())
         return True
 
-    def commit_full_blocks(self, seq: Sequence) -> list[tuple[bytes, int]]:
-        """Publishes keys of `seq`'s blocks that became full with computed K/V.
-
-        Returns: (key, block_id) of the newly keyed blocks (for offloading to the store).
-        """
+    def commit_full_blocks(self, seq: Sequence) -> None:
+        """Publishes keys of `seq`'s blocks that became full with computed K/V, so later
+        requests with the same prefix share them (match_prefix). A block whose key another
+        page already holds stays unkeyed (freed as a plain page)."""
         if not self.enable_prefix_caching:
-            return []
+            return
         n_full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
         if n_full <= seq.num_committed_blocks:
-            return []
+            return
         self.ensure_keys(seq)
-        new = []
         for i in range(seq.num_committed_blocks, n_full):
             b = seq.block_table[i]
             if self.block_key[b] is not None:
@@ -147,9 +140,7 @@ class BlockManager:
                 continue  # computed twice concurrently: keep the first copy shared
             self.block_key[b] = key
             self.key_to_block[key] = b
-            new.append((key, b))
         seq.num_committed_blocks = n_full
-        return new
 
     def free_seq(self, seq: Sequence) -> None:
         """Drops `seq`'s references; keyed blocks stay cached, last block evicted first."""

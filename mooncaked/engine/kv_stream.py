@@ -20,6 +20,8 @@ from collections.abc import Callable
 
 import torch
 
+from mooncaked.utils import cdiv
+
 # on_layer(layer, block_lo, block_hi, ready): blocks [block_lo, block_hi) of `layer` are
 # in stage[layer, block_lo:block_hi] once `ready` (a torch.cuda.Event, or None on the
 # CPU where the copy is synchronous) has completed. Called from the engine's thread.
@@ -83,7 +85,7 @@ class LayerwiseKV:
         blocks on the first step, this step's blocks after that (a partial block again).
         Raises: ValueError when end_token exceeds the staged prompt.
         """
-        hi = -(-end_token // self.block_size)
+        hi = cdiv(end_token, self.block_size)
         if hi > self.num_blocks:
             raise ValueError(f"step reaches token {end_token}; the export holds "
                              f"{self.num_blocks} blocks")

@@ -16,14 +16,16 @@ from mooncaked.log import get_logger
 from mooncaked.model.llama import LlamaModel
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import ModelConfig, load_weights, resolve_model_path
-from mooncaked.kernels import reference as kv_copy
 from mooncaked.store.keys import block_keys, make_salt
+from mooncaked.utils import cdiv
 
 from .block_manager import BlockManager
 from .detokenizer import IncrementalDetokenizer
+from .handover import HandOver
 from .kv_stream import LayerwiseKV
 from .model_runner import ModelRunner, block_bytes
 from .scheduler import Scheduler
+from .scheduler_output import KVLoad, ScheduledSeq
 from .sequence import Sequence, SeqStatus
 from .types import EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams
 
@@ -115,7 +117,7 @@ class LLMEngine:
         on_layer: LayerCallback or None. Raises ValueError for num_tokens < 1.
         """
         c = self.cfg
-        return LayerwiseKV(c.num_layers, -(-num_tokens // self.block_size), self.block_size,
+        return LayerwiseKV(c.num_layers, cdiv(num_tokens, self.block_size), self.block_size,
                            c.num_kv_heads, c.head_dim, self.dtype, on_layer,
                            pin_memory=self.model.device.type == "cuda")
 
@@ -167,18 +169,19 @@ class LLMEngine:
                 raise InvalidRequest(f"kv_import blocks have shape {tuple(blocks.shape)}; expected "
                                      f"[n, {self.cfg.num_layers}, 2, {', '.join(map(str, want))}]", "kv")
         if kv_stream is not None:
-            want = (self.cfg.num_layers, -(-n // self.block_size), 2, self.block_size,
+            want = (self.cfg.num_layers, cdiv(n, self.block_size), 2, self.block_size,
                     self.cfg.num_kv_heads, self.cfg.head_dim)
             if tuple(kv_stream.shape) != want or kv_stream.dtype != self.dtype:
                 raise InvalidRequest(f"kv_stream stage is {tuple(kv_stream.shape)} "
                                      f"{kv_stream.dtype}; expected {want} {self.dtype}", "kv")
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, prompt_token_ids, params, self.salt(cache_salt), max_tokens, detok)
-        seq.kv_import, seq.export_kv, seq.kv_stream = kv_import, export_kv, kv_stream
-        if first_token is not None:
-            seq.num_prompt_tokens -= 1
-            seq.pending_ids = [first_token]
-            seq.pending_text = detok.add(first_token)
+        if kv_import is not None or export_kv or kv_stream is not None or first_token is not None:
+            seq.handover = HandOver(kv_import, export_kv, kv_stream)
+            if first_token is not None:
+                seq.num_prompt_tokens -= 1
+                seq.handover.first_token = first_token
+                seq.handover.first_text = detok.add(first_token)
         with self._lock:
             if request_id in self.seqs:
                 raise ValueError(f"duplicate request id {request_id}")
@@ -211,8 +214,8 @@ class LLMEngine:
     def _export(self, seq: Sequence) -> KVExport | None:
         """Gathers the request's blocks before its pages are freed (None if nothing to give)."""
         n_tok = seq.num_computed_tokens
-        if seq.export_kv:
-            n_blocks = -(-n_tok // self.block_size)
+        if seq.handover is not None and seq.handover.export_kv:
+            n_blocks = cdiv(n_tok, self.block_size)
         elif self.offload_finished and seq.finish_reason != "abort":
             n_blocks = n_tok // self.block_size
         else:
@@ -222,8 +225,7 @@ class LLMEngine:
         n_full = n_tok // self.block_size
         self.block_manager.ensure_keys(seq)  # keys of blocks already hashed are reused
         keys = seq.block_keys[:n_full]
-        ids = torch.tensor(seq.block_table[:n_blocks], dtype=torch.long, device=self.model.device)
-        blocks = kv_copy.gather_blocks(self.runner.kv_cache, ids)
+        blocks = self.runner.read_blocks(seq.block_table[:n_blocks])
         return KVExport(keys=keys, blocks=blocks, num_tokens=min(n_tok, n_blocks * self.block_size))
 
     def _finish(self, seq: Sequence, new_ids: list[int], text: str, logprobs) -> RequestOutput:
@@ -236,17 +238,10 @@ class LLMEngine:
         out.kv_export = export
         return out
 
-    def _import_pending(self) -> None:
-        """Copies admitted requests' given K/V (KVImport) into their new pages."""
-        for seq, first in self.scheduler.pending_imports:
-            imp = seq.kv_import
-            last = -(-imp.num_tokens // self.block_size)
-            if last > first:
-                ids = torch.tensor(seq.block_table[first:last], dtype=torch.long, device=self.model.device)
-                src = imp.blocks[first:last].to(device=self.model.device, dtype=self.dtype)
-                kv_copy.scatter_blocks(self.runner.kv_cache, ids, src)
-            seq.kv_import = None
-        self.scheduler.pending_imports.clear()
+    def _load_kv(self, loads: tuple[KVLoad, ...]) -> None:
+        """Copies admitted requests' given K/V (KVLoad) into their new pages."""
+        for load in loads:
+            self.runner.write_blocks(load.block_ids, load.blocks)
 
     def _output(self, seq: Sequence, new_ids: list[int], text: str, logprobs, finished: bool) -> RequestOutput:
         return RequestOutput(
@@ -274,13 +269,16 @@ class LLMEngine:
         return seq.finish_reason is not None
 
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduled step of the model. Returns the outputs it produced."""
+        """Runs one step: aborts and new requests, schedule (SchedulerOutput), the KV loads
+        into pages, the forward pass over decodes + prefill chunks, sampling, stop checks.
+        Returns the outputs it produced (one delta per sampled request, plus aborts)."""
         outputs = self._drain()
-        batch = self.scheduler.schedule()
-        self._import_pending()
-        if not batch:
+        sched = self.scheduler.schedule()
+        self._load_kv(sched.kv_loads)
+        if sched.is_empty:
             return outputs
         t0 = time.perf_counter()
+        batch = sched.scheduled
         streams = self._begin_streams(batch)
         after_layer = None
         if streams:
@@ -289,7 +287,7 @@ class LLMEngine:
             def after_layer(layer: int) -> None:
                 for ks in streams:
                     ks.copy_layer(pages, layer)
-        sampled = self.runner.run(batch, after_layer)
+        sampled = self.runner.run(sched, after_layer)
         for ks in streams:
             ks.end_step()
         self.last_step = StepTiming(
@@ -314,9 +312,10 @@ class LLMEngine:
                 text = ""
             else:
                 text = seq.detokenizer.add(token)
-            if seq.pending_ids:  # a first token sampled by the prefill node
-                text = seq.pending_text + text
-                token_ids, seq.pending_ids, seq.pending_text = seq.pending_ids + [token], [], ""
+            ho = seq.handover
+            if ho is not None and ho.first_token is not None:  # sampled by the prefill node
+                token_ids, text = [ho.first_token, token], ho.first_text + text
+                ho.first_token, ho.first_text = None, ""
             else:
                 token_ids = [token]
             self.block_manager.commit_full_blocks(seq)
@@ -326,15 +325,16 @@ class LLMEngine:
                 outputs.append(self._output(seq, token_ids, text, logprob, finished=False))
         return outputs
 
-    def _begin_streams(self, batch) -> list[LayerwiseKV]:
+    def _begin_streams(self, batch: tuple[ScheduledSeq, ...]) -> list[LayerwiseKV]:
         """Layer-wise exports that this step feeds: requests still computing their prompt."""
         streams = []
         for s in batch:
             seq = s.seq
-            if seq.kv_stream is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
-                seq.kv_stream.begin_step(seq.block_table, seq.num_computed_tokens + s.num_new_tokens,
-                                         self.model.device)
-                streams.append(seq.kv_stream)
+            ks = seq.handover.kv_stream if seq.handover is not None else None
+            if ks is not None and seq.num_computed_tokens < seq.num_prompt_tokens:
+                ks.begin_step(seq.block_table, seq.num_computed_tokens + s.num_new_tokens,
+                              self.model.device)
+                streams.append(ks)
         return streams
 
     def stats(self) -> EngineStats:

@@ -1,4 +1,5 @@
-"""Turns a scheduled step into model inputs, runs the forward pass and samples."""
+"""Owns the paged KV cache: turns a scheduled step into model inputs, runs the forward
+pass and samples; copies whole blocks in and out of the pages (KV import and export)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.sampling import SamplingRow, sample
 
-from .scheduler import ScheduledSeq
+from .scheduler_output import ScheduledSeq, SchedulerOutput
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -27,6 +28,11 @@ def block_bytes(model: LlamaModel, block_size: int) -> int:
 class ModelRunner:
     """Owns the KV pages and runs one step of the model over them.
 
+    The pages are `kv_cache` [num_blocks, num_layers, 2, block_size, num_kv_heads,
+    head_dim], the model's dtype, on its device. Block copies use the model's kernel
+    module (`model.ops`, from kernels.attention_ops): Triton on CUDA when available, the
+    torch references otherwise, the same choice as the attention kernels.
+
     Args:
         model: the loaded LlamaModel.
         num_blocks, block_size: page count and tokens per page.
@@ -35,24 +41,41 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
         self.model = model
         self.block_size = block_size
+        self.ops = model.ops
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size),
                                     dtype=model.dtype, device=model.device)
 
-    def _block_tables(self, seqs: list[ScheduledSeq]) -> torch.Tensor:
+    def read_blocks(self, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
+        """Copies whole pages out: [n, num_layers, 2, block_size, num_kv_heads, head_dim],
+        contiguous, the cache's dtype and device (the byte layout of a stored block).
+        Raises: IndexError for an id outside the pool (Triton ops; torch's indexing raises
+        its own)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.model.device)
+        return self.ops.gather_blocks(self.kv_cache, ids)
+
+    def write_blocks(self, block_ids: list[int] | tuple[int, ...], blocks: torch.Tensor) -> None:
+        """Copies whole blocks into the pages `block_ids` (n of them).
+
+        blocks: [n, num_layers, 2, block_size, num_kv_heads, head_dim], any float dtype, CPU
+        or device (moved and cast to the cache's first).
+        """
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.model.device)
+        src = blocks.to(device=self.model.device, dtype=self.model.dtype)
+        self.ops.scatter_blocks(self.kv_cache, ids, src)
+
+    def _block_tables(self, seqs: tuple[ScheduledSeq, ...]) -> torch.Tensor:
         width = max(len(s.seq.block_table) for s in seqs)
         rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in seqs]
         return torch.tensor(rows, dtype=torch.int32, device=self.model.device)
 
-    def prepare(self, batch: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Flat input ids [T], positions [T] and attention metadata; decodes come first."""
+    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Flat input ids int64 [T], positions int64 [T] and attention metadata for the T
+        scheduled tokens, on the model's device; decodes come first (sched.scheduled)."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
         bs = self.block_size
-        num_decode = 0
-        while num_decode < len(batch) and not batch[num_decode].seq.is_prefilling:
-            num_decode += 1
-        for s in batch:
+        for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
             ids += seq.token_ids[start:end]
@@ -60,9 +83,9 @@ class ModelRunner:
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
         dev = self.model.device
-        decodes, prefills = batch[:num_decode], batch[num_decode:]
+        decodes, prefills = sched.decodes, sched.prefills
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 num_decode_tokens=num_decode)
+                                 num_decode_tokens=len(decodes))
         if decodes:
             meta.decode_block_tables = self._block_tables(decodes)
             meta.decode_context_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes],
@@ -79,15 +102,16 @@ class ModelRunner:
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
     @torch.inference_mode()
-    def run(self, batch: list[ScheduledSeq], after_layer: Callable[[int], None] | None = None
+    def run(self, sched: SchedulerOutput, after_layer: Callable[[int], None] | None = None
             ) -> dict[int, tuple[int, object]]:
-        """Runs one step. `batch` must list decodes before prefills (Scheduler.schedule does).
+        """Runs one step over sched.scheduled (its KV loads must be applied already).
         `after_layer(i)` runs once layer i wrote this step's K/V (LlamaModel.forward).
 
-        Returns: {index in batch: (sampled token id, TokenLogprob or None)} for the entries
-            that reached their newest token.
+        Returns: {index in sched.scheduled: (sampled token id, TokenLogprob or None)} for
+            the entries that reached their newest token.
         """
-        input_ids, positions, meta = self.prepare(batch)
+        batch = sched.scheduled
+        input_ids, positions, meta = self.prepare(sched)
         hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
         want = [i for i, s in enumerate(batch) if s.samples]
         if not want:

@@ -6,28 +6,22 @@ of what budget is left, oldest request first; waiting requests join while
 budget, sequence slots and pages last. When pages run out, the newest running
 request is preempted: its pages are freed (their keyed blocks stay in the
 prefix cache) and it waits to be recomputed.
+
+A request that brings K/V (HandOver.kv_import: a decode node's prompt, a prefix
+loaded from the store) gets pages for it at admission instead of compute; the
+copy into them is a KVLoad of the step. `schedule()` returns everything a step
+needs as one SchedulerOutput (scheduler_output.py).
 """
 
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+
+from mooncaked.utils import cdiv
 
 from .block_manager import BlockManager
+from .scheduler_output import KVLoad, ScheduledSeq, SchedulerOutput
 from .sequence import Sequence, SeqStatus
-
-
-@dataclass
-class ScheduledSeq:
-    """A sequence and how many of its tokens this step computes."""
-
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the sequence's newest token (so a token is sampled)."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
 
 
 class Scheduler:
@@ -48,8 +42,6 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens_total = 0
         self.prompt_tokens_total = 0
-        # (seq, first block index) whose given K/V must be copied into pages before the step.
-        self.pending_imports: list[tuple[Sequence, int]] = []
 
     def add(self, seq: Sequence) -> None:
         """Queues a new request."""
@@ -75,11 +67,32 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def schedule(self) -> list[ScheduledSeq]:
-        """Picks this step's work; decodes first, then prefill chunks. Mutates page tables."""
+    def _import_pages(self, seq: Sequence) -> tuple[bool, KVLoad | None]:
+        """Pages for the K/V a waiting `seq` brings (HandOver.kv_import) beyond its prefix hit.
+
+        Returns (ok, load): load is the KVLoad that fills the new pages (and
+        seq.num_computed_tokens then counts the imported tokens), or None when there is
+        nothing to import; ok is False when the pages are not there.
+        """
+        ho = seq.handover
+        imp = ho.kv_import if ho is not None else None
+        if imp is None or imp.num_tokens <= seq.num_computed_tokens:
+            return True, None
+        first = seq.num_computed_tokens // self.bm.block_size
+        if not self.bm.allocate(seq, imp.num_tokens - seq.num_computed_tokens):
+            return False, None
+        last = cdiv(imp.num_tokens, self.bm.block_size)
+        seq.num_computed_tokens = imp.num_tokens
+        return True, KVLoad(seq, tuple(seq.block_table[first:last]), imp.blocks[first:last])
+
+    def schedule(self) -> SchedulerOutput:
+        """Picks this step's work; decodes first, then prefill chunks. Mutates page tables
+        (allocations, preemptions) and consumes the admitted requests' kv_import."""
         budget = self.budget
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
+        loads: list[KVLoad] = []
+        preempted: list[Sequence] = []
         scheduled: set[int] = set()
         # 1. Running sequences, oldest first; preempt the newest when pages run out.
         i = 0
@@ -91,6 +104,7 @@ class Scheduler:
                 if id(victim) in scheduled or victim is seq:
                     victim = seq
                 self._preempt(victim)
+                preempted.append(victim)
                 if victim is seq:
                     break
             else:
@@ -104,26 +118,22 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             self.bm.allocate_prefix(seq, self.bm.match_prefix(seq))
-            if seq.kv_import is not None and seq.kv_import.num_tokens > seq.num_computed_tokens:
-                first_block = seq.num_computed_tokens // self.bm.block_size
-                if not self.bm.allocate(seq, seq.kv_import.num_tokens - seq.num_computed_tokens):
-                    self.bm.free_seq(seq)
-                    break
-                self.pending_imports.append((seq, first_block))
-                seq.num_computed_tokens = seq.kv_import.num_tokens
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            ok = self.bm.allocate(seq, n)
-            if not ok and not self.running:
-                # Nothing left to preempt: prefill what fits now, the rest in later steps.
-                slack = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens
-                n = min(n, self.bm.num_free_blocks * self.bm.block_size + slack)
-                ok = n > 0 and self.bm.allocate(seq, n)
+            ok, load = self._import_pages(seq)
+            if ok:
+                n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                ok = self.bm.allocate(seq, n)
+                if not ok and not self.running:
+                    # Nothing left to preempt: prefill what fits now, the rest in later steps.
+                    slack = len(seq.block_table) * self.bm.block_size - seq.num_computed_tokens
+                    n = min(n, self.bm.num_free_blocks * self.bm.block_size + slack)
+                    ok = n > 0 and self.bm.allocate(seq, n)
             if not ok:
-                self.bm.free_seq(seq)  # hold no pages while waiting
-                if self.pending_imports and self.pending_imports[-1][0] is seq:
-                    self.pending_imports.pop()
+                self.bm.free_seq(seq)  # hold no pages while waiting; kv_import kept for later
                 break
             self.waiting.popleft()
+            if load is not None:
+                loads.append(load)
+                seq.handover.kv_import = None
             if not seq.prefix_hit_counted:
                 seq.num_cached_tokens = seq.num_computed_tokens
                 seq.prefix_hit_counted = True
@@ -133,4 +143,4 @@ class Scheduler:
             self.running.append(seq)
             (prefills if seq.is_prefilling else decodes).append(ScheduledSeq(seq, n))
             budget -= n
-        return decodes + prefills
+        return SchedulerOutput(tuple(decodes), tuple(prefills), tuple(loads), tuple(preempted))

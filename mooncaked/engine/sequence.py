@@ -6,6 +6,7 @@ import enum
 import time
 
 from .detokenizer import IncrementalDetokenizer
+from .handover import HandOver
 from .types import SamplingParams
 
 
@@ -22,7 +23,9 @@ class Sequence:
 
     token_ids holds prompt + generated tokens; `num_computed_tokens` of them have K/V
     in the sequence's pages (`block_table`, block ids in order). `block_keys` are
-    the chained keys of its full blocks, extended as blocks fill.
+    the chained keys of its full blocks, extended as blocks fill. `handover` is the
+    K/V and first token it brings from (or gives to) another node, None for a plain
+    request (handover.py).
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -45,11 +48,7 @@ class Sequence:
         self.arrival_time = time.monotonic()
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.kv_import = None               # KVImport to place into pages at admission
-        self.export_kv = False              # gather all blocks into the final output
-        self.kv_stream = None               # LayerwiseKV staged while the prompt computes
-        self.pending_ids: list[int] = []    # first token sampled by a prefill node, not yet reported
-        self.pending_text = ""
+        self.handover: HandOver | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from typing import Any
 from dataclasses import dataclass, field
 
 import torch
@@ -146,3 +147,31 @@ class EngineStats:
     prompt_tokens_total: int
     prefix_hit_tokens_total: int
     num_preemptions_total: int
+
+
+@dataclass(frozen=True)
+class KVGeometry:
+    """The engine's paged KV layout, as peers need it to exchange blocks.
+
+    A block is every layer's K and V for `block_size` tokens: [num_layers, 2,
+    block_size, num_kv_heads, head_dim] elements of `dtype` (a torch dtype), `block_bytes`
+    bytes; the engine has `num_blocks` of them.
+    """
+
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: Any
+    block_bytes: int
+    num_blocks: int
+
+    @property
+    def dtype_name(self) -> str:
+        """"float32", "bfloat16", ... (the dtype without its "torch." prefix)."""
+        return str(self.dtype).removeprefix("torch.")
+
+    def layer_major_shape(self, num_blocks: int) -> list[int]:
+        """Shape of a layer-major KV buffer of num_blocks blocks (a stage or receive buffer):
+        [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]."""
+        return [self.num_layers, num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim]
