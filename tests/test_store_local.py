@@ -136,7 +136,7 @@ def test_tiering_down_and_up_byte_exact(tmp_path):
                 assert dst.tobytes() == d.tobytes()
             # Reads from SSD promote (up on use), possibly in the background.
             for _ in range(200):
-                if st.metrics.promotions >= 1 and not st._background:
+                if st.metrics.promotions >= 1 and not st.tiers.background:
                     break
                 await asyncio.sleep(0.01)
             assert st.metrics.promotions >= 1
@@ -243,6 +243,31 @@ def test_policy_orders():
     assert sieve.victim(lambda k: False) is None
 
 
+def test_slot_index_books_free_indexed_and_evicted_slots():
+    """The books both tiers keep: lowest free slot first, take = free slot or the
+    victim's (dropped, can_evict respected), load keeps the first of duplicate keys."""
+    from mooncaked.store.slots import SlotIndex
+    idx = SlotIndex(3, "lru")
+    assert [idx.alloc(), idx.alloc()] == [0, 1] and idx.used_slots == 2
+    idx.insert(b"a", 0, tag=(2, 7))
+    idx.insert(b"b", 1)
+    idx.touch(b"a")
+    assert idx.take(lambda k: True) == (2, None)  # a free slot first
+    assert idx.take(lambda k: k != b"b") == (0, b"a")  # then the victim's, dropped
+    assert b"a" not in idx and idx.tag_of(b"a") is None and idx.entry(b"b") == (1, None)
+    assert idx.take(lambda k: False) is None
+    idx.free(0)
+    assert idx.free_slots == 1 and idx.alloc() == 0
+    loaded = SlotIndex(4)
+    assert loaded.load([(b"x", 2, "t"), (b"y", 0, None), (b"x", 3, "u")]) == [3]
+    assert loaded.entry(b"x") == (2, "t") and loaded.free_slots == 2
+    assert loaded.victim(lambda k: True) == b"x"  # loaded oldest first
+    with pytest.raises(ValueError):
+        loaded.load([])
+    with pytest.raises(ValueError):
+        SlotIndex(-1)
+
+
 def test_random_concurrent_ops_never_return_wrong_bytes(tmp_path):
     """Random puts/gets/removes/leases, several at once, on a small DRAM + SSD store:
     every hit is byte-exact, leased blocks stay, and slot accounting stays consistent."""
@@ -271,7 +296,7 @@ def test_random_concurrent_ops_never_return_wrong_bytes(tmp_path):
                     try:
                         await st.remove(k)
                     except BlockPinned:
-                        assert st.is_pinned(k) or k in st._inflight  # read or being stored
+                        assert st.is_pinned(k) or k in st.writer  # read or being stored
                 else:
                     leases.append(st.lease([k], ttl_s=60))
 
@@ -281,15 +306,15 @@ def test_random_concurrent_ops_never_return_wrong_bytes(tmp_path):
                     assert all(st.exists(k) for k in lease.keys)
                 if len(leases) > 3:
                     st.release(leases.pop(0))
-            while st._background:
+            while st.tiers.background:
                 await asyncio.sleep(0.01)
             # Slot accounting: every indexed slot distinct, counts match.
             dram_slots = [st.dram.slot_of(k) for k in st.dram.keys()]
             assert len(set(dram_slots)) == len(dram_slots)
-            assert len(dram_slots) + len(st.dram._free) == st.dram.num_slots
-            ssd_slots = [st.ssd._slot[k][0] for k in st.ssd.keys()]
+            assert len(dram_slots) + st.dram.index.free_slots == st.dram.num_slots
+            ssd_slots = [st.ssd.slot_of(k) for k in st.ssd.keys()]
             assert len(set(ssd_slots)) == len(ssd_slots)
-            assert len(ssd_slots) + len(st.ssd._free) == st.ssd.num_slots
+            assert len(ssd_slots) + st.ssd.index.free_slots == st.ssd.num_slots
             for k in universe:  # and everything held reads back exactly
                 got = await st.get(k)
                 assert got is None or got == content[k].tobytes()

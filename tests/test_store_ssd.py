@@ -299,7 +299,7 @@ def test_blocks_written_with_crc32_are_still_verified(tmp_path, monkeypatch):
 
     async def read():
         async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
-            assert st.ssd._slot[ks[0]][1][0] == ssd_mod.CSUM_CRC32
+            assert st.ssd.index.tag_of(ks[0])[0] == ssd_mod.CSUM_CRC32  # (kind, value)
             assert await st.get(ks[0]) == data[0].tobytes()
             assert await st.get(ks[1]) is None and st.metrics.corrupt == 1
     run(read())

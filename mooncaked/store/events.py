@@ -21,6 +21,11 @@ from .types import StoreEvent
 
 log = get_logger(__name__)
 
+STORED = "stored"
+"""Event kind: keys written into a tier."""
+EVICTED = "evicted"
+"""Event kind: keys gone from a tier (evicted, demoted away, removed or found corrupt)."""
+
 
 class EventBatcher:
     """Collects store events and flushes them to subscribers in batches.
@@ -53,11 +58,6 @@ class EventBatcher:
         q: asyncio.Queue = asyncio.Queue(maxsize)
         self._queues.append(q)
         return q
-
-    def unsubscribe(self, q: asyncio.Queue) -> None:
-        """Stops delivering to `q`."""
-        if q in self._queues:
-            self._queues.remove(q)
 
     def emit(self, kind: str, tier: str, key: bytes) -> None:
         """Records one change; cheap (no I/O, no allocation of a new event unless the

@@ -54,8 +54,9 @@ from typing import Callable
 import numpy as np
 
 from mooncaked.log import get_logger
+from mooncaked.utils import cdiv
 
-from .policy import EvictionPolicy, make_policy
+from .slots import SlotIndex, SlotTier
 from .types import StoreError
 
 log = get_logger(__name__)
@@ -127,8 +128,11 @@ def _pwrite_all(fd: int, buf: memoryview, offset: int) -> None:
         buf, offset = buf[n:], offset + n
 
 
-class SsdTier:
+class SsdTier(SlotTier):
     """Block slots in one file under `directory`, at most `capacity_bytes` of them.
+
+    Which slot holds which key (with its checksum as the slot's tag), the free
+    slots and the eviction order are `index`, the same books the DRAM pool keeps.
 
     Args:
         directory: where the slot and header files live (created if missing).
@@ -141,6 +145,7 @@ class SsdTier:
             default since the tier is a cache).
         io_threads: threads doing file I/O.
     Use `await open()` before anything else and `close()` at the end.
+    Raises: ValueError for an unknown policy.
     """
 
     def __init__(self, directory: str, capacity_bytes: int, block_bytes: int,
@@ -148,17 +153,14 @@ class SsdTier:
                  policy: str = "lru", fsync: bool = False, io_threads: int = 4):
         self.directory = os.path.abspath(directory)
         self.block_bytes = block_bytes
-        self.slot_bytes = -(-block_bytes // ALIGN) * ALIGN
-        self.num_slots = capacity_bytes // self.slot_bytes
+        self.slot_bytes = cdiv(block_bytes, ALIGN) * ALIGN
+        self.index = SlotIndex(capacity_bytes // self.slot_bytes, policy)
         self.capacity_bytes = self.num_slots * self.slot_bytes
         self.data_path = os.path.join(self.directory, f"kv-{block_bytes}.dat")
         self.index_path = os.path.join(self.directory, f"kv-{block_bytes}.idx")
         self._can_evict = can_evict
         self._on_evict = on_evict
         self.fsync = fsync
-        self.policy: EvictionPolicy = make_policy(policy)
-        self._slot: dict[bytes, tuple[int, tuple[int, int]]] = {}  # key -> (slot, checksum)
-        self._free: list[int] = []
         self._data_fd = -1
         self._idx_fd = -1
         self.io_threads = io_threads
@@ -187,7 +189,7 @@ class SsdTier:
             self._load_index(entries)
         if self.error:
             log.error("ssd_tier_not_writable", dir=self.directory, reason=self.error)
-        log.info("ssd_tier_opened", dir=self.directory, blocks=len(self._slot),
+        log.info("ssd_tier_opened", dir=self.directory, blocks=len(self.index),
                  slots=self.num_slots, slot_bytes=self.slot_bytes,
                  corrupt_headers=self.corrupt_at_open, open_s=round(time.perf_counter() - t0, 3))
 
@@ -240,15 +242,7 @@ class SsdTier:
                 continue
             found.append((h[3], i, h[0], h[2]))
         found.sort()  # oldest first, so the eviction order starts from the oldest block
-        used = set()
-        for _ns, slot, key, csum in found:
-            if key in self._slot:
-                stale.append(slot)
-                continue
-            self._slot[key] = (slot, csum)
-            self.policy.insert(key)
-            used.add(slot)
-        self._free = [s for s in range(self.num_slots - 1, -1, -1) if s not in used]
+        stale += self.index.load((key, slot, csum) for _ns, slot, key, csum in found)
         if self.error or not stale:
             return
         try:
@@ -273,41 +267,25 @@ class SsdTier:
 
     # ------------------------------------------------------------------ index
 
-    def __contains__(self, key: bytes) -> bool:
-        return key in self._slot
-
-    def __len__(self) -> int:
-        return len(self._slot)
-
-    def keys(self) -> list[bytes]:
-        """Every key held, in no particular order."""
-        return list(self._slot)
-
     def offset_of(self, key: bytes) -> int | None:
         """Byte offset of `key`'s slot in `data_path`, or None."""
-        entry = self._slot.get(key)
-        return None if entry is None else entry[0] * self.slot_bytes
+        slot = self.index.slot_of(key)
+        return None if slot is None else slot * self.slot_bytes
 
     @property
     def used_bytes(self) -> int:
         """Bytes of slots holding blocks."""
-        return len(self._slot) * self.slot_bytes
-
-    def touch(self, key: bytes) -> None:
-        """Records a use of `key` for the eviction order."""
-        self.policy.touch(key)
+        return len(self.index) * self.slot_bytes
 
     def _take_slot(self) -> tuple[int, bool] | None:
         """(slot, was_in_use) for a new block, evicting one if needed; None if all pinned."""
-        if self._free:
-            return self._free.pop(), False
-        key = self.policy.victim(self._can_evict)
-        if key is None:
+        taken = self.index.take(self._can_evict)
+        if taken is None:
             return None
-        slot, _csum = self._slot.pop(key)
-        self.policy.remove(key)
-        self._on_evict([key])
-        return slot, True
+        slot, evicted = taken
+        if evicted is not None:
+            self._on_evict([evicted])
+        return slot, evicted is not None
 
     # ------------------------------------------------------------------ I/O
 
@@ -366,7 +344,7 @@ class SsdTier:
         if not items:
             return []
         n = min(self.io_threads, len(items))
-        size = -(-len(items) // n)
+        size = cdiv(len(items), n)
         chunks = [items[i: i + size] for i in range(0, len(items), size)]
         parts = await asyncio.gather(*(self._run(fn, c) for c in chunks))
         return [r for part in parts for r in part]
@@ -381,7 +359,7 @@ class SsdTier:
         reasons = [""] * len(keys)
         jobs = []
         for i, (key, payload) in enumerate(zip(keys, payloads)):
-            if key in self._slot:
+            if key in self.index:
                 continue
             if len(key) > MAX_KEY_BYTES:
                 reasons[i] = f"key longer than {MAX_KEY_BYTES} bytes"
@@ -400,20 +378,15 @@ class SsdTier:
         results = await self._run_chunked(self._write_chunk, jobs)
         for (i, slot, _reused, key, _payload), res in zip(jobs, results):
             if isinstance(res, OSError):
-                self._free.append(slot)
+                self.index.free(slot)
                 reasons[i] = errno_reason(res)
                 if res.errno != self._last_errno:  # log each new kind of failure once in a row
                     log.error("ssd_write_failed", dir=self.directory, reason=reasons[i])
                     self._last_errno = res.errno
             else:
                 self._last_errno = None
-                self._slot[key] = (slot, res)
-                self.policy.insert(key)
+                self.index.insert(key, slot, res)
         return reasons
-
-    async def write(self, key: bytes, payload: np.ndarray) -> str:
-        """`write_many` for one block: "" on success, else the reason."""
-        return (await self.write_many([key], [payload]))[0]
 
     async def read_many(self, keys: list[bytes], dsts: list[memoryview]) -> list[tuple[str, str]]:
         """Reads blocks into `dsts` (block_bytes each) and verifies them.
@@ -426,7 +399,7 @@ class SsdTier:
         out: list[tuple[str, str]] = [(MISSING, "not held")] * len(keys)
         jobs = []
         for i, (key, dst) in enumerate(zip(keys, dsts)):
-            entry = self._slot.get(key)
+            entry = self.index.entry(key)
             if entry is not None:
                 jobs.append((i, entry[0], entry[1], dst))
         results = await self._run_chunked(self._read_chunk, jobs)
@@ -434,30 +407,25 @@ class SsdTier:
             key = keys[i]
             out[i] = (outcome, reason)
             if outcome == OK:
-                self.policy.touch(key)
-            elif outcome == CORRUPT and self._slot.get(key) == (slot, csum):
+                self.index.touch(key)
+            elif outcome == CORRUPT and self.index.entry(key) == (slot, csum):
                 log.warning("ssd_block_corrupt", key=key.hex(), slot=slot, reason=reason)
                 await self._free_slot(key)
         return out
 
-    async def read_into(self, key: bytes, dst: memoryview) -> tuple[str, str]:
-        """`read_many` for one block."""
-        return (await self.read_many([key], [dst]))[0]
-
     async def _free_slot(self, key: bytes) -> None:
-        slot, _csum = self._slot.pop(key)
-        self.policy.remove(key)
+        slot = self.index.drop(key)
         if not self.error:
             try:
                 await self._run(os.pwrite, self._idx_fd, _ZERO_HEADER, slot * HEADER_BYTES)
             except OSError as e:
                 log.warning("ssd_header_clear_failed", slot=slot, reason=errno_reason(e))
-        self._free.append(slot)
+        self.index.free(slot)
 
     async def remove(self, key: bytes) -> bool:
         """Deletes block `key` (its header is zeroed, so a restart does not bring it
         back); True if it was held. The caller checks pins first."""
-        if key not in self._slot:
+        if key not in self.index:
             return False
         await self._free_slot(key)
         return True
