@@ -16,7 +16,7 @@ import pytest
 from mooncaked.config import TransferSettings
 from mooncaked.transfer import RdmaUnavailable, TransferEngine
 from mooncaked.transfer.peer import PeerProcess
-from mooncaked.transfer.rdma import list_devices, load_pyverbs, rtr_rts_attr
+from mooncaked.transfer.rdma_nic import list_devices, load_pyverbs, rtr_rts_attr
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("pyverbs") is None,

@@ -260,7 +260,9 @@ def test_resolver_feeds_open_segment():
 def test_control_channel_round_trip():
     """RDMA_CONNECT/RDMA_DISCONNECT travel over the data server to a coroutine on the loop
     (the queue-pair exchange uses exactly this path), refusals included."""
-    from mooncaked.transfer.tcp import ControlError, DataServer, Refused, TcpEndpoint
+    from mooncaked.transfer.protocol import ControlError, Refused
+    from mooncaked.transfer.tcp_endpoint import TcpEndpoint
+    from mooncaked.transfer.tcp_server import DataServer
 
     async def main():
         seg = LocalSegment("n/dram", memoryview(bytearray(16)), "cpu:0")

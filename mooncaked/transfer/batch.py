@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
+
+from .segment import LocalSegment, PeerSegment, as_byte_view
 
 
 class TransferError(RuntimeError):
@@ -91,6 +93,41 @@ class TransferRequest:
     length: int | None = None
 
 
+def local_view(req: TransferRequest, lookup: Callable[[str], LocalSegment | None]) -> memoryview:
+    """Validates `req` and returns the local bytes it moves (a view, no copy).
+
+    `lookup` resolves a `local` given as a segment name (this engine's segments).
+    Raises: TypeError (not a TransferRequest, non-str segment, a local object without host
+    memory); ValueError (bad op, negative offset or length, a local range past the
+    buffer, a read-only READ target, an unknown local segment name).
+    """
+    if not isinstance(req, TransferRequest):
+        raise TypeError(f"expected TransferRequest, got {type(req).__name__}")
+    if not isinstance(req.op, TransferOp):
+        raise ValueError(f"op must be TransferOp.READ or TransferOp.WRITE, got {req.op!r}")
+    if not isinstance(req.segment, str):
+        raise TypeError(f"segment must be a name (str), got {type(req.segment).__name__}")
+    for field_name in ("remote_offset", "local_offset"):
+        v = getattr(req, field_name)
+        if not isinstance(v, int) or v < 0:
+            raise ValueError(f"{field_name} must be an int >= 0, got {v!r}")
+    local = req.local
+    if isinstance(local, str):
+        seg = lookup(local)
+        if seg is None:
+            raise ValueError(f"local buffer names no registered segment: {local!r}")
+        whole = seg.view
+    else:
+        whole = as_byte_view(local, writable=req.op is TransferOp.READ)
+    length = whole.nbytes - req.local_offset if req.length is None else req.length
+    if not isinstance(length, int) or length < 0:
+        raise ValueError(f"length must be an int >= 0, got {length!r}")
+    if req.local_offset + length > whole.nbytes:
+        raise ValueError(f"local range [{req.local_offset}, {req.local_offset + length}) "
+                         f"exceeds the local buffer ({whole.nbytes} bytes)")
+    return whole[req.local_offset:req.local_offset + length]
+
+
 class _Entry:
     """Engine-side state of one submitted request."""
 
@@ -106,9 +143,16 @@ class _Entry:
     def status(self) -> TransferStatus:
         return TransferStatus(self.state, self.reason, self.moved)
 
+    def add_moved(self, nbytes: int) -> None:
+        """Counts `nbytes` more bytes moved (a transport's progress callback)."""
+        self.moved += nbytes
+
 
 class Batch:
-    """A batch id's entries and a completion event (set when no entry is pending)."""
+    """A batch id's entries and a completion event (set when no entry is pending).
+
+    Args: batch_id; capacity: most requests it holds (0: unbounded).
+    """
 
     def __init__(self, batch_id: int, capacity: int):
         self.id = batch_id
@@ -119,6 +163,7 @@ class Batch:
         self.done.set()  # an empty batch is complete
 
     def add(self, entry: _Entry) -> None:
+        """Appends a pending entry."""
         self.entries.append(entry)
         self.pending += 1
         self.done.clear()
@@ -132,9 +177,41 @@ class Batch:
         if self.pending == 0:
             self.done.set()
 
+    def admit(self, requests: list[TransferRequest],
+              local: Callable[[str], LocalSegment | None],
+              target: Callable[[str], LocalSegment | PeerSegment | None]
+              ) -> list[tuple[_Entry, LocalSegment | PeerSegment, memoryview]]:
+        """Validates every request first (all or none), then adds them as entries; those
+        naming an unknown segment (`target` gives None) or a range past the segment's length
+        fail at once, empty ones are DONE. Returns (entry, target, local view) to run.
+
+        `local` resolves local buffers given by segment name. Raises what `local_view`
+        raises (TypeError, ValueError), before any entry is added.
+        """
+        prepared = [(r, local_view(r, local)) for r in requests]
+        runs = []
+        for req, view in prepared:
+            entry = _Entry(req)
+            self.add(entry)
+            seg = target(req.segment)
+            if seg is None:
+                self.finish(entry, TransferState.FAILED,
+                            f"unknown segment {req.segment!r} (add_peer_segment or open_segment "
+                            "first)")
+            elif req.remote_offset + view.nbytes > seg.length:
+                self.finish(entry, TransferState.FAILED,
+                            f"[{req.remote_offset}, {req.remote_offset + view.nbytes}) is out of "
+                            f"bounds of segment {req.segment!r} ({seg.length} bytes)")
+            elif view.nbytes == 0:
+                self.finish(entry, TransferState.DONE)
+            else:
+                runs.append((entry, seg, view))
+        return runs
+
     def statuses(self) -> list[TransferStatus]:
+        """Every entry's status, in submission order."""
         return [e.status() for e in self.entries]
 
 
 __all__ = ["TransferError", "UnknownSegmentError", "TransferOp", "TransferState",
-           "TransferStatus", "TransferRequest", "Batch"]
+           "TransferStatus", "TransferRequest", "Batch", "local_view"]

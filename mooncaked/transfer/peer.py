@@ -41,7 +41,7 @@ from mooncaked.log import setup_logging
 
 from .batch import TransferOp, TransferRequest
 from .engine import TransferEngine
-from .rdma import RdmaUnavailable
+from .rdma_nic import RdmaUnavailable
 
 
 def fill_bytes(view: memoryview, seed: int) -> None:

@@ -28,9 +28,13 @@ control channel that exchanges queue-pair attributes (they name a segment and ca
 its key too, so only holders of a descriptor can make queue pairs).
 
 Payloads never pass through a Python bytes object: receivers read straight into the
-target memoryview (asyncio.BufferedProtocol), senders hand header + payload views to
-the transport's `writelines` (uvloop sends them with one vectored write and keeps
-references, not copies, of what the socket cannot take at once).
+target memoryview (asyncio.BufferedProtocol, or `recv_exactly` on blocking sockets),
+senders hand header + payload views to the transport's `writelines` (uvloop sends them
+with one vectored write and keeps references, not copies, of what the socket cannot take
+at once) or to `send_all` (one sendmsg).
+
+Also here: the errors both ends share (`ProtocolError`, `Refused`, `ControlError`) and the
+socket helpers of the data server and the blocking client.
 """
 
 from __future__ import annotations
@@ -86,6 +90,7 @@ def unpack_request(header: bytes | memoryview) -> tuple[int, int, int, int, byte
 
 
 def pack_response(status: Status, length: int) -> bytes:
+    """Response header (16 bytes) announcing `length` bytes of answer."""
     return RESPONSE.pack(MAGIC, VERSION, status, 0, length)
 
 
@@ -100,10 +105,35 @@ def unpack_response(header: bytes | memoryview) -> tuple[int, int]:
 SOCKET_BUFFER_BYTES = 4 << 20  # send/receive buffers: a 1 MiB slice goes out in one sendmsg
 
 
+class Refused(Exception):
+    """The peer's data server refused a request (status != OK); `status` and `reason` say why."""
+
+    def __init__(self, status: int, reason: str):
+        try:
+            label = Status(status).name.lower()
+        except ValueError:
+            label = f"status {status}"
+        super().__init__(f"{label}: {reason}")
+        self.status, self.reason = status, reason
+
+
+class ControlError(Exception):
+    """Raised by a control handler to refuse a control request with a status and reason."""
+
+    def __init__(self, status: Status, reason: str):
+        super().__init__(reason)
+        self.status, self.reason = status, reason
+
+
+def socket_family(host: str) -> socket.AddressFamily:
+    """AF_INET6 for an IPv6 literal (it holds a colon), else AF_INET."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
+
+
 def tune_socket(sock: socket.socket, *, buffers: bool = True) -> None:
     """Non-blocking, no Nagle delay (requests are header + payload in one sendmsg), and
-    large kernel buffers (set before connect/listen so the window scales to them; the
-    kernel caps them at net.core.{r,w}mem_max)."""
+    large kernel buffers (SOCKET_BUFFER_BYTES each, set before connect/listen so the window
+    scales to them; the kernel caps them at net.core.{r,w}mem_max). Raises OSError."""
     sock.setblocking(False)
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -112,6 +142,34 @@ def tune_socket(sock: socket.socket, *, buffers: bool = True) -> None:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_BUFFER_BYTES)
 
 
-__all__ = ["Op", "Status", "ProtocolError", "REQUEST", "RESPONSE", "pack_request",
-           "unpack_request", "pack_response", "unpack_response", "tune_socket",
-           "MAX_CONTROL_BYTES", "MAX_REASON_BYTES", "SOCKET_BUFFER_BYTES"]
+def recv_exactly(sock: socket.socket, view: memoryview) -> bool:
+    """Blocking: fills `view` (view.nbytes bytes) straight from the socket; False on EOF
+    before the first byte. Raises ProtocolError on EOF mid-message, OSError from the socket."""
+    pos, end = 0, view.nbytes
+    while pos < end:
+        n = sock.recv_into(view[pos:] if pos else view)
+        if n == 0:
+            if pos == 0:
+                return False
+            raise ProtocolError(f"connection closed after {pos} of {end} bytes")
+        pos += n
+    return True
+
+
+def send_all(sock: socket.socket, buffers: list) -> None:
+    """Blocking scatter/gather send of every buffer (no joining copy). Raises OSError."""
+    bufs = [b if isinstance(b, memoryview) else memoryview(b) for b in buffers if len(b)]
+    while bufs:
+        n = sock.sendmsg(bufs)
+        while n:
+            if n >= bufs[0].nbytes:
+                n -= bufs.pop(0).nbytes
+            else:
+                bufs[0] = bufs[0][n:]
+                n = 0
+
+
+__all__ = ["Op", "Status", "ProtocolError", "Refused", "ControlError", "REQUEST", "RESPONSE",
+           "pack_request", "unpack_request", "pack_response", "unpack_response", "tune_socket",
+           "socket_family", "recv_exactly", "send_all", "MAX_CONTROL_BYTES", "MAX_REASON_BYTES",
+           "SOCKET_BUFFER_BYTES"]

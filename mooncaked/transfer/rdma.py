@@ -1,419 +1,82 @@
-"""RDMA backend: reliable-connected queue pairs through pyverbs, driven by the asyncio loop.
+"""RDMA transport: one-sided RDMA READ/WRITE over RC queue pairs (pyverbs), TCP as fallback.
 
-pyverbs is rdma-core's Python binding. It is imported lazily, only when this
-backend is asked for: RDMA hosts get it from their distribution's rdma-core
-(Debian: python3-pyverbs; `mooncaked/transfer/install_pyverbs.sh` makes just that
-package visible to a venv). On a host without RDMA devices `list_devices()` raises
-RdmaUnavailable("no RDMA device found ...") and the engine uses TCP.
+Every usable NIC port of this node (rdma_nic.RdmaNic), the topology matrix
+(topology.py) that orders them per memory location, endpoints to peers' NICs
+(rdma_endpoint.RdmaEndpoint, pooled in the engine's EndpointPool under ("rdma", peer
+instance, local NIC, remote NIC)), and the passive queue pairs peers made with us.
 
-Per NIC (device port): one protection domain, one completion channel + CQ shared
-by every queue pair on that NIC, and one memory region per registered segment
-(local write, remote read, remote write). Per endpoint: one RC queue pair. Its
-attributes (QPN, PSN, GID, LID, MTU) are exchanged with the peer over the TCP
-control channel (protocol.Op.RDMA_CONNECT), then both sides move their QP
-INIT -> RTR -> RTS. Transfers are one-sided RDMA READ / RDMA WRITE work requests
-carrying the peer segment's rkey; each is signaled, and its completion resolves an
-asyncio future. Completions reach the loop through the completion channel's file
-descriptor (loop.add_reader): no polling thread, no busy loop.
+A request whose local buffer lies inside a registered segment (so inside its memory
+region) is cut into `rdma_slice_size_bytes` slices (slicing.run_sliced); each slice
+starts on the next preferred NIC for the segment's location and the next of the peer's
+NICs, so the slices of one request spread over them. A path that fails (error
+completion, post failure, control channel error) is dropped on both sides and the slice
+moves to the next NIC, ATTEMPTS at most, then to TCP. A remote access error is a
+refusal, not retried. Requests on other buffers go over TCP.
 
-Not exercised on machines without RDMA hardware; docs/transfer.md describes a manual
-check with soft-RoCE (rxe).
+The TCP transport carries the control channel: queue-pair attributes travel as
+RDMA_CONNECT / RDMA_DISCONNECT requests, which its data server hands to
+`handle_control` here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import itertools
-import os
 import random
+from functools import partial
 from types import SimpleNamespace
-from typing import Awaitable, Callable
 
+from mooncaked.config import TransferSettings
 from mooncaked.log import get_logger
 
-from .protocol import Op, Status
-from .segment import LocalSegment, NicInfo, PeerSegment
+from .pool import EndpointPool
+from .protocol import ControlError, Op, ProtocolError, Refused, Status
+from .rdma_endpoint import PassiveQp, RdmaEndpoint
+from .rdma_nic import (RdmaAccessError, RdmaNic, RdmaPathError, RdmaUnavailable, list_devices,
+                       load_pyverbs)
+from .segment import LocalSegment, PeerSegment, buffer_address
 from .sieve import SieveCache
-from .tcp import ControlError
+from .slicing import run_sliced
+from .tcp import TcpTransport
 from .topology import SYSFS_INFINIBAND, Topology, detect_nics
+from .transport import ATTEMPTS, Progress, Transport, refused
 
 log = get_logger(__name__)
 
-CQ_DEPTH = 4096
-MAX_SEND_WR = 256          # outstanding work requests per queue pair (capped by the device)
-MAX_RD_ATOMIC = 16         # outstanding RDMA READs per queue pair (capped by the device)
-MIN_RNR_TIMER, TIMEOUT, RETRY_CNT, RNR_RETRY = 12, 14, 7, 7  # ibv_rc_pingpong's values
-_IPV4_MAPPED = "0000:0000:0000:0000:0000:ffff:"
-_ZERO_GID = "0000:0000:0000:0000:0000:0000:0000:0000"
 
+class RdmaTransport(Transport):
+    """Moves slices with RDMA READ/WRITE work requests; falls back to `tcp`.
 
-class RdmaUnavailable(RuntimeError):
-    """RDMA cannot be used here: pyverbs missing, no device, or no active port. Says which."""
+    Build with `RdmaTransport.open(...)`, which raises RdmaUnavailable with a plain reason.
 
-
-class RdmaPathError(ConnectionError):
-    """A work request failed on one path (QP error, flush, retry exceeded): try another path."""
-
-
-class RdmaAccessError(RuntimeError):
-    """The remote NIC refused an access (outside the memory region / bad rkey): do not retry."""
-
-
-def load_pyverbs() -> SimpleNamespace:
-    """Imports pyverbs' modules. Raises RdmaUnavailable when pyverbs is not installed."""
-    try:
-        import pyverbs.addr as addr  # noqa: PLC0415
-        import pyverbs.cq as cq  # noqa: PLC0415
-        import pyverbs.device as device  # noqa: PLC0415
-        import pyverbs.enums as enums  # noqa: PLC0415
-        import pyverbs.mr as mr  # noqa: PLC0415
-        import pyverbs.pd as pd  # noqa: PLC0415
-        import pyverbs.pyverbs_error as errors  # noqa: PLC0415
-        import pyverbs.qp as qp  # noqa: PLC0415
-        import pyverbs.wr as wr  # noqa: PLC0415
-    except ImportError as e:
-        raise RdmaUnavailable(f"pyverbs is not installed ({e}); install rdma-core's "
-                              "python3-pyverbs (mooncaked/transfer/install_pyverbs.sh)") from e
-    return SimpleNamespace(addr=addr, cq=cq, device=device, e=enums, mr=mr, pd=pd,
-                           errors=errors, qp=qp, wr=wr)
-
-
-def list_devices() -> list[str]:
-    """Names of the RDMA devices pyverbs sees.
-
-    Raises: RdmaUnavailable("no RDMA device found ...") when there are none (pyverbs raises
-    "Failed to get devices list" on hosts without RDMA support in the kernel), or when
-    pyverbs is missing.
-    """
-    pv = load_pyverbs()
-    try:
-        devices = pv.device.get_device_list()
-    except pv.errors.PyverbsError as e:
-        raise RdmaUnavailable(f"no RDMA device found (pyverbs: {e})") from e
-    if not devices:
-        raise RdmaUnavailable("no RDMA device found")
-    return [d.name.decode() if isinstance(d.name, bytes) else str(d.name) for d in devices]
-
-
-def _event_fds() -> set[int]:
-    return {int(n) for n in os.listdir("/proc/self/fd")}
-
-
-def _find_channel_fd(before: set[int]) -> int:
-    """The completion channel's fd: pyverbs does not expose it, so find the fd that appeared
-    when the channel was made (the kernel names it anon_inode:[infinibandevent])."""
-    new = sorted(_event_fds() - before)
-    named = []
-    for fd in new:
-        try:
-            if "infinibandevent" in os.readlink(f"/proc/self/fd/{fd}"):
-                named.append(fd)
-        except OSError:
-            pass
-    if len(named) == 1:
-        return named[0]
-    if len(new) == 1:
-        return new[0]
-    raise RdmaUnavailable(f"cannot identify the completion channel's fd among {new}")
-
-
-def rtr_rts_attr(pv: SimpleNamespace, *, port: int, local_psn: int, remote: dict, mtu: int,
-                 sgid_index: int, is_global: bool, max_rd_atomic: int):
-    """QPAttr for INIT -> RTR -> RTS of an RC queue pair towards `remote`.
-
-    `remote` holds the peer's {qpn, psn, gid, lid}. Both RDMA READ directions need
-    max_rd_atomic (as initiator) and max_dest_rd_atomic (as responder) >= 1.
-    """
-    attr = pv.qp.QPAttr(port_num=port)
-    attr.path_mtu = mtu
-    attr.dest_qp_num = int(remote["qpn"])
-    attr.rq_psn = int(remote["psn"])            # what the peer sends with
-    attr.sq_psn = local_psn                      # what we send with
-    attr.max_dest_rd_atomic = max_rd_atomic
-    attr.max_rd_atomic = max_rd_atomic
-    attr.min_rnr_timer, attr.timeout = MIN_RNR_TIMER, TIMEOUT
-    attr.retry_cnt, attr.rnr_retry = RETRY_CNT, RNR_RETRY
-    gr = pv.addr.GlobalRoute(dgid=pv.addr.GID(remote["gid"]), sgid_index=sgid_index)
-    attr.ah_attr = pv.addr.AHAttr(port_num=port, is_global=1 if is_global else 0, gr=gr,
-                                  dlid=int(remote["lid"]))
-    return attr
-
-
-class RdmaNic:
-    """One opened RDMA device port: context, PD, completion channel + CQ, port facts.
-
-    Raises (constructor): RdmaUnavailable when no port is active; pyverbs errors otherwise.
+    Args:
+        pv: the pyverbs modules (rdma_nic.load_pyverbs); nics: opened NICs by name;
+        topology: the NIC matrix; settings: the `[transfer]` section
+            (rdma_slice_size_bytes, max_endpoints); pool: the engine's endpoint pool;
+        tcp: the TCP transport (control channel and fallback); instance: this engine's
+            instance id (names our queue pairs to peers).
     """
 
-    def __init__(self, pv: SimpleNamespace, name: str, gid_index: int,
-                 loop: asyncio.AbstractEventLoop):
-        self.pv, self.name, self.loop = pv, name, loop
-        e = pv.e
-        self.ctx = pv.device.Context(name=name)
-        dev = self.ctx.query_device()
-        self.port = 0
-        for p in range(1, dev.phys_port_cnt + 1):
-            if self.ctx.query_port(p).state == e.IBV_PORT_ACTIVE:
-                self.port = p
-                break
-        if not self.port:
-            self.ctx.close()
-            raise RdmaUnavailable(f"RDMA device {name} has no active port")
-        pattr = self.ctx.query_port(self.port)
-        self.lid, self.mtu = pattr.lid, pattr.active_mtu
-        self.is_ethernet = pattr.link_layer == e.IBV_LINK_LAYER_ETHERNET
-        self.gid_index = gid_index if gid_index >= 0 else self._pick_gid(pattr.gid_tbl_len)
-        self.gid = self.ctx.query_gid(self.port, self.gid_index).gid
-        self.max_rd_atomic = max(1, min(MAX_RD_ATOMIC, dev.max_qp_rd_atom))
-        self.max_send_wr = max(1, min(MAX_SEND_WR, dev.max_qp_wr))
-        self.pd = pv.pd.PD(self.ctx)
-        before = _event_fds()
-        self.channel = pv.cq.CompChannel(self.ctx)
-        self.fd = _find_channel_fd(before)
-        # Non-blocking: a spurious wake-up then costs an EAGAIN, never a stalled loop.
-        fcntl.fcntl(self.fd, fcntl.F_SETFL, fcntl.fcntl(self.fd, fcntl.F_GETFL) | os.O_NONBLOCK)
-        self.cq = pv.cq.CQ(self.ctx, CQ_DEPTH, None, self.channel, 0)
-        self.cq.req_notify()
-        self._ids = itertools.count(1)
-        self.pending: dict[int, tuple[asyncio.Future, "RdmaEndpoint"]] = {}
-        loop.add_reader(self.fd, self._on_channel_event)
-
-    def _pick_gid(self, table_len: int) -> int:
-        """RoCE: the first RoCE v2 GID holding an IPv4 address, else the first RoCE v2 one;
-        InfiniBand: index 0."""
-        if not self.is_ethernet:
-            return 0
-        e = self.pv.e
-        v2 = []
-        for i in range(table_len):
-            try:
-                gid = self.ctx.query_gid(self.port, i).gid
-                kind = self.ctx.query_gid_type(self.port, i)
-            except self.pv.errors.PyverbsError:
-                continue
-            if gid == _ZERO_GID or kind != e.IBV_GID_TYPE_SYSFS_ROCE_V2:
-                continue
-            if gid.startswith(_IPV4_MAPPED):
-                return i
-            v2.append(i)
-        return v2[0] if v2 else 0
-
-    def info(self, rkey: int) -> dict:
-        """This NIC's entry in a segment descriptor."""
-        return {"name": self.name, "port": self.port, "gid": self.gid, "lid": self.lid,
-                "mtu": self.mtu, "rkey": rkey}
-
-    def register(self, seg: LocalSegment):
-        """Registers the segment's memory (local write, remote read, remote write)."""
-        e = self.pv.e
-        access = e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ | e.IBV_ACCESS_REMOTE_WRITE
-        return self.pv.mr.MR(self.pd, seg.length, access, address=seg.address)
-
-    def create_qp(self):
-        """An RC queue pair in INIT state, sharing this NIC's CQ, with remote read/write access."""
-        pv, e = self.pv, self.pv.e
-        cap = pv.qp.QPCap(max_send_wr=self.max_send_wr, max_recv_wr=1, max_send_sge=1,
-                          max_recv_sge=1)
-        init = pv.qp.QPInitAttr(qp_type=e.IBV_QPT_RC, scq=self.cq, rcq=self.cq, cap=cap,
-                                sq_sig_all=0)
-        attr = pv.qp.QPAttr(port_num=self.port)
-        attr.qp_access_flags = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
-                                | e.IBV_ACCESS_REMOTE_WRITE)
-        return pv.qp.QP(self.pd, init, attr)  # with a QPAttr, pyverbs leaves an RC QP in INIT
-
-    def local_info(self, qp, psn: int) -> dict:
-        return {"qpn": qp.qp_num, "psn": psn, "gid": self.gid, "lid": self.lid, "mtu": self.mtu}
-
-    def connect_qp(self, qp, psn: int, remote: dict) -> None:
-        """Moves `qp` INIT -> RTR -> RTS towards the peer described by `remote`."""
-        attr = rtr_rts_attr(self.pv, port=self.port, local_psn=psn, remote=remote,
-                            mtu=min(self.mtu, int(remote["mtu"])), sgid_index=self.gid_index,
-                            is_global=self.is_ethernet, max_rd_atomic=self.max_rd_atomic)
-        qp.to_rtr(attr)
-        qp.to_rts(attr)
-
-    def post(self, ep: "RdmaEndpoint", read: bool, laddr: int, lkey: int, length: int,
-             raddr: int, rkey: int) -> asyncio.Future:
-        """Posts one signaled RDMA READ/WRITE on `ep`'s queue pair; the future resolves on its
-        completion. Raises RdmaPathError when the post itself fails."""
-        pv, e = self.pv, self.pv.e
-        wr_id = next(self._ids)
-        sge = pv.wr.SGE(laddr, length, lkey)
-        opcode = e.IBV_WR_RDMA_READ if read else e.IBV_WR_RDMA_WRITE
-        wr = pv.wr.SendWR(wr_id=wr_id, opcode=opcode, num_sge=1, sg=[sge],
-                          send_flags=e.IBV_SEND_SIGNALED)
-        wr.set_wr_rdma(rkey=rkey, addr=raddr)
-        fut = self.loop.create_future()
-        self.pending[wr_id] = (fut, ep)
-        try:
-            ep.qp.post_send(wr)
-        except pv.errors.PyverbsError as exc:
-            del self.pending[wr_id]
-            raise RdmaPathError(f"{self.name}: post_send failed: {exc}") from exc
-        return fut
-
-    def _on_channel_event(self) -> None:
-        pv = self.pv
-        try:
-            self.channel.get_cq_event(self.cq)
-        except pv.errors.PyverbsError:  # EAGAIN: spurious wake-up
-            return
-        self.cq.ack_events(1)
-        self.cq.req_notify()  # re-arm first, then drain: no completion slips between
-        while True:
-            n, wcs = self.cq.poll(num_entries=64)
-            if not n:
-                break
-            for wc in wcs[:n]:
-                self._complete(wc)
-
-    def _complete(self, wc) -> None:
-        e = self.pv.e
-        item = self.pending.pop(wc.wr_id, None)
-        if item is None:
-            return
-        fut, ep = item
-        if fut.done():
-            return
-        if wc.status == e.IBV_WC_SUCCESS:
-            fut.set_result(None)
-            return
-        ep.broken = True  # any error leaves the RC queue pair in the error state
-        what = self.pv.cq.cqe_status_to_str(wc.status)
-        if wc.status == e.IBV_WC_REM_ACCESS_ERR:
-            fut.set_exception(RdmaAccessError(f"remote NIC refused the access ({what})"))
-        else:
-            fut.set_exception(RdmaPathError(f"{self.name}: work request failed ({what})"))
-
-    def fail_pending(self, ep: "RdmaEndpoint", reason: str) -> None:
-        """Fails `ep`'s outstanding work requests (its queue pair is being destroyed)."""
-        for wr_id, (fut, owner) in list(self.pending.items()):
-            if owner is ep:
-                del self.pending[wr_id]
-                if not fut.done():
-                    fut.set_exception(RdmaPathError(reason))
-
-    def close(self) -> None:
-        try:
-            self.loop.remove_reader(self.fd)
-        except (ValueError, OSError):
-            pass
-        self.ctx.close()  # closes CQ, channel, MRs, PD, QPs made on it
-
-
-ControlCall = Callable[[PeerSegment, Op, dict], Awaitable[dict]]
-
-
-class RdmaEndpoint:
-    """One RC queue pair from a local NIC to a peer's NIC, connected on first use."""
-
-    def __init__(self, nic: RdmaNic, peer: PeerSegment, remote: NicInfo, control: ControlCall,
-                 instance: str):
-        self.nic, self.peer, self.remote = nic, peer, remote
-        self._control, self._instance = control, instance
-        self.users = 0
-        self.closed = False
-        self.broken = False
-        self.qp = None
-        self.remote_qpn = 0
-        self._connect_lock = asyncio.Lock()
-        self._slots = asyncio.Semaphore(nic.max_send_wr)
-
-    async def ensure_connected(self) -> None:
-        """Makes the QP and exchanges attributes over the control channel (once).
-
-        Raises: RdmaPathError; the control channel's ConnectionError/OSError/Refused.
-        """
-        async with self._connect_lock:
-            if self.closed:
-                raise RdmaPathError("endpoint closed")
-            if self.qp is not None:
-                return
-            qp = self.nic.create_qp()
-            psn = random.getrandbits(24)
-            body = {"instance": self._instance, "nic": self.remote.name,
-                    **self.nic.local_info(qp, psn)}
-            try:
-                reply = await self._control(self.peer, Op.RDMA_CONNECT, body)
-                self.nic.connect_qp(qp, psn, reply)
-            except BaseException:
-                qp.close()
-                raise
-            self.qp, self.remote_qpn = qp, int(reply["qpn"])
-            log.debug("rdma_endpoint_connected", nic=self.nic.name, peer=self.peer.node,
-                      remote_nic=self.remote.name, qpn=qp.qp_num, remote_qpn=self.remote_qpn)
-
-    async def transfer(self, read: bool, laddr: int, lkey: int, length: int, raddr: int,
-                       rkey: int) -> None:
-        """One RDMA READ/WRITE; returns when it completed. Raises RdmaPathError/RdmaAccessError."""
-        async with self._slots:
-            if self.closed or self.broken:
-                raise RdmaPathError("endpoint broken")
-            fut = self.nic.post(self, read, laddr, lkey, length, raddr, rkey)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                # The work request may still run and touch the caller's buffer: destroying
-                # the queue pair stops it before the buffer is handed back.
-                self.close()
-                raise
-
-    def close(self) -> None:
-        """Destroys the QP and tells the peer to destroy its side (dropped on both sides)."""
-        if self.closed:
-            return
-        self.closed = True
-        self.nic.fail_pending(self, "endpoint closed")
-        if self.qp is not None:
-            self.qp.close()
-            body = {"instance": self._instance, "qpn": self.qp.qp_num}
-            self.qp = None
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:
-                return
-            loop.create_task(self._notify_peer(body))
-
-    async def _notify_peer(self, body: dict) -> None:
-        try:
-            await self._control(self.peer, Op.RDMA_DISCONNECT, body)
-        except Exception as e:  # noqa: BLE001 - the peer may be gone; its QP then dies with it
-            log.debug("rdma_disconnect_not_delivered", peer=self.peer.node, error=str(e))
-
-
-class _PassiveQp:
-    """The server side of a peer's endpoint: a QP that only answers one-sided operations."""
-
-    def __init__(self, qp):
-        self.qp = qp
-        self.users = 0
-        self.closed = False
-
-    def close(self) -> None:
-        if not self.closed:
-            self.closed = True
-            self.qp.close()
-
-
-class RdmaBackend:
-    """Every usable RDMA NIC of this node, the topology matrix, and the server-side QPs.
-
-    Build with `RdmaBackend.open(...)`, which raises RdmaUnavailable with a plain reason.
-    """
+    name = "rdma"
 
     def __init__(self, pv: SimpleNamespace, nics: dict[str, RdmaNic], topology: Topology,
-                 max_endpoints: int):
+                 settings: TransferSettings, pool: EndpointPool, tcp: TcpTransport,
+                 instance: str):
+        super().__init__(pool, settings.rdma_slice_size_bytes)
         self.pv, self.nics, self.topology = pv, nics, topology
-        self._passive: SieveCache[tuple[str, int], _PassiveQp] = SieveCache(max_endpoints)
+        self._tcp, self._instance = tcp, instance
+        self._passive: SieveCache[tuple[str, int], PassiveQp] = SieveCache(settings.max_endpoints)
+        self._registered: dict[str, LocalSegment] = {}
+        self._turn = itertools.count()
 
     @classmethod
-    def open(cls, *, gid_index: int = -1, nic_topology: dict | None = None,
-             max_endpoints: int = 256, sysfs_root: str = SYSFS_INFINIBAND) -> "RdmaBackend":
-        """Opens every RDMA device with an active port.
+    def open(cls, settings: TransferSettings, pool: EndpointPool, tcp: TcpTransport, *,
+             instance: str, sysfs_root: str = SYSFS_INFINIBAND) -> "RdmaTransport":
+        """Opens every RDMA device with an active port (rdma_gid_index, nic_topology from
+        `settings`; NUMA nodes from `sysfs_root`).
 
         Raises: RdmaUnavailable ("pyverbs is not installed", "no RDMA device found", "no RDMA
-        device has an active port").
+        device has an active port"); ValueError for a malformed nic_topology.
         """
         pv = load_pyverbs()
         names = list_devices()
@@ -422,30 +85,42 @@ class RdmaBackend:
         problems = []
         for name in names:
             try:
-                nics[name] = RdmaNic(pv, name, gid_index, loop)
+                nics[name] = RdmaNic(pv, name, settings.rdma_gid_index, loop)
             except (RdmaUnavailable, pv.errors.PyverbsError) as e:
                 problems.append(f"{name}: {e}")
         if not nics:
             raise RdmaUnavailable("no RDMA device has an active port (" + "; ".join(problems) + ")")
         numa = detect_nics(sysfs_root)
-        topo = Topology.build({n: numa.get(n, -1) for n in nics}, nic_topology, set(nics))
+        try:
+            topo = Topology.build({n: numa.get(n, -1) for n in nics}, settings.nic_topology,
+                                  set(nics))
+        except ValueError:
+            for nic in nics.values():
+                nic.close()
+            raise
         log.info("rdma_backend_ready", nics=list(nics), topology=topo.to_dict(),
                  skipped=problems)
-        return cls(pv, nics, topo, max_endpoints)
+        return cls(pv, nics, topo, settings, pool, tcp, instance)
+
+    # ------------------------------------------------------------------ segments
 
     def register(self, seg: LocalSegment) -> None:
-        """Registers `seg` with every NIC (seg.rdma[nic] = memory region)."""
+        """Registers `seg` with every NIC (seg.rdma[nic] = memory region). Raises
+        pyverbs' PyverbsError when the NIC refuses the registration."""
         if seg.length == 0:
             return
         for name, nic in self.nics.items():
             seg.rdma[name] = nic.register(seg)
+        self._registered[seg.name] = seg
 
     def unregister(self, seg: LocalSegment) -> None:
+        """Deregisters `seg`'s memory regions."""
+        self._registered.pop(seg.name, None)
         for mr in seg.rdma.values():
             mr.close()
         seg.rdma.clear()
 
-    def nic_descriptors(self, seg: LocalSegment) -> list[dict]:
+    def segment_nics(self, seg: LocalSegment) -> list[dict]:
         """Descriptor entries for `seg`: its location's preferred NICs first."""
         if not seg.rdma:
             return []
@@ -454,10 +129,23 @@ class RdmaBackend:
         order += [n for n in self.nics if n not in order]
         return [self.nics[n].info(seg.rdma[n].rkey) for n in order if n in seg.rdma]
 
+    def _local_segment(self, peer: PeerSegment, view: memoryview) -> LocalSegment | None:
+        """The registered segment holding `view` when the RDMA path applies, else None."""
+        if not peer.nics or view.nbytes == 0:
+            return None
+        addr = buffer_address(view)
+        for seg in self._registered.values():
+            if seg.rdma and seg.contains(addr, view.nbytes):
+                return seg
+        return None
+
+    # ------------------------------------------------------------------ server side
+
     async def handle_control(self, op: Op, seg: LocalSegment, body: dict) -> dict:
         """Server side of the control channel: make/destroy the passive QP of a peer's endpoint.
 
-        Raises: ControlError (BAD_REQUEST) for a malformed body or an unknown NIC.
+        Raises: ControlError (BAD_REQUEST) for a malformed body or an unknown NIC;
+        ControlError (INTERNAL) when the queue pair cannot be connected.
         """
         try:
             if op == Op.RDMA_DISCONNECT:
@@ -479,16 +167,109 @@ class RdmaBackend:
         except self.pv.errors.PyverbsError as e:
             qp.close()
             raise ControlError(Status.INTERNAL, f"cannot connect QP: {e}") from e
-        for _, old in self._passive.put(key, _PassiveQp(qp)):
+        for _, old in self._passive.put(key, PassiveQp(qp)):
             old.close()
         return nic.local_info(qp, psn)
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Deregisters every segment, destroys the passive QPs and closes the NICs."""
+        for seg in list(self._registered.values()):
+            self.unregister(seg)
         for _, qp in self._passive.items():
             qp.close()
         for nic in self.nics.values():
             nic.close()
 
+    # ------------------------------------------------------------------ client side
 
-__all__ = ["RdmaUnavailable", "RdmaPathError", "RdmaAccessError", "load_pyverbs", "list_devices",
-           "rtr_rts_attr", "RdmaNic", "RdmaEndpoint", "RdmaBackend"]
+    def drop_paths(self, peer: PeerSegment) -> int:
+        """Drops every pooled queue pair to `peer`'s instance; returns how many."""
+        return self.pool.drop_where(lambda k: k[0] == "rdma" and k[1] == peer.instance)
+
+    def stats(self) -> dict:
+        """slices_retried and rdma_nics (names of the opened NICs)."""
+        return {"slices_retried": self.slices_retried, "rdma_nics": list(self.nics)}
+
+    async def transfer(self, peer: PeerSegment, read: bool, view: memoryview,
+                       remote_offset: int, progress: Progress) -> None:
+        """A request in rdma_slice_size_bytes slices, or over TCP when `view` lies outside
+        every registered segment (or the peer has no NICs). Raises TransferError."""
+        local = self._local_segment(peer, view)
+        if local is None:
+            await self._tcp.transfer(peer, read, view, remote_offset, progress)
+            return
+        await run_sliced(view, remote_offset, self.slice_size,
+                         partial(self._slice, peer, read, local), progress)
+
+    async def move_slice(self, peer: PeerSegment, read: bool, part: memoryview,
+                         remote_offset: int) -> None:
+        """One slice over RDMA (TCP when `part` is not in registered memory). Raises
+        TransferError."""
+        local = self._local_segment(peer, part)
+        if local is None:
+            await self._tcp.move_slice(peer, read, part, remote_offset)
+            return
+        await self._slice(peer, read, local, part, remote_offset)
+
+    async def _slice(self, peer: PeerSegment, read: bool, local: LocalSegment, part: memoryview,
+                     remote_offset: int) -> None:
+        """One work request on the next NIC pair; the following NICs on failure, then TCP."""
+        laddr = buffer_address(part)
+        local_nics = self.topology.paths(local.location)
+        turn = next(self._turn)
+        for attempt, nic_name in enumerate(local_nics[:ATTEMPTS]):
+            self.check_open()
+            remote = peer.nics[(turn + attempt) % len(peer.nics)]
+            pkey = ("rdma", peer.instance, nic_name, remote.name)
+            ep = self.pool.get(pkey, lambda nic=self.nics[nic_name], rn=remote: RdmaEndpoint(
+                nic, peer, rn, self._tcp.control, self._instance))
+            ep.users += 1
+            try:
+                await ep.ensure_connected()
+                await ep.transfer(read, laddr, local.rdma[nic_name].lkey, part.nbytes,
+                                  peer.rdma_addr + remote_offset, remote.rkey)
+                return
+            except RdmaAccessError as e:
+                self.pool.drop(pkey, ep)
+                raise refused(peer, e, f"({remote.name})") from None
+            except Refused as e:
+                raise refused(peer, e) from None
+            except (RdmaPathError, OSError, ConnectionError, ProtocolError,
+                    self.pv.errors.PyverbsError) as e:
+                self.slices_retried += 1
+                self.pool.drop(pkey, ep)
+                log.warning("rdma_path_failed", nic=nic_name, remote_nic=remote.name,
+                            node=peer.node, error=str(e))
+            finally:
+                ep.users -= 1
+        log.warning("rdma_paths_exhausted_using_tcp", node=peer.node)
+        await self._tcp.move_slice(peer, read, part, remote_offset)
+
+
+def open_rdma(settings: TransferSettings, pool: EndpointPool, tcp: TcpTransport, *,
+              instance: str, sysfs_root: str = SYSFS_INFINIBAND
+              ) -> tuple[RdmaTransport | None, str]:
+    """The RDMA transport when transfer.backend allows it (auto, rdma) and the host can run
+    it, wired to `tcp` (its data server then carries the RDMA control requests); else
+    (None, the reason RDMA is not used: "" for backend tcp). Logs `rdma_unavailable`.
+
+    Raises: RdmaUnavailable when transfer.require_rdma is set and RDMA is not usable;
+    ValueError for a malformed nic_topology.
+    """
+    if settings.backend == "tcp":
+        if settings.require_rdma:
+            raise RdmaUnavailable("transfer.require_rdma is set but transfer.backend is 'tcp'")
+        return None, ""
+    try:
+        rdma = RdmaTransport.open(settings, pool, tcp, instance=instance, sysfs_root=sysfs_root)
+    except RdmaUnavailable as e:
+        if settings.require_rdma:
+            raise
+        emit = log.warning if settings.backend == "rdma" else log.info
+        emit("rdma_unavailable", reason=str(e), using="tcp")
+        return None, str(e)
+    tcp.serve_control(rdma.handle_control)
+    return rdma, ""
+
+
+__all__ = ["RdmaTransport", "open_rdma", "RdmaUnavailable", "RdmaPathError", "RdmaAccessError"]
