@@ -35,6 +35,7 @@ import asyncio
 import os
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 ENV = "MOONCAKED_FAILPOINTS"
 ACTIONS = ("off", "error", "pause")
@@ -140,6 +141,21 @@ async def ahit(name: str) -> None:
             pass
 
 
+async def control_handler(payload: Any) -> dict:
+    """The control method `debug.failpoint` (a node registers it only when enabled()).
+
+    Payload: {"name", "action": "off" | "error" | "pause", "skip": int, "times": int |
+    null}. Returns {"failpoints": status()}.
+    Raises: ValueError for a malformed payload or an unknown action.
+    """
+    if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
+        raise ValueError("debug.failpoint needs {'name': <point>, 'action': ...}")
+    times = payload.get("times")
+    set_action(payload["name"], str(payload.get("action", "off")),
+               skip=int(payload.get("skip", 0)), times=None if times is None else int(times))
+    return {"failpoints": status()}
+
+
 def load_from_env() -> None:
     """Turns on the points listed in MOONCAKED_FAILPOINTS ("name=action;...").
 
@@ -153,5 +169,5 @@ def load_from_env() -> None:
         set_action(name.strip(), action.strip())
 
 
-__all__ = ["ACTIONS", "ENV", "FailpointError", "ahit", "enabled", "hit", "load_from_env",
+__all__ = ["ACTIONS", "ENV", "FailpointError", "ahit", "control_handler", "enabled", "hit", "load_from_env",
            "set_action", "status"]

@@ -466,6 +466,15 @@ def test_receive_buffers_belong_to_their_prefill_node(env):
     with pytest.raises(Exception, match="does not match"):
         control_call(d1, "node.kv_reserve", {**ask, "shape": [30, 2, 2, 16, 3, 32],
                                              "owner": "p-a"})
+    # A prefill node that gave up while its reservation was still in flight releases first:
+    # the late reservation is refused instead of holding memory until its TTL.
+    rid = f"r-early-{os.urandom(4).hex()}"
+    assert not control_call(d1, "node.release", {"rid": rid, "owner": "p-c"})["released"]
+    with pytest.raises(Exception, match="released by its prefill node before"):
+        control_call(d1, "node.kv_reserve", {**ask, "rid": rid, "owner": "p-c"})
+    assert status(cluster, "d1")["requests"]["receiving"] == 0
+    control_call(d1, "node.kv_reserve", {**ask, "rid": rid, "owner": "p-d"})   # another node may
+    assert control_call(d1, "node.release", {"rid": rid, "owner": "p-d"})["released"]
 
 
 # An abort takes effect when the engine step in progress ends: within a second on a quiet

@@ -9,10 +9,12 @@ coordinator: membership only matters to `start()`, which the e2e tests cover.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import statistics
 import time
 
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
+from mooncaked.cluster.messages import NodeReport, PlaceRequest
 from mooncaked.conductor.service import INFLIGHT_TTL_S, ConductorService
 from mooncaked.config import Settings
 
@@ -34,12 +36,13 @@ def report(svc: ConductorService, node: str, role: str, **kw) -> None:
     payload = {"node": node, "role": role, "pending": {}, "arrived": [],
                "decode": {"rids": [], "batch": 0, "context_tokens": 0, "free_kv_tokens": 10_000}}
     payload.update(kw)
-    asyncio.run(svc.report(payload))
+    asyncio.run(svc.report(NodeReport.from_json(payload)))      # through the wire form
 
 
 def place(svc: ConductorService, rid: str, n: int = 100, keys: list[bytes] = (), **kw) -> dict:
-    return asyncio.run(svc.place({"rid": rid, "keys": [k.hex() for k in keys],
-                                  "prompt_tokens": n, "max_new_tokens": 10, **kw}))
+    req = PlaceRequest.from_json({"rid": rid, "keys": [k.hex() for k in keys],
+                                  "prompt_tokens": n, "max_new_tokens": 10, **kw})
+    return asyncio.run(svc.place(req)).to_json()
 
 
 def test_placements_between_reports_queue_up_until_rejected():
@@ -78,8 +81,9 @@ def test_inflight_placements_expire_without_a_report():
     report(svc, "d1", "decode")
     place(svc, "lost")                   # its prefill call never reached p1
     v = svc.nodes["p1"]
-    rid, (new, cached, t) = next(iter(v.inflight_prefill.items()))
-    v.inflight_prefill[rid] = (new, cached, t - INFLIGHT_TTL_S - 1)
+    rid, inflight = next(iter(v.inflight_prefill.items()))
+    v.inflight_prefill[rid] = dataclasses.replace(
+        inflight, placed_at=inflight.placed_at - INFLIGHT_TTL_S - 1)
     report(svc, "p1", "prefill")
     assert not v.inflight_prefill
 

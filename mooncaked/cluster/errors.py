@@ -28,12 +28,16 @@ class RpcError(ClusterError):
 
     Attributes: `peer` (address called), `method` (handler name), `remote_type`
     (the exception class name raised by the remote handler, or "" when the failure
-    was local or in transport).
+    was local or in transport), `remote_message` (its message, as the handler wrote
+    it), `remote_param` (the request parameter at fault, if the error named one) and
+    `status` (the HTTP status of the answer, 0 when there was none).
     """
 
-    def __init__(self, message: str, *, peer: str = "", method: str = "", remote_type: str = ""):
+    def __init__(self, message: str, *, peer: str = "", method: str = "", remote_type: str = "",
+                 remote_message: str = "", remote_param: str | None = None, status: int = 0):
         super().__init__(message)
         self.peer, self.method, self.remote_type = peer, method, remote_type
+        self.remote_message, self.remote_param, self.status = remote_message, remote_param, status
 
 
 class PeerUnavailable(RpcError):

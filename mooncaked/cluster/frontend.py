@@ -38,26 +38,47 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 import orjson
 
 from mooncaked.api.protocol import ApiError
-from mooncaked.engine.types import (EngineStats, InvalidRequest, RequestOutput, SamplingParams,
-                                    TokenLogprob)
+from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
 
-from .errors import ClusterError, PeerUnavailable, RpcError, RpcTimeout
+from .errors import PeerUnavailable, RpcError, RpcTimeout
+from .messages import (DecodeFailure, DecodeRequest, NodeRef, OutputDelta, PlaceRejected,
+                       PlaceReply, PlaceRequest, PrefillReply, PrefillRequest, Release)
 
 log = get_logger(__name__)
 
 MAX_PLACEMENTS = 3          # prefill attempts per request (dead or draining nodes are skipped)
 MAX_DECODE_DISPATCHES = 2   # decode nodes tried per request before the first decode output
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+class FrontendPort(Protocol):
+    """What the front end needs of its node (ClusterNode implements it)."""
+
+    settings: Any
+    tokenizer: Any
+    leader_id: str | None
+
+    def model_info(self) -> dict | None: ...
+    def max_model_len(self) -> int | None: ...
+    def engine_stats(self) -> EngineStats | None: ...
+    async def place(self, req: PlaceRequest, timeout_s: float) -> PlaceReply | PlaceRejected: ...
+    async def wait_leader_change(self, timeout_s: float) -> None: ...
+    async def call_prefill(self, target: NodeRef, req: PrefillRequest, timeout_s: float
+                           ) -> PrefillReply: ...
+    async def release(self, addr: str, msg: Release) -> None: ...
+    def spawn(self, coro: Any) -> Any: ...
+    def serving(self) -> contextlib.AbstractContextManager: ...
 
 
 class Overloaded(ApiError):
@@ -75,13 +96,7 @@ class Overloaded(ApiError):
                 msg += f"; predicted TTFT {predicted_ttft_s:.2f} s"
             super().__init__(429, msg, type="rate_limit_error", code="overloaded")
         self.reason, self.retry_after_s = reason, retry_after_s
-        self.headers = {"Retry-After": str(max(1, int(-(-retry_after_s // 1))))}
-
-
-def _lps(raw: list | None) -> list[TokenLogprob] | None:
-    if not raw:
-        return None
-    return [TokenLogprob(t, lp, [tuple(x) for x in top]) for t, lp, top in raw]
+        self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
 
 
 def _held_back(text: str, stop: list[str]) -> str:
@@ -102,10 +117,10 @@ class ClusterFrontend:
     generate(), abort(), stats().
     """
 
-    def __init__(self, node: Any):
-        self.node = node
-        s = node.settings
-        self.tokenizer = node.tokenizer
+    def __init__(self, port: FrontendPort):
+        self.port = port
+        s = port.settings
+        self.tokenizer = port.tokenizer
         self.request_timeout_s = s.server.request_timeout_s
         self._model_name = s.server.served_model_name
         self._http: aiohttp.ClientSession | None = None
@@ -117,25 +132,21 @@ class ClusterFrontend:
         """Served model name: server.served_model_name, else the model file's stem."""
         if self._model_name:
             return self._model_name
-        m = self.node.model_info()
+        m = self.port.model_info()
         if m:
             return m["name"]
         from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
-        return resolve_model_path(self.node.settings.model.path).stem
+        return resolve_model_path(self.port.settings.model.path).stem
 
     @property
     def max_model_len(self) -> int:
         """Smallest context of the model nodes (tokens)."""
-        lens = [m.info["model"]["max_model_len"] for m in self.node.members.values()
-                if m.info.get("model")]
-        if self.node.engine is not None:
-            lens.append(self.node.engine.max_model_len)
-        return min(lens) if lens else DEFAULT_MAX_MODEL_LEN
+        return self.port.max_model_len() or DEFAULT_MAX_MODEL_LEN
 
     @property
     def max_logprobs(self) -> int:
         """Largest top_logprobs a request may ask for."""
-        return self.node.settings.engine.max_logprobs
+        return self.port.settings.engine.max_logprobs
 
     def abort(self, request_id: str) -> None:
         """No-op: closing the `generate` iterator cancels the remote calls, which aborts the
@@ -143,9 +154,7 @@ class ClusterFrontend:
 
     def stats(self) -> EngineStats:
         """This node's engine counters (zeros on a node without a model)."""
-        if self.node.engine is not None:
-            return self.node.engine.stats()
-        return EngineStats(0, 0, 0, 0, 0, 0, 0)
+        return self.port.engine_stats() or EngineStats(0, 0, 0, 0, 0, 0, 0)
 
     async def close(self) -> None:
         """Closes the HTTP client of decode streams."""
@@ -162,17 +171,19 @@ class ClusterFrontend:
 
     def block_keys(self, prompt: list[int], cache_salt: str | None) -> list[bytes]:
         """The prompt's block keys exactly as the model nodes' engines key them."""
-        m = self.node.model_info()
+        m = self.port.model_info()
         if m is None:
             raise ApiError(503, "no model node has joined the cluster yet", type="server_error",
                            code="service_unavailable")
         salt = make_salt(m["model_id"], int(m["block_size"]), m["kv_dtype"], cache_salt)
         return block_keys(prompt, int(m["block_size"]), salt)
 
-    async def _place(self, payload: dict, deadline: float) -> dict:
-        """conductor.place on the leader (or in-process when this node leads), waiting for
-        a leader while there is none. Raises Overloaded, or ApiError 503."""
-        timeout = self.node.settings.cluster.rpc_timeout_s
+    async def _place(self, req: PlaceRequest, deadline: float) -> PlaceReply:
+        """conductor.place on the leader, waiting for a leader while there is none.
+        Raises Overloaded, or ApiError 503."""
+        from mooncaked.conductor.service import NotLeader  # noqa: PLC0415
+
+        timeout = self.port.settings.cluster.rpc_timeout_s
         last = "no conductor has been elected"
         while True:
             remaining = deadline - time.monotonic()
@@ -180,29 +191,20 @@ class ClusterFrontend:
                 raise ApiError(503, f"no placement within the request's time: {last}",
                                type="server_error", code="no_conductor")
             try:
-                if self.node.conductor is not None:
-                    r = await self.node.conductor.place(payload)
-                else:
-                    addr = self.node.leader_control()
-                    if addr is None:
-                        await self.node.wait_leader_change(min(remaining, timeout))
-                        continue
-                    r = await self.node.client.call(addr, "conductor.place", payload,
-                                                    timeout_s=min(remaining, timeout))
-            except (PeerUnavailable, RpcTimeout) as e:
-                last = f"conductor {self.node.leader_id} unavailable: {e}"
-            except RpcError as e:
-                if e.remote_type != "NotLeader":
-                    raise ApiError(500, f"placement failed: {e}", type="server_error") from e
+                r = await self.port.place(req, min(remaining, timeout))
+            except NotLeader as e:
                 last = str(e)
+            except (PeerUnavailable, RpcTimeout) as e:
+                last = f"conductor {self.port.leader_id} unavailable: {e}"
+            except RpcError as e:
+                raise ApiError(500, f"placement failed: {e}", type="server_error") from e
             else:
-                if not r["ok"]:
-                    raise Overloaded(r["reason"], float(r["retry_after_s"]),
-                                     r.get("predicted_ttft_s"))
+                if isinstance(r, PlaceRejected):
+                    raise Overloaded(r.reason, r.retry_after_s, r.predicted_ttft_s)
                 return r
             log.info("place_retry", reason=last)
             # The leader died or moved: wait (bounded) for the election to settle.
-            await self.node.wait_leader_change(min(max(0.0, deadline - time.monotonic()), 1.0))
+            await self.port.wait_leader_change(min(max(0.0, deadline - time.monotonic()), 1.0))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -212,110 +214,100 @@ class ClusterFrontend:
         parameter a node refuses; ApiError 502/503/504 when the nodes fail or time out
         (with the node's id in the message).
         """
-        node = self.node
+        port = self.port
         # A drained node's API keeps serving as a front end (placement avoids its engine);
         # at shutdown the API server itself refuses new requests.
-        node.frontend_runs += 1
-        staged: tuple[str, str] | None = None    # (prefill control address, rid) to release
-        pushed: tuple[str, str] | None = None    # (decode control address, owner) to release
-        try:
-            deadline = time.monotonic() + self.request_timeout_s
-            keys = self.block_keys(prompt_token_ids, cache_salt)
-            n = len(prompt_token_ids)
-            max_new = params.max_tokens if params.max_tokens is not None \
-                else max(0, self.max_model_len - n)
-            can_continue = max_new > 1 and n + 1 < self.max_model_len
-            place_req = {"rid": request_id, "keys": [k.hex() for k in keys], "prompt_tokens": n,
-                         "max_new_tokens": max_new, "exclude": []}
-            pre = pl = None
-            for _ in range(MAX_PLACEMENTS):
-                pl = await self._place(place_req, deadline)
-                try:
-                    pre = await self._prefill(pl, prompt_token_ids, params, request_id, cache_salt,
-                                              can_continue, deadline)
-                    break
-                except _Replace as e:
-                    log.warning("prefill_replaced", request_id=request_id,
-                                node=pl["prefill"]["node"], reason=str(e))
-                    place_req["exclude"].append(pl["prefill"]["node"])
-            if pre is None:
-                raise ApiError(503, f"no prefill node could run the request (tried "
-                                    f"{', '.join(place_req['exclude'])})", type="server_error",
-                               code="prefill_unavailable")
-            if pre["kv"] is not None:
-                staged = (pl["prefill"]["control"], request_id)
-                if pre["kv"].get("pushed"):
-                    # until the decode node admits, its receive buffer is ours to free
-                    pushed = (pl["decode"]["control"], pl["prefill"]["control"])
-            first = pre["output"]
-            cached = int(first["cached"])
-            finished = pre["kv"] is None
-            fr = first["fr"] if finished else None
-            first_text = first["text"] if finished else _held_back(first["text"], params.stop)
-            yield RequestOutput(request_id, list(first["ids"]), first_text, finished, fr,
-                                first["sr"] if finished else None, _lps(first["lp"]),
-                                num_prompt_tokens=n, num_cached_tokens=cached,
-                                num_output_tokens=1)
-            if finished:
-                return
-            # aclosing: when the client goes away, the decode stream closes now, not at GC.
-            dec = self._decode(pl, pre, prompt_token_ids, params, request_id, cache_salt,
-                               place_req, first_text, deadline)
-            async with contextlib.aclosing(dec):
-                async for out in dec:
-                    staged = pushed = None       # the decode node admitted it: all released
-                    out.num_prompt_tokens, out.num_cached_tokens = n, cached
-                    yield out
-        finally:
-            node.frontend_runs -= 1
-            if staged is not None:
-                node.spawn(self._release(*staged))
-            if pushed is not None:
-                node.spawn(self._release(pushed[0], request_id, pushed[1]))
+        staged: tuple[str, Release] | None = None    # the prefill node's stage, to release
+        pushed: tuple[str, Release] | None = None    # the decode node's receive buffer
+        with port.serving():
+            try:
+                deadline = time.monotonic() + self.request_timeout_s
+                keys = self.block_keys(prompt_token_ids, cache_salt)
+                n = len(prompt_token_ids)
+                max_new = params.max_tokens if params.max_tokens is not None \
+                    else max(0, self.max_model_len - n)
+                can_continue = max_new > 1 and n + 1 < self.max_model_len
+                place_req = PlaceRequest(request_id, tuple(keys), n, max_new)
+                pre = pl = None
+                for _ in range(MAX_PLACEMENTS):
+                    pl = await self._place(place_req, deadline)
+                    try:
+                        pre = await self._prefill(pl, prompt_token_ids, params, request_id,
+                                                  cache_salt, can_continue, deadline)
+                        break
+                    except _Replace as e:
+                        log.warning("prefill_replaced", request_id=request_id,
+                                    node=pl.prefill.node, reason=str(e))
+                        place_req = dataclasses.replace(
+                            place_req, exclude=(*place_req.exclude, pl.prefill.node))
+                if pre is None:
+                    raise ApiError(503, f"no prefill node could run the request (tried "
+                                        f"{', '.join(place_req.exclude)})", type="server_error",
+                                   code="prefill_unavailable")
+                if pre.kv is not None:
+                    staged = (pl.prefill.control, Release(request_id))
+                    if pre.kv.pushed:
+                        # until the decode node admits, its receive buffer is ours to free
+                        pushed = (pl.decode.control, Release(request_id, pl.prefill.control))
+                first = pre.output
+                cached = first.num_cached_tokens
+                finished = pre.kv is None
+                first_text = first.text if finished else _held_back(first.text, params.stop)
+                out = first.to_output(request_id, text=first_text)
+                if not finished:
+                    out.finished, out.finish_reason, out.stop_reason = False, None, None
+                out.num_prompt_tokens, out.num_output_tokens = n, 1
+                yield out
+                if finished:
+                    return
+                # aclosing: when the client goes away, the decode stream closes now, not at GC.
+                dec = self._decode(pl, pre, prompt_token_ids, params, request_id, cache_salt,
+                                   place_req, first_text, deadline)
+                async with contextlib.aclosing(dec):
+                    async for out in dec:
+                        staged = pushed = None       # the decode node admitted it: all released
+                        out.num_prompt_tokens, out.num_cached_tokens = n, cached
+                        yield out
+            finally:
+                for held in (staged, pushed):
+                    if held is not None:
+                        port.spawn(port.release(*held))
 
-    async def _release(self, addr: str, rid: str, owner: str | None = None) -> None:
-        with contextlib.suppress(ClusterError):
-            await self.node.client.call(addr, "node.release", {"rid": rid, "owner": owner},
-                                        timeout_s=2.0)
-
-    async def _prefill(self, pl: dict, prompt: list[int], params: SamplingParams, rid: str,
-                       cache_salt: str | None, can_continue: bool, deadline: float) -> dict:
-        p = pl["prefill"]
+    async def _prefill(self, pl: PlaceReply, prompt: list[int], params: SamplingParams, rid: str,
+                       cache_salt: str | None, can_continue: bool, deadline: float
+                       ) -> PrefillReply:
+        p = pl.prefill
         remaining = deadline - time.monotonic()
-        push = can_continue and self.node.settings.cluster.layerwise_kv_push
-        payload = {"rid": rid, "prompt": prompt, "params": dataclasses.asdict(params),
-                   "cache_salt": cache_salt, "fetch": pl.get("fetch"),
-                   "prefix_tokens": pl.get("prefix_tokens", 0), "stage": can_continue,
-                   "push_to": pl["decode"]["control"] if push else None, "ttl_s": remaining}
+        push = can_continue and self.port.settings.cluster.layerwise_kv_push
+        req = PrefillRequest(rid, tuple(prompt), params, cache_salt, pl.fetch, pl.prefix_tokens,
+                             stage=can_continue, push_to=pl.decode.control if push else None,
+                             ttl_s=remaining)
         try:
-            return await self.node.data_client.call(p["control"], "node.prefill", payload,
-                                                    timeout_s=max(0.1, remaining))
+            return await self.port.call_prefill(p, req, max(0.1, remaining))
         except PeerUnavailable as e:
-            raise _Replace(f"prefill node {p['node']} unavailable: {e}") from e
+            raise _Replace(f"prefill node {p.node} unavailable: {e}") from e
         except RpcTimeout as e:
-            raise ApiError(504, f"prefill node {p['node']} did not answer within the request's "
+            raise ApiError(504, f"prefill node {p.node} did not answer within the request's "
                                 f"time", type="server_error", code="timeout") from e
         except RpcError as e:
             if e.remote_type == "NodeDraining":
                 raise _Replace(str(e)) from e
             if e.remote_type == "InvalidRequest":
-                raise InvalidRequest(str(e).split("InvalidRequest: ", 1)[-1].rsplit(" (HTTP", 1)[0],
-                                     None) from e
-            raise ApiError(502, f"prefill on node {p['node']} failed: {e}",
+                raise InvalidRequest(e.remote_message, e.remote_param) from e
+            raise ApiError(502, f"prefill on node {p.node} failed: {e}",
                            type="server_error", code="prefill_failed") from e
 
-    async def _decode(self, pl: dict, pre: dict, prompt: list[int], params: SamplingParams,
-                      rid: str, cache_salt: str | None, place_req: dict, sent_text: str,
-                      deadline: float) -> AsyncIterator[RequestOutput]:
-        first = pre["output"]
-        body = orjson.dumps({"rid": rid, "prompt": prompt, "first_token": first["ids"][0],
-                             "params": dataclasses.asdict(params), "cache_salt": cache_salt,
-                             "kv": pre["kv"], "prefill": pl["prefill"]["control"]})
-        cs = self.node.settings.cluster
-        d = pl["decode"]
-        exclude = list(place_req["exclude"])
+    async def _decode(self, pl: PlaceReply, pre: PrefillReply, prompt: list[int],
+                      params: SamplingParams, rid: str, cache_salt: str | None,
+                      place_req: PlaceRequest, sent_text: str, deadline: float
+                      ) -> AsyncIterator[RequestOutput]:
+        body = orjson.dumps(DecodeRequest(rid, tuple(prompt), pre.output.ids[0], params, pre.kv,
+                                          pl.prefill.control, cache_salt).to_json())
+        cs = self.port.settings.cluster
+        d = pl.decode
+        exclude = list(place_req.exclude)
         for attempt in range(MAX_DECODE_DISPATCHES):
-            url = f"http://{d['control']}/internal/decode"
+            url = f"http://{d.control}/internal/decode"
             remaining = deadline - time.monotonic()
             timeout = aiohttp.ClientTimeout(total=max(0.1, remaining),
                                             sock_connect=cs.rpc_timeout_s,
@@ -327,24 +319,27 @@ class ClusterFrontend:
                     if r.status != 200:
                         text = (await r.read())[:500].decode(errors="replace")
                         if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
-                            raise _Replace(f"decode node {d['node']} is draining")
-                        raise ApiError(502, f"decode node {d['node']} refused the request "
+                            raise _Replace(f"decode node {d.node} is draining")
+                        raise ApiError(502, f"decode node {d.node} refused the request "
                                             f"(HTTP {r.status}): {text}", type="server_error",
                                        code="decode_failed")
                     async for line in r.content:
                         line = line.strip()
                         if not line or line == b"{}":
                             continue                       # keep-alive
-                        o = orjson.loads(line)
-                        if "status" in o and o.get("error"):
-                            if o["status"] == 400:
-                                raise InvalidRequest(o["error"], o.get("param"))
-                            raise ApiError(502, f"decode on node {d['node']} failed: {o['error']}",
-                                           type="server_error", code="decode_failed")
-                        if o.get("error"):
-                            raise ApiError(500, f"engine error on decode node {d['node']}: "
-                                                f"{o['error']}", type="server_error")
-                        ids, text = list(o["ids"]), o["text"]
+                        raw = orjson.loads(line)
+                        failure = DecodeFailure.from_line(raw)
+                        if failure is not None:
+                            if failure.status == 400:
+                                raise InvalidRequest(failure.error, failure.param)
+                            raise ApiError(502, f"decode on node {d.node} failed: "
+                                                f"{failure.error}", type="server_error",
+                                           code="decode_failed")
+                        o = OutputDelta.from_json(raw)
+                        if o.error:
+                            raise ApiError(500, f"engine error on decode node {d.node}: "
+                                                f"{o.error}", type="server_error")
+                        ids, text = list(o.ids), o.text
                         if not produced:
                             produced = True
                             # The decode node reports the prefill's first token with its first
@@ -352,29 +347,29 @@ class ClusterFrontend:
                             ids = ids[1:]
                             if text.startswith(sent_text):
                                 text = text[len(sent_text):]
-                        yield RequestOutput(rid, ids, text, bool(o["fin"]), o["fr"], o["sr"],
-                                            _lps(o["lp"]), num_output_tokens=int(o["n_out"]))
-                        if o["fin"]:
+                        yield o.to_output(rid, ids, text)
+                        if o.finished:
                             return
-                raise ApiError(502, f"decode node {d['node']} ended the stream before the "
+                raise ApiError(502, f"decode node {d.node} ended the stream before the "
                                     f"request finished", type="server_error", code="decode_failed")
             except (_Replace, aiohttp.ClientConnectorError) as e:
                 if produced or attempt + 1 >= MAX_DECODE_DISPATCHES:
-                    raise ApiError(502, f"decode node {d['node']} unavailable: {e}",
+                    raise ApiError(502, f"decode node {d.node} unavailable: {e}",
                                    type="server_error", code="decode_failed") from e
-                log.warning("decode_replaced", request_id=rid, node=d["node"], reason=str(e))
-                if pre["kv"].get("pushed"):           # the new node READs the staged KV
-                    self.node.spawn(self._release(d["control"], rid, pl["prefill"]["control"]))
-                exclude.append(d["node"])
-                pl2 = await self._place({**place_req, "exclude": exclude, "decode_only": True},
-                                        deadline)
-                d = pl2["decode"]
+                log.warning("decode_replaced", request_id=rid, node=d.node, reason=str(e))
+                if pre.kv.pushed:           # the new node READs the staged KV
+                    self.port.spawn(self.port.release(d.control,
+                                                      Release(rid, pl.prefill.control)))
+                exclude.append(d.node)
+                pl2 = await self._place(dataclasses.replace(place_req, exclude=tuple(exclude),
+                                                            decode_only=True), deadline)
+                d = pl2.decode
             except (aiohttp.ServerTimeoutError, TimeoutError) as e:
-                raise ApiError(504, f"decode node {d['node']} sent nothing for "
+                raise ApiError(504, f"decode node {d.node} sent nothing for "
                                     f"{cs.stream_idle_timeout_s} s", type="server_error",
                                code="timeout") from e
             except (aiohttp.ClientError, ConnectionError) as e:
-                raise ApiError(502, f"decode node {d['node']} failed mid-stream: "
+                raise ApiError(502, f"decode node {d.node} failed mid-stream: "
                                     f"{type(e).__name__}: {e}", type="server_error",
                                code="decode_failed") from e
 
@@ -383,4 +378,4 @@ class _Replace(Exception):
     """The chosen node cannot take the request (dead, draining): place it again without it."""
 
 
-__all__ = ["ClusterFrontend", "Overloaded"]
+__all__ = ["ClusterFrontend", "FrontendPort", "Overloaded"]

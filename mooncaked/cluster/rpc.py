@@ -5,7 +5,8 @@ Wire format (HTTP/1.1):
 
     POST /control/<method>         body: JSON payload (any JSON value)
     200 {"ok": true,  "result": <JSON>}
-    4xx/5xx {"ok": false, "error": {"type": "<exception class>", "message": "..."}}
+    4xx/5xx {"ok": false, "error": {"type": "<exception class>", "message": "...",
+                                    "param": "<parameter at fault>" | null}}
 
 Control messages are small and latency-bound (placement requests, QP/segment
 descriptions, drain commands, inventories); KV bytes never travel here, they go
@@ -41,8 +42,9 @@ def _json_response(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-def _error(status: int, type_: str, message: str) -> web.Response:
-    return _json_response({"ok": False, "error": {"type": type_, "message": message}}, status)
+def _error(status: int, type_: str, message: str, param: str | None = None) -> web.Response:
+    return _json_response({"ok": False, "error": {"type": type_, "message": message,
+                                                  "param": param}}, status)
 
 
 class ControlServer:
@@ -95,10 +97,10 @@ class ControlServer:
         try:
             result = await handler(payload)
         except (ValueError, TypeError) as e:
-            return _error(400, type(e).__name__, str(e))
+            return _error(400, type(e).__name__, str(e), getattr(e, "param", None))
         except Exception as e:
             log.warning("control_handler_failed", method=name, error=repr(e))
-            return _error(500, type(e).__name__, str(e))
+            return _error(500, type(e).__name__, str(e), getattr(e, "param", None))
         try:
             return _json_response({"ok": True, "result": result})
         except TypeError as e:
@@ -234,7 +236,8 @@ class ControlClient:
         err = reply.get("error") or {}
         raise RpcError(f"{method} on {addr}: {err.get('type', 'Error')}: "
                        f"{err.get('message', '')} (HTTP {status})",
-                       remote_type=err.get("type", ""), **where)
+                       remote_type=err.get("type", ""), remote_message=err.get("message", ""),
+                       remote_param=err.get("param"), status=status, **where)
 
     async def close(self) -> None:
         """Closes pooled connections. Never raises."""

@@ -19,7 +19,7 @@ mooncaked/cluster/node.py). It keeps
   likewise its decode-step predictions against the decode nodes' timed steps,
   from which the decode model is refitted.
 
-`place(payload)` answers the `conductor.place` RPC: a placement (prefill node,
+`place(PlaceRequest)` answers the `conductor.place` RPC: a placement (prefill node,
 decode node, blocks to fetch and from where, predictions) or a rejection with
 a Retry-After (the paper's early rejection, section 4 step 4 and section 7).
 Nodes that stopped reporting (dead, hung) are left out after `stale_s`, which
@@ -30,67 +30,31 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import math
-import os
 import random
-import statistics
 import time
-from collections import OrderedDict, deque
-from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
-from mooncaked.config import Settings
+from mooncaked.cluster.messages import (FetchPlan, NodeRef, NodeReport, PlaceRejected, PlaceReply,
+                                        PlaceRequest, StoreEventMsg, unhex_keys)
+from mooncaked.config import Settings, state_dir
 from mooncaked.log import get_logger
 
-from .cost_model import DECODE_TERMS, CostModel, PolyModel, TransferModel
+from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
+from .load import INFLIGHT_TTL_S, InflightDecode, InflightPrefill, NodeView, apply_load, queue_s
+from .refit import CostModelRefitter
+from .replication import HotBlockReplicator
 from .policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
 
 log = get_logger(__name__)
 
-INFLIGHT_TTL_S = 3.0        # a placement not seen in the chosen node's reports by then is gone
-REFIT_MIN_SAMPLES = 16      # prefill samples (run alone on their node) before a refit is tried
-ERROR_WINDOW = 200          # TTFT prediction errors kept for `status()`
-REPLICATE_COOLDOWN_S = 5.0  # a prefix is not copied again this soon (its events lag)
-HITS_MAX = 100_000          # block keys whose reuse counts the conductor remembers (LRU)
-
-
-def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = False
-           ) -> tuple[PolyModel, dict] | None:
-    """A PolyModel fitted to (x1, x2, seconds) samples, with its provenance, when it beats
-    `current` on them by 20% in mean relative error; else None. Never a fit that predicts
-    <= 0 at the largest observed (x1, x2), nor (nonnegative) one with a negative
-    coefficient: live samples move together (batch and context grow alike), so a fit can
-    look good on them and still go negative elsewhere."""
-    x1, x2, y = zip(*samples)
-    try:
-        new = PolyModel.fit(x1, x2, y, tuple(terms))
-    except ValueError:
-        return None
-    if new(max(x1), max(x2)) <= 0 or (nonnegative and min(new.coef) < 0):
-        return None
-
-    def err(m) -> float:
-        return statistics.fmean(abs(max(0.0, m(a, b)) - t) / t for a, b, t in samples)
-
-    old_err, new_err = err(current), err(new)
-    if new_err >= 0.8 * old_err:
-        return None
-    return new, {"samples": len(samples), "mean_rel_error": round(new_err, 4),
-                 "previous_mean_rel_error": round(old_err, 4)}
 
 
 class NotLeader(RuntimeError):
     """This node does not run the conductor (any more); ask the current leader."""
-
-
-def state_dir(settings: Settings) -> Path:
-    """The node's persistent state directory: node.state_dir, else $STATE_DIRECTORY (systemd's
-    StateDirectory=), else ~/.local/state/mooncaked."""
-    d = settings.node.state_dir or os.environ.get("STATE_DIRECTORY", "").split(":")[0]
-    return Path(d or os.path.expanduser("~/.local/state/mooncaked"))
 
 
 def cost_model_path(settings: Settings) -> Path:
@@ -130,38 +94,6 @@ def load_cost_model(settings: Settings, kv_bytes_per_token: int) -> CostModel:
     return default_cost_model(kv_bytes_per_token)
 
 
-@dataclass
-class NodeView:
-    """What the conductor knows of one node (from its member record and its reports)."""
-
-    node_id: str
-    role: str = ""
-    control: str = ""
-    api: str = ""
-    info: dict = field(default_factory=dict)
-    draining: bool = False
-    reported_at: float = 0.0                 # monotonic seconds of the last report; 0: none
-    # rid -> (new tokens, cached tokens)
-    prefill_pending: dict[str, tuple[int, int]] = field(default_factory=dict)
-    decode_rids: set[str] = field(default_factory=set)
-    decode_batch: int = 0
-    decode_context_tokens: int = 0
-    free_kv_tokens: int = 0
-    store_seq: int = -1                      # last store event seq applied (-1: no inventory yet)
-    inflight_prefill: dict[str, tuple[int, int, float]] = field(default_factory=dict)
-    inflight_decode: dict[str, tuple[int, float]] = field(default_factory=dict)
-    placed: int = 0                          # requests placed here (prefill or decode)
-
-
-def _hexkeys(keys: Any) -> list[bytes]:
-    if not isinstance(keys, list):
-        raise ValueError("keys must be a list of hex strings")
-    try:
-        return [bytes.fromhex(k) for k in keys]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"keys must be hex strings: {e}") from None
-
-
 class ConductorService:
     """The conductor of a running cluster (see the module doc).
 
@@ -181,8 +113,9 @@ class ConductorService:
         self.coord = coord
         self.client = client
         self.settings = settings
-        self.cost = cost
+        self.model = CostModelRefitter(settings, cost)
         self.index = PrefixIndex()
+        self.replicator = HotBlockReplicator(settings, self.index, client)
         self.nodes: dict[str, NodeView] = {}
         self.stale_s = max(3.0, 8 * settings.cluster.report_interval_s)
         self.rng = random.Random(0)
@@ -190,22 +123,26 @@ class ConductorService:
         self._started_mono = time.monotonic()
         self.placed = 0
         self.rejected: dict[str, int] = {}
-        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # relative TTFT errors
-        self.samples: deque[tuple[int, int, float]] = deque(maxlen=256)  # (new, cached, s) alone
-        self._new_samples = 0
-        self.decode_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # relative step errors
-        self.decode_samples: deque[tuple[int, int, float]] = deque(maxlen=512)  # (batch, ctx, s)
-        self._new_decode_samples = 0
-        self.decode_refits = 0
-        self.refits = 0
-        self._predicted: dict[str, tuple[float, float]] = {}      # rid -> (ttft_s, monotonic)
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
-        # hot-block replication (section 4.2): block key -> placements that reused it
-        self.hits: OrderedDict[bytes, int] = OrderedDict()
-        self._replicating: dict[bytes, float] = {}   # last key of a prefix -> copy ended (inf: running)
-        self._replications: set[asyncio.Task] = set()
-        self.replicated = {"started": 0, "blocks": 0, "failed": 0}
+
+    # the parts tests and `ctl` read
+    @property
+    def cost(self) -> CostModel | None:
+        """The cost model in use (None until it is loaded)."""
+        return self.model.cost
+
+    @property
+    def refits(self) -> int:
+        return self.model.refits
+
+    @property
+    def decode_refits(self) -> int:
+        return self.model.decode_refits
+
+    @property
+    def replicated(self) -> dict:
+        return self.replicator.replicated
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -228,8 +165,8 @@ class ConductorService:
 
     async def stop(self) -> None:
         """Stops following membership; the index is dropped with the object."""
-        tasks = [t for t in [self._task, *self._pulls.values(), *self._replications]
-                 if t is not None]
+        await self.replicator.stop()
+        tasks = [t for t in [self._task, *self._pulls.values()] if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -283,7 +220,7 @@ class ConductorService:
         except Exception as e:  # noqa: BLE001 - a dead node is dropped by the membership watch
             log.warning("conductor_inventory_failed", node=node_id, error=str(e))
             return
-        tiers = {tier: [bytes.fromhex(k) for k in keys] for tier, keys in r["tiers"].items()}
+        tiers = {tier: list(unhex_keys(keys, "tiers")) for tier, keys in r["tiers"].items()}
         self.index.load_inventory(Inventory(node_id, int(r["seq"]), tiers))
         v.store_seq = int(r["seq"])
         log.info("conductor_inventory", node=node_id, seq=v.store_seq,
@@ -291,139 +228,49 @@ class ConductorService:
 
     # ------------------------------------------------------------------ reports
 
-    async def report(self, payload: Any) -> dict:
+    async def report(self, r: NodeReport) -> None:
         """Handler of `conductor.report`: one node's load, store events, finished prefills
-        and timed decode steps.
+        and timed decode steps (messages.NodeReport)."""
+        v = self.nodes.get(r.node) or self._upsert(r.node, {"role": r.role})
+        apply_load(v, r, time.monotonic())
+        self._apply_events(v, r.events, r.store_seq)
+        for d in r.done:
+            self.model.observe_prefill(d)
+        for step in r.decode_steps:
+            self.model.observe_step(*step)
 
-        Payload: {"node", "role", "draining", "pending": {rid: [new, cached]}, "arrived":
-        [rid], "decode": {"rids": [...], "batch", "context_tokens", "free_kv_tokens"},
-        "store_seq", "events": [{"kind", "tier", "keys": [hex], "seq"}], "done": [{"rid",
-        "seconds", "new", "cached", "alone"}], "decode_steps": [[batch size, context
-        tokens, seconds]]}. Returns {"ok": true}.
-        Raises: ValueError on a malformed payload.
-        """
-        if not isinstance(payload, dict) or not isinstance(payload.get("node"), str):
-            raise ValueError("report needs {'node': <id>, ...}")
-        nid = payload["node"]
-        v = self.nodes.get(nid) or self._upsert(nid, {"role": payload.get("role", "")})
-        now = time.monotonic()
-        v.reported_at = now
-        v.draining = bool(payload.get("draining", False)) or bool(v.info.get("draining", False))
-        v.prefill_pending = {rid: (int(a), int(b))
-                             for rid, (a, b) in (payload.get("pending") or {}).items()}
-        dec = payload.get("decode") or {}
-        v.decode_rids = set(dec.get("rids", ()))
-        v.decode_batch = int(dec.get("batch", 0))
-        v.decode_context_tokens = int(dec.get("context_tokens", 0))
-        v.free_kv_tokens = int(dec.get("free_kv_tokens", 0))
-        seen = set(payload.get("arrived") or ()) | v.prefill_pending.keys() | v.decode_rids
-        # placements the node now counts itself, or that never reached it
-        for rid in [r for r, e in v.inflight_prefill.items()
-                    if r in seen or now - e[2] > INFLIGHT_TTL_S]:
-            del v.inflight_prefill[rid]
-        for rid in [r for r, e in v.inflight_decode.items()
-                    if r in seen or now - e[1] > INFLIGHT_TTL_S]:
-            del v.inflight_decode[rid]
-        self._apply_events(v, payload.get("events") or [], int(payload.get("store_seq", -1)))
-        for d in payload.get("done") or ():
-            self._observe(d)
-        for step in payload.get("decode_steps") or ():
-            self._observe_step(*step)
-        return {"ok": True}
-
-    def _apply_events(self, v: NodeView, events: list, store_seq: int) -> None:
+    def _apply_events(self, v: NodeView, events: Sequence[StoreEventMsg], store_seq: int
+                      ) -> None:
         if v.store_seq < 0:          # no inventory yet: the pull will cover these
             if v.info.get("store"):
                 self._schedule_pull(v.node_id)
             return
         for e in events:
-            seq = int(e["seq"])
+            seq = e.seq
             if seq <= v.store_seq:
                 continue             # already in the inventory we loaded
             if seq != v.store_seq + 1:
                 log.warning("conductor_event_gap", node=v.node_id, have=v.store_seq, got=seq)
                 self._schedule_pull(v.node_id)
                 return
-            self.index.apply(v.node_id, [BlockEvent(e["kind"], k, e["tier"])
-                                         for k in _hexkeys(e["keys"])])
+            self.index.apply(v.node_id, [BlockEvent(e.kind, k, e.tier) for k in e.keys])
             v.store_seq = seq
         if store_seq > v.store_seq:  # the node delivered events we never got (a lost report)
             log.warning("conductor_event_gap", node=v.node_id, have=v.store_seq, got=store_seq)
             self._schedule_pull(v.node_id)
 
-    def _observe(self, d: dict) -> None:
-        """Folds one finished prefill in: prediction error, and a refit sample if it ran alone."""
-        pred = self._predicted.pop(d.get("rid"), None)
-        seconds = float(d.get("seconds", 0.0))
-        if pred is not None and seconds > 0:
-            self.errors.append((pred[0] - seconds) / seconds)
-        if d.get("alone") and seconds > 0 and self.settings.conductor.refit_cost_model:
-            self.samples.append((int(d.get("new", 0)), int(d.get("cached", 0)), seconds))
-            self._new_samples += 1
-            if self._new_samples >= REFIT_MIN_SAMPLES:
-                self._new_samples = 0
-                self._maybe_refit()
-
-    def _maybe_refit(self) -> None:
-        """Refits the prefill polynomial from recent solo prefills when the samples span
-        enough lengths and the refit predicts them better than the current model."""
-        if self.cost is None:
-            return
-        lengths = {s[0] for s in self.samples}
-        if len(lengths) < 4 or max(lengths) < 4 * max(1, min(lengths)):
-            return
-        new = _refit(self.cost.prefill, self.samples, ((0, 0), (1, 0), (0, 1), (1, 1)))
-        if new is not None:
-            model, info = new
-            self.cost = dataclasses.replace(self.cost, prefill=model,
-                                            meta={**self.cost.meta, "refit": info})
-            self.refits += 1
-            log.info("cost_model_refit", part="prefill", **info)
-
-    def _observe_step(self, batch: int, context_tokens: int, seconds: float) -> None:
-        """Folds one timed decode step in: prediction error, and a refit now and then."""
-        if seconds <= 0 or batch < 1:
-            return
-        if self.cost is not None:
-            pred = self.cost.decode_step_s(batch, context_tokens)
-            self.decode_errors.append((pred - seconds) / seconds)
-        if not self.settings.conductor.refit_cost_model:
-            return
-        self.decode_samples.append((int(batch), int(context_tokens), float(seconds)))
-        self._new_decode_samples += 1
-        if self._new_decode_samples >= 4 * REFIT_MIN_SAMPLES:
-            self._new_decode_samples = 0
-            self._maybe_refit_decode()
-
-    def _maybe_refit_decode(self) -> None:
-        """Refits the decode-step model (batch size, context tokens) from served steps when
-        they span enough batch sizes and contexts and the refit predicts them better."""
-        if self.cost is None:
-            return
-        batches = {s[0] for s in self.decode_samples}
-        contexts = [s[1] for s in self.decode_samples]
-        if len(batches) < 3 or max(contexts) < 2 * max(1, min(contexts)):
-            return
-        new = _refit(self.cost.decode, self.decode_samples, DECODE_TERMS, nonnegative=True)
-        if new is not None:
-            model, info = new
-            self.cost = dataclasses.replace(self.cost, decode=model,
-                                            meta={**self.cost.meta, "decode_refit": info})
-            self.decode_refits += 1
-            log.info("cost_model_refit", part="decode", **info)
-
     # ------------------------------------------------------------------ placement
 
     def _cost(self) -> CostModel:
-        if self.cost is None:
+        if self.model.cost is None:
             kvb = 0
             for v in self.nodes.values():
                 m = v.info.get("model") or {}
                 if m.get("block_bytes") and m.get("block_size"):
                     kvb = int(m["block_bytes"]) // int(m["block_size"])
                     break
-            self.cost = load_cost_model(self.settings, kvb)
-        return self.cost
+            self.model.cost = load_cost_model(self.settings, kvb)
+        return self.model.cost
 
     def _eligible(self, role: str, exclude: set[str], now: float) -> list[NodeView]:
         # A node is live while it reports. Right after a leader change nobody has reported to
@@ -434,25 +281,14 @@ class ConductorService:
                 if v.role == role and not v.draining and v.node_id not in exclude
                 and (now - v.reported_at < self.stale_s if v.reported_at else warming)]
 
-    async def place(self, payload: Any) -> dict:
-        """Handler of `conductor.place`.
-
-        Payload: {"rid", "keys": [hex block keys], "prompt_tokens", "max_new_tokens",
-        "exclude": [node ids to avoid], "decode_only": bool}.
-        Returns {"ok": true, "prefill": {node, control, api}, "decode": {...}, "fetch":
-        {"source", "control", "keys": [hex]} | null, "prefix_tokens", "predicted_ttft_s",
-        "predicted_tbt_s"} or {"ok": false, "reason", "retry_after_s", "predicted_ttft_s",
-        "predicted_tbt_s"}.
-        Raises: ValueError on a malformed payload.
-        """
-        if not isinstance(payload, dict):
-            raise ValueError("place needs an object payload")
-        keys = _hexkeys(payload.get("keys", []))
-        n = int(payload.get("prompt_tokens", 0))
-        max_new = int(payload.get("max_new_tokens", 0))
-        rid = str(payload.get("rid", ""))
-        exclude = set(payload.get("exclude") or ())
-        decode_only = bool(payload.get("decode_only", False))
+    async def place(self, req: PlaceRequest) -> PlaceReply | PlaceRejected:
+        """Handler of `conductor.place` (messages.PlaceRequest): the prefill and decode
+        nodes, the blocks to fetch and from where, or an early rejection. With
+        `decode_only`, a decode node for a request whose prefill already ran."""
+        keys = list(req.keys)
+        n, max_new, rid = req.prompt_tokens, req.max_new_tokens, req.rid
+        exclude = set(req.exclude)
+        decode_only = req.decode_only
         now = time.monotonic()
         cost = self._cost()
         cs = self.settings.conductor
@@ -472,12 +308,12 @@ class ConductorService:
             # placeholder with no queue, fully cached).
             snap_pre = (["-"], [0.0], [len(keys)])
         else:
-            queue = [self._queue_s(v, cost) for v in pre]
+            queue = [queue_s(v, cost) for v in pre]
             snap_pre = ([v.node_id for v in pre], queue,
                         self.index.match(keys, [v.node_id for v in pre]))
         dbatch, dctx, dfree = [], [], []
         for v in dec:
-            infl = sum(t for t, _ in v.inflight_decode.values())
+            infl = sum(x.tokens for x in v.inflight_decode.values())
             dbatch.append(v.decode_batch + len(v.inflight_decode))
             dctx.append(v.decode_context_tokens + infl)
             free = v.free_kv_tokens if v.reported_at else \
@@ -491,122 +327,43 @@ class ConductorService:
         result = place(PlacementRequest(keys, n, max_new), snap, cost, cfg, self.rng)
         if isinstance(result, Rejection):
             return self._reject(result)
-        if not decode_only and keys:
-            self._note_request(keys, now)
+        if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
+            self.replicator.note_request(keys, now, self.nodes,
+                                         self._eligible("cache", set(), now))
         return self._accept(rid, result, n, max_new, decode_only, now)
-
-    # ------------------------------------------------------------------ hot-block replication
-
-    def _note_request(self, keys: list[bytes], now: float) -> None:
-        """Counts the requests for each block key; the longest prefix of keys requested
-        conductor.hot_block_hits times and held by fewer than hot_block_replicas nodes
-        is copied onto a cache node."""
-        cs = self.settings.conductor
-        if cs.hot_block_hits <= 0:
-            return
-        for k in keys:
-            self.hits[k] = self.hits.get(k, 0) + 1
-            self.hits.move_to_end(k)
-        # leading keys are requested at least as often as later ones (a prefix)
-        hot = 0
-        while hot < len(keys) and self.hits[keys[hot]] >= cs.hot_block_hits:
-            hot += 1
-        while len(self.hits) > HITS_MAX:
-            self.hits.popitem(last=False)
-        keys = keys[:min(hot, self.index.longest(keys[:hot]))]   # hot and held somewhere
-        if not keys:
-            return
-        last = keys[-1]
-        started = self._replicating.get(last)
-        if started is not None and now - started < REPLICATE_COOLDOWN_S:
-            return                  # being copied, or copied and not yet in the index
-        if self.index.replicas(last) >= cs.hot_block_replicas:
-            return
-        holders = self.index.holders(last)
-        full = [h for h, m in zip(holders, self.index.match(keys, holders)) if m == len(keys)]
-        sources = [self.nodes[h] for h in full if h in self.nodes and self.nodes[h].control]
-        targets = [v for v in self._eligible("cache", set(), now)
-                   if v.control and v.info.get("store") and v.node_id not in full]
-        if not sources or not targets:
-            return
-        have = self.index.match(keys, [v.node_id for v in targets])
-        j = have.index(max(have))             # the cache node missing the fewest blocks
-        # a cache node as the source spares the prefill nodes' compute
-        src = next((v for v in sources if v.role == "cache"), sources[0])
-        self._replicating[last] = math.inf          # in flight
-        if len(self._replicating) > 1000:
-            self._replicating = {k: t for k, t in self._replicating.items()
-                                 if now - t < REPLICATE_COOLDOWN_S}
-        self.replicated["started"] += 1
-        t = asyncio.get_running_loop().create_task(
-            self._replicate(src, targets[j], keys[have[j]:], last))
-        self._replications.add(t)
-        t.add_done_callback(self._replications.discard)
-
-    async def _replicate(self, src: NodeView, dst: NodeView, keys: list[bytes],
-                         last: bytes) -> None:
-        """dst's store fetches `keys` from src's (store.fetch); the index learns the new
-        replicas from dst's store events in its next report."""
-        timeout = self.settings.cluster.rpc_timeout_s + self.settings.transfer.request_timeout_s
-        try:
-            r = await self.client.call(dst.control, "store.fetch",
-                                       {"source": src.control, "keys": [k.hex() for k in keys]},
-                                       timeout_s=timeout)
-            ok = sum(1 for x in r["results"] if x.get("status") == "stored")
-            self.replicated["blocks"] += ok
-            log.info("hot_blocks_replicated", source=src.node_id, target=dst.node_id,
-                     blocks=len(keys), stored=ok)
-        except Exception as e:  # noqa: BLE001 - a replica is an optimisation; log and go on
-            self.replicated["failed"] += 1
-            log.warning("hot_blocks_replication_failed", source=src.node_id,
-                        target=dst.node_id, error=str(e))
-        finally:
-            self._replicating[last] = time.monotonic()   # the cooldown runs from here
 
     def _block_size(self, v: NodeView) -> int:
         m = v.info.get("model") or {}
         return int(m.get("block_size") or self.settings.engine.block_size)
 
-    def _queue_s(self, v: NodeView, cost: CostModel) -> float:
-        work = list(v.prefill_pending.values())
-        work += [(a, b) for rid, (a, b, _) in v.inflight_prefill.items()
-                 if rid not in v.prefill_pending]
-        return sum(cost.prefill_s(a, b) for a, b in work)
-
-    def _reject(self, r: Rejection) -> dict:
+    def _reject(self, r: Rejection) -> PlaceRejected:
         self.rejected[r.reason] = self.rejected.get(r.reason, 0) + 1
         log.info("placement_rejected", reason=r.reason, retry_after_s=r.retry_after_s,
                  predicted_ttft_s=r.predicted_ttft_s, predicted_tbt_s=r.predicted_tbt_s)
-        return {"ok": False, "reason": r.reason, "retry_after_s": r.retry_after_s,
-                "predicted_ttft_s": None if math.isnan(r.predicted_ttft_s) else r.predicted_ttft_s,
-                "predicted_tbt_s": None if math.isnan(r.predicted_tbt_s) else r.predicted_tbt_s}
+        return PlaceRejected(r.reason, r.retry_after_s,
+                             None if math.isnan(r.predicted_ttft_s) else r.predicted_ttft_s,
+                             None if math.isnan(r.predicted_tbt_s) else r.predicted_tbt_s)
 
     def _accept(self, rid: str, p: Placement, n: int, max_new: int, decode_only: bool,
-                now: float) -> dict:
+                now: float) -> PlaceReply:
         dv = self.nodes[p.decode]
         pv = self.nodes.get(p.prefill) or NodeView("-")
         if not decode_only:
-            pv.inflight_prefill[rid] = (n - p.prefix_tokens, p.prefix_tokens, now)
+            pv.inflight_prefill[rid] = InflightPrefill(n - p.prefix_tokens, p.prefix_tokens, now)
             pv.placed += 1
-            self._predicted[rid] = (p.predicted_ttft_s, now)
-            if len(self._predicted) > 10_000:          # placements that never reported back
-                for old in [r for r, (_, t) in self._predicted.items() if now - t > 600]:
-                    del self._predicted[old]
-        dv.inflight_decode[rid] = (n + max_new, now)
+            self.model.predicted(rid, p.predicted_ttft_s, now)
+        dv.inflight_decode[rid] = InflightDecode(n + max_new, now)
         dv.placed += 1
         self.placed += 1
         fetch = None
         if p.fetch is not None and not decode_only:
             src = self.nodes.get(p.fetch.source)
             if src is not None and src.control:
-                fetch = {"source": src.node_id, "control": src.control,
-                         "keys": [k.hex() for k in p.fetch.keys]}
-        return {"ok": True,
-                "prefill": {"node": pv.node_id, "control": pv.control, "api": pv.api},
-                "decode": {"node": dv.node_id, "control": dv.control, "api": dv.api},
-                "fetch": fetch, "prefix_tokens": p.prefix_tokens,
-                "local_prefix_tokens": min(p.local_prefix_blocks * self._block_size(pv), n),
-                "predicted_ttft_s": p.predicted_ttft_s, "predicted_tbt_s": p.predicted_tbt_s}
+                fetch = FetchPlan(src.node_id, src.control, tuple(p.fetch.keys))
+        return PlaceReply(NodeRef(pv.node_id, pv.control, pv.api),
+                          NodeRef(dv.node_id, dv.control, dv.api), fetch, p.prefix_tokens,
+                          min(p.local_prefix_blocks * self._block_size(pv), n),
+                          p.predicted_ttft_s, p.predicted_tbt_s)
 
     # ------------------------------------------------------------------ inspection
 
@@ -615,7 +372,6 @@ class ConductorService:
         and its TTFT prediction error (signed relative error: > 0 over-predicts)."""
         now = time.monotonic()
         cost = self.cost
-        errs, derrs = list(self.errors), list(self.decode_errors)
         nodes = {}
         for nid, v in sorted(self.nodes.items()):
             nodes[nid] = {
@@ -623,7 +379,7 @@ class ConductorService:
                 "report_age_s": round(now - v.reported_at, 3) if v.reported_at else None,
                 "prefill_pending": len(v.prefill_pending), "inflight": len(v.inflight_prefill)
                 + len(v.inflight_decode),
-                "queue_s": round(self._queue_s(v, cost), 4) if cost is not None else None,
+                "queue_s": round(queue_s(v, cost), 4) if cost is not None else None,
                 "decode_batch": v.decode_batch, "decode_context_tokens": v.decode_context_tokens,
                 "free_kv_tokens": v.free_kv_tokens, "indexed_blocks": self.index.blocks_on(nid),
                 "store_seq": v.store_seq, "placed": v.placed}
@@ -633,24 +389,12 @@ class ConductorService:
             "policy": self.settings.conductor.policy,
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},
-            "cost_model": None if cost is None else {
-                "name": cost.name, "source": cost.meta.get("source", ""), "refits": self.refits,
-                "decode_refits": self.decode_refits, "meta": cost.meta},
-            "replication": {**self.replicated, "in_flight": len(self._replications),
+            "replication": {**self.replicated, "in_flight": self.replicator.in_flight(),
                             "hot_block_hits": self.settings.conductor.hot_block_hits,
                             "target_replicas": self.settings.conductor.hot_block_replicas},
-            "ttft_prediction": _error_summary(errs),
-            "decode_step_prediction": _error_summary(derrs),
+            **self.model.status(),
         }
 
 
-def _error_summary(errs: list[float]) -> dict:
-    """Signed relative prediction errors -> {"samples", "median_rel_error",
-    "median_abs_rel_error"} (> 0 over-predicts)."""
-    return {"samples": len(errs),
-            "median_rel_error": statistics.median(errs) if errs else None,
-            "median_abs_rel_error": statistics.median(abs(e) for e in errs) if errs else None}
-
-
-__all__ = ["ConductorService", "NodeView", "NotLeader", "cost_model_path", "default_cost_model",
+__all__ = ["ConductorService", "INFLIGHT_TTL_S", "NodeView", "NotLeader", "cost_model_path", "default_cost_model",
            "load_cost_model", "state_dir"]

@@ -30,6 +30,7 @@ import numpy as np
 
 from mooncaked import failpoints
 from mooncaked.cluster import ClusterError, ControlClient, ControlServer
+from mooncaked.cluster.messages import MessageError, hex_keys, unhex_keys
 from mooncaked.log import get_logger
 from mooncaked.transfer import TransferEngine, TransferOp, TransferRequest
 
@@ -41,17 +42,11 @@ log = get_logger(__name__)
 PREFIX = "store."
 
 
-def _hex(keys: Sequence[bytes]) -> list[str]:
-    return [k.hex() for k in keys]
-
-
 def _unhex(payload: Any, field: str = "keys") -> list[bytes]:
-    if not isinstance(payload, dict) or not isinstance(payload.get(field), list):
-        raise ValueError(f"payload must be an object with a list {field!r}")
-    try:
-        return [bytes.fromhex(k) for k in payload[field]]
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{field} must be hex strings: {e}") from None
+    """The hex block keys of payload[field]. Raises: ValueError (MessageError) otherwise."""
+    if not isinstance(payload, dict):
+        raise MessageError("payload must be a JSON object")
+    return list(unhex_keys(payload.get(field), field))
 
 
 def _result_json(r: PutResult) -> dict:
@@ -156,7 +151,7 @@ class StoreNode:
     async def _h_inventory(self, payload: Any) -> dict:
         inv = self.store.inventory()
         return {"node": inv.node_id, "seq": inv.seq,
-                "tiers": {tier: _hex(keys) for tier, keys in inv.tiers.items()}}
+                "tiers": {tier: hex_keys(keys) for tier, keys in inv.tiers.items()}}
 
     # ------------------------------------------------------------------ client side
 
@@ -174,7 +169,7 @@ class StoreNode:
 
     async def query(self, addr: str, keys: Sequence[bytes]) -> tuple[list[str | None], int]:
         """Which tier of node `addr` holds each key, and its longest held prefix of `keys`."""
-        r = await self.control.call(addr, PREFIX + "query", {"keys": _hex(keys)})
+        r = await self.control.call(addr, PREFIX + "query", {"keys": hex_keys(keys)})
         return r["tiers"], r["prefix"]
 
     async def _read_remote(self, addr: str, keys: Sequence[bytes], views: Sequence[Any],
@@ -182,7 +177,7 @@ class StoreNode:
         """Steps 1-3 of the module doc: per key "" if `views[i]` now holds block keys[i],
         else the reason. Never returns bytes read under an expired lease."""
         segment = await self._segment_of(addr)
-        payload = {"keys": _hex(keys)}
+        payload = {"keys": hex_keys(keys)}
         if ttl_s is not None:
             payload["ttl_s"] = ttl_s
         loc = await self.control.call(addr, PREFIX + "locate", payload)
@@ -266,7 +261,7 @@ class StoreNode:
     async def copy(self, src: str, dst: str, keys: Sequence[bytes]) -> list[PutResult]:
         """Replicates blocks from node `src` to node `dst` (dst reads from src); what the
         conductor calls to add replicas of hot blocks. One PutResult per key, from dst."""
-        r = await self.control.call(dst, PREFIX + "fetch", {"source": src, "keys": _hex(keys)})
+        r = await self.control.call(dst, PREFIX + "fetch", {"source": src, "keys": hex_keys(keys)})
         return [_result_from_json(d) for d in r["results"]]
 
     async def move(self, src: str, dst: str, keys: Sequence[bytes]) -> list[PutResult]:
@@ -276,7 +271,7 @@ class StoreNode:
         done = [k for k, r in zip(keys, results) if r.ok]
         if done:
             try:
-                await self.control.call(src, PREFIX + "remove", {"keys": _hex(done)})
+                await self.control.call(src, PREFIX + "remove", {"keys": hex_keys(done)})
             except ClusterError as e:
                 log.warning("move_remove_failed", src=src, blocks=len(done), error=str(e))
         return results

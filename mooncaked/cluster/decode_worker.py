@@ -1,0 +1,247 @@
+"""The decode side of a node: receive buffers for pushed KV (`node.kv_reserve`) and the
+internal decode stream (POST /internal/decode; architecture.md step 4).
+
+A prefill node reserves a receive buffer for one request when its first layer is
+ready; only it gets the buffer's access key. When the API node then asks this node
+to decode the request (a `DecodeRequest`), the node takes the pushed buffer if the
+push completed, else READs the prefill node's stage in one batch (all of it or
+nothing: it never decodes on partial KV), admits the request with kv_import +
+first_token, and streams `OutputDelta` lines back ("{}" keep-alives while quiet; a
+`DecodeFailure` line ends a request the engine refuses or fails).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from mooncaked import failpoints
+from mooncaked.config import Settings
+from mooncaked.log import get_logger
+
+from .messages import (DecodeFailure, DecodeRequest, KVReservation, KVReserved, MessageError,
+                       OutputDelta, Release)
+from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
+
+log = get_logger(__name__)
+
+
+@dataclass
+class ReceiveBuffer:
+    """A reserved buffer for one request's pushed KV: transfer segment `segment` over
+    `buf` (layer-major), owned by the prefill node at control address `owner`, withdrawn
+    when `timer` fires."""
+
+    segment: str
+    buf: Any                          # torch.Tensor
+    timer: asyncio.TimerHandle
+    owner: str
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.numel() * self.buf.element_size()
+
+
+class DecodeWorker:
+    """Receive buffers and the decode stream of a decode node (see the module doc).
+
+    Args: as PrefillWorker's (no store: a decode node takes KV only from prefill nodes).
+    """
+
+    def __init__(self, node_id: str, settings: Settings, engine: Any, transfer: Any, client: Any,
+                 draining: Callable[[], bool], spawn: Callable, counters: KVTransferCounters,
+                 activity: Activity):
+        self.node_id, self.settings = node_id, settings
+        self.engine, self.transfer, self.client = engine, transfer, client
+        self._draining, self._spawn = draining, spawn
+        self.counters, self.activity = counters, activity
+        self.requests: dict[str, int] = {}            # rid -> context tokens
+        self.buffers: dict[str, ReceiveBuffer] = {}
+        # (rid, owner) released before its reservation arrived -> until when (monotonic s):
+        # a prefill node that gave up on a request while its node.kv_reserve was still in
+        # flight releases first; the late reservation must not then hold memory until its TTL.
+        self._released_early: dict[tuple[str, str], float] = {}
+
+    # ------------------------------------------------------------------ receive buffers
+
+    async def reserve(self, payload: Any) -> dict:
+        """`node.kv_reserve`: KVReservation -> KVReserved, a receive buffer registered as
+        segment "<node>/recv/<rid>"; only the caller gets its descriptor (access key). Freed
+        when the request is admitted, by node.release from its owner, or after ttl_s from
+        now (clamped to [cluster.stage_ttl_s, server.request_timeout_s]). A new reservation
+        for the same rid (the request placed again on another prefill node) replaces the
+        old one.
+        Raises: NodeDraining; ValueError for a wrong geometry, or when the receive buffers
+        would exceed engine.kv_cache_bytes.
+        """
+        import torch  # noqa: PLC0415
+
+        ask = KVReservation.from_json(payload)
+        if self._draining():
+            raise NodeDraining(f"{self.node_id} is draining")
+        failpoints.hit("node.kv_reserve")
+        g = self.engine.kv_geometry()
+        want = g.layer_major_shape(ask.shape[1] if len(ask.shape) == 6 else 0)
+        if list(ask.shape) != want or ask.shape[1] < 1 or ask.dtype != g.dtype_name:
+            raise ValueError(f"receive buffer {list(ask.shape)} {ask.dtype} does not match this "
+                             f"engine ({g.num_layers}, n, {want[2:]}, {g.dtype})")
+        now = time.monotonic()
+        self._released_early = {k: t for k, t in self._released_early.items() if t > now}
+        if (ask.rid, ask.owner) in self._released_early:
+            raise ValueError(f"request {ask.rid} was released by its prefill node before this "
+                             f"reservation arrived")
+        self.release(ask.rid)                # an earlier attempt of this request
+        nbytes = ask.shape[1] * g.block_bytes
+        held = sum(r.nbytes for r in self.buffers.values())
+        if held + nbytes > self.settings.engine.kv_cache_bytes:
+            raise ValueError(f"receive buffers full ({held} + {nbytes} bytes > "
+                             f"engine.kv_cache_bytes)")
+        buf = torch.empty(list(ask.shape), dtype=g.dtype)
+        name = f"{self.node_id}/recv/{ask.rid}"
+        desc = self.transfer.register_segment(name, buf, "cpu:0")
+        ttl = min(max(ask.ttl_s, self.settings.cluster.stage_ttl_s),
+                  self.settings.server.request_timeout_s)
+        timer = asyncio.get_running_loop().call_later(ttl, self.release, ask.rid)
+        self.buffers[ask.rid] = ReceiveBuffer(name, buf, timer, ask.owner)
+        return KVReserved(desc).to_json()
+
+    def release(self, rid: str, owner: str | None = None) -> Any:
+        """Withdraws rid's receive segment (only if `owner`, when given, reserved it);
+        returns its buffer, or None. A release by `owner` that finds no buffer refuses that
+        owner's reservation of rid for cluster.stage_ttl_s (it may still be in flight)."""
+        r = self.buffers.get(rid)
+        if r is None and owner:
+            self._released_early[(rid, owner)] = (time.monotonic()
+                                                  + self.settings.cluster.stage_ttl_s)
+        if r is None or (owner is not None and r.owner != owner):
+            return None
+        del self.buffers[rid]
+        r.timer.cancel()
+        with contextlib.suppress(Exception):
+            self.transfer.unregister_segment(r.segment)
+        return r.buf
+
+    # ------------------------------------------------------------------ decode stream
+
+    async def _kv_for(self, req: DecodeRequest) -> Any:
+        """The request's KV (layer-major tensor): the pushed buffer, complete (the prefill
+        node answered only after every WRITE), or a READ of the prefill node's stage.
+        Any other buffer for rid (a push that failed part-way, another prefill node's
+        attempt) goes. Raises: whatever the READ raises, or TimeoutError."""
+        import torch  # noqa: PLC0415
+
+        kv = req.kv
+        r = self.buffers.get(req.rid)
+        pushed_here = kv.pushed and r is not None and r.owner == req.prefill
+        buf = self.release(req.rid)
+        if pushed_here and buf is not None:
+            self.counters.received_pushed += 1
+            return buf
+        t0 = time.monotonic()
+        buf = torch.empty(list(kv.shape), dtype=getattr(torch, kv.dtype))
+        seg = self.transfer.add_peer_segment(kv.descriptor)
+        try:
+            await asyncio.wait_for(self.transfer.read(seg, 0, buf),
+                                   self.settings.transfer.request_timeout_s)
+        finally:
+            with contextlib.suppress(Exception):
+                self.transfer.remove_peer_segment(seg)
+        c = self.counters
+        c.read += 1
+        c.read_bytes += buf.numel() * buf.element_size()
+        c.read_s += time.monotonic() - t0
+        return buf
+
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        """POST /internal/decode: DecodeRequest -> 200 with one JSON object a line:
+        OutputDelta lines, "{}" keep-alives every stream_idle_timeout_s / 3, or a
+        DecodeFailure line. Answers 503 while draining, 400 for a malformed body, 502 when
+        the KV cannot be read.
+        """
+        from mooncaked.engine.types import InvalidRequest, KVImport  # noqa: PLC0415
+
+        if self._draining():
+            return web.json_response({"error": f"{self.node_id} is draining"}, status=503)
+        try:
+            req = DecodeRequest.from_json(orjson.loads(await request.read()))
+        except (orjson.JSONDecodeError, MessageError) as e:
+            return web.json_response({"error": f"bad decode request: {e}"}, status=400)
+        rid = req.rid
+        t0 = time.monotonic()
+        try:
+            buf = await self._kv_for(req)
+        except Exception as e:  # noqa: BLE001 - TransferError, timeout: never decode on partial KV
+            log.warning("kv_read_failed", request_id=rid, error=str(e))
+            return web.json_response({"error": f"KV transfer from the prefill node failed: "
+                                               f"{e}"}, status=502)
+        self._spawn(release_on(self.client, req.prefill, Release(rid)))
+        prompt = list(req.prompt)
+        self.requests[rid] = len(prompt) + 1
+        self.activity.arrived.append(rid)
+        log.debug("decode_admit", request_id=rid, kv_bytes=buf.numel() * buf.element_size(),
+                  read_s=round(time.monotonic() - t0, 4))
+        q: asyncio.Queue = asyncio.Queue()
+
+        async def pump() -> None:
+            gen = self.engine.generate(prompt, req.params, rid, cache_salt=req.cache_salt,
+                                       kv_import=KVImport(buf.permute(1, 0, 2, 3, 4, 5),
+                                                          req.kv.num_tokens),
+                                       first_token=req.first_token)
+            try:
+                async with contextlib.aclosing(gen):
+                    async for out in gen:
+                        q.put_nowait(out)
+                        if out.finished:
+                            return
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - handed to the stream
+                q.put_nowait(e)
+
+        task = asyncio.create_task(pump())
+        resp = web.StreamResponse(status=200, headers={"Content-Type": "application/x-ndjson"})
+        keepalive = self.settings.cluster.stream_idle_timeout_s / 3
+        try:
+            await resp.prepare(request)
+            while True:
+                try:
+                    item = await asyncio.wait_for(q.get(), keepalive)
+                except TimeoutError:
+                    await resp.write(b"{}\n")
+                    continue
+                if isinstance(item, Exception):
+                    status = 400 if isinstance(item, InvalidRequest) else 500
+                    failure = DecodeFailure(str(item), status, getattr(item, "param", None))
+                    await resp.write(orjson.dumps(failure.to_json()) + b"\n")
+                    break
+                self.requests[rid] = self.requests.get(rid, 0) + len(item.new_token_ids)
+                await resp.write(orjson.dumps(OutputDelta.of(item).to_json()) + b"\n")
+                if item.finished:
+                    break
+        except ConnectionResetError:
+            log.info("decode_client_gone", request_id=rid)
+        finally:
+            task.cancel()    # closes the engine generator: the request is aborted, pages freed
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            self.requests.pop(rid, None)
+        return resp
+
+    def load(self) -> tuple[list[str], int, int]:
+        """(running request ids, their count, KV tokens they hold)."""
+        return list(self.requests), len(self.requests), sum(self.requests.values())
+
+    def close(self) -> None:
+        """Withdraws every receive buffer (at shutdown)."""
+        for rid in list(self.buffers):
+            self.release(rid)
+
+
+__all__ = ["DecodeWorker", "ReceiveBuffer"]

@@ -1,0 +1,561 @@
+"""Typed messages of the cluster: every body that crosses a node boundary.
+
+One frozen dataclass per RPC body and reply (and per line of the internal
+decode stream), each with its JSON form in one place: `to_json()` returns a
+dict orjson can write, `from_json(d)` builds the message and raises
+`MessageError` (a ValueError, so a control server answers 400) for a body that
+is not one. Keys travel as hex strings, token ids and shapes as lists.
+
+The request path (docs/ARCHITECTURE.md, "The life of a request in a cluster"):
+
+    API node --PlaceRequest--> conductor --PlaceReply | PlaceRejected--> API node
+    API node --PrefillRequest--> prefill node
+        prefill node --KVReservation--> decode node --KVReserved--> prefill node
+        (layer-wise WRITEs into the reserved buffer)
+    prefill node --PrefillReply(OutputDelta, KVHandle)--> API node
+    API node --DecodeRequest--> decode node --OutputDelta lines | DecodeFailure--> API node
+    API node / prefill node --Release--> prefill or decode node
+    every node --NodeReport--> conductor
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mooncaked.engine.types import RequestOutput, SamplingParams, TokenLogprob
+
+
+class MessageError(ValueError):
+    """A body that is not the message it should be (missing or mistyped field)."""
+
+
+def _get(d: Any, name: str, kind: type | tuple[type, ...], default: Any = dataclasses.MISSING
+         ) -> Any:
+    """Field `name` of JSON object d, checked against `kind` (None allowed only as a default).
+
+    Raises: MessageError when d is not an object, or the field is missing or mistyped.
+    """
+    if not isinstance(d, Mapping):
+        raise MessageError(f"expected a JSON object, got {type(d).__name__}")
+    if name not in d or (d[name] is None and default is not dataclasses.MISSING):
+        if default is dataclasses.MISSING:
+            raise MessageError(f"missing field {name!r}")
+        return default
+    v = d[name]
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        return float(v)
+    if not isinstance(v, kind) or (isinstance(v, bool) and kind in (int, float)):
+        raise MessageError(f"field {name!r}: expected {getattr(kind, '__name__', kind)}, "
+                           f"got {type(v).__name__}")
+    return v
+
+
+def hex_keys(keys: Sequence[bytes]) -> list[str]:
+    """Block keys -> hex strings (their wire form)."""
+    return [k.hex() for k in keys]
+
+
+def unhex_keys(values: Any, field: str = "keys") -> tuple[bytes, ...]:
+    """Hex strings -> block keys. Raises: MessageError for anything else."""
+    if not isinstance(values, list):
+        raise MessageError(f"field {field!r}: expected a list of hex strings")
+    try:
+        return tuple(bytes.fromhex(v) for v in values)
+    except (TypeError, ValueError) as e:
+        raise MessageError(f"field {field!r}: not hex strings ({e})") from None
+
+
+def _ints(values: Any, field: str) -> tuple[int, ...]:
+    if not isinstance(values, list) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                               for v in values):
+        raise MessageError(f"field {field!r}: expected a list of integers")
+    return tuple(values)
+
+
+def params_to_json(p: SamplingParams) -> dict:
+    """SamplingParams -> its fields as a JSON object."""
+    return dataclasses.asdict(p)
+
+
+def params_from_json(d: Any) -> SamplingParams:
+    """A JSON object of SamplingParams fields -> SamplingParams (unknown fields refused).
+
+    Raises: MessageError for a non-object or an unknown field.
+    """
+    if not isinstance(d, Mapping):
+        raise MessageError("field 'params': expected an object")
+    try:
+        return SamplingParams(**d)
+    except TypeError as e:
+        raise MessageError(f"field 'params': {e}") from None
+
+
+# ---------------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class NodeRef:
+    """Where a node is: id, control address (host:port) and API URL."""
+
+    node: str
+    control: str
+    api: str = ""
+
+    def to_json(self) -> dict:
+        return {"node": self.node, "control": self.control, "api": self.api}
+
+    @classmethod
+    def from_json(cls, d: Any) -> NodeRef:
+        return cls(_get(d, "node", str), _get(d, "control", str), _get(d, "api", str, ""))
+
+
+@dataclass(frozen=True)
+class FetchPlan:
+    """Prefix blocks a prefill node copies from `source` (control address `control`) into
+    its store before prefilling (paper section 4.2)."""
+
+    source: str
+    control: str
+    keys: tuple[bytes, ...]
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "control": self.control, "keys": hex_keys(self.keys)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> FetchPlan:
+        return cls(_get(d, "source", str, ""), _get(d, "control", str),
+                   unhex_keys(_get(d, "keys", list)))
+
+
+@dataclass(frozen=True)
+class PlaceRequest:
+    """`conductor.place`: place one request (keys: the prompt's block keys, in order;
+    tokens; node ids to avoid; decode_only: the prefill already ran, choose a decode node)."""
+
+    rid: str
+    keys: tuple[bytes, ...]
+    prompt_tokens: int
+    max_new_tokens: int = 0
+    exclude: tuple[str, ...] = ()
+    decode_only: bool = False
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "keys": hex_keys(self.keys), "prompt_tokens": self.prompt_tokens,
+                "max_new_tokens": self.max_new_tokens, "exclude": list(self.exclude),
+                "decode_only": self.decode_only}
+
+    @classmethod
+    def from_json(cls, d: Any) -> PlaceRequest:
+        exclude = _get(d, "exclude", list, [])
+        if not all(isinstance(x, str) for x in exclude):
+            raise MessageError("field 'exclude': expected node ids")
+        return cls(_get(d, "rid", str, ""), unhex_keys(_get(d, "keys", list, [])),
+                   _get(d, "prompt_tokens", int, 0), _get(d, "max_new_tokens", int, 0),
+                   tuple(exclude), _get(d, "decode_only", bool, False))
+
+
+@dataclass(frozen=True)
+class PlaceReply:
+    """A placement: the prefill and decode nodes, what to fetch, tokens reused (all, and
+    already on the prefill node) and the conductor's predictions (seconds)."""
+
+    prefill: NodeRef
+    decode: NodeRef
+    fetch: FetchPlan | None
+    prefix_tokens: int
+    local_prefix_tokens: int
+    predicted_ttft_s: float
+    predicted_tbt_s: float
+
+    def to_json(self) -> dict:
+        return {"ok": True, "prefill": self.prefill.to_json(), "decode": self.decode.to_json(),
+                "fetch": self.fetch.to_json() if self.fetch is not None else None,
+                "prefix_tokens": self.prefix_tokens,
+                "local_prefix_tokens": self.local_prefix_tokens,
+                "predicted_ttft_s": self.predicted_ttft_s, "predicted_tbt_s": self.predicted_tbt_s}
+
+
+@dataclass(frozen=True)
+class PlaceRejected:
+    """An early rejection (HTTP 429, or 503 for a "no_..." reason) and when to retry."""
+
+    reason: str
+    retry_after_s: float
+    predicted_ttft_s: float | None = None
+    predicted_tbt_s: float | None = None
+
+    def to_json(self) -> dict:
+        return {"ok": False, "reason": self.reason, "retry_after_s": self.retry_after_s,
+                "predicted_ttft_s": self.predicted_ttft_s, "predicted_tbt_s": self.predicted_tbt_s}
+
+
+def place_result_from_json(d: Any) -> PlaceReply | PlaceRejected:
+    """The answer of `conductor.place`. Raises: MessageError for a malformed answer."""
+    if not _get(d, "ok", bool):
+        return PlaceRejected(_get(d, "reason", str), _get(d, "retry_after_s", float),
+                             _get(d, "predicted_ttft_s", float, None),
+                             _get(d, "predicted_tbt_s", float, None))
+    fetch = d.get("fetch")
+    return PlaceReply(NodeRef.from_json(_get(d, "prefill", dict)),
+                      NodeRef.from_json(_get(d, "decode", dict)),
+                      FetchPlan.from_json(fetch) if fetch is not None else None,
+                      _get(d, "prefix_tokens", int), _get(d, "local_prefix_tokens", int, 0),
+                      _get(d, "predicted_ttft_s", float), _get(d, "predicted_tbt_s", float))
+
+
+# ---------------------------------------------------------------------------- outputs
+
+
+@dataclass(frozen=True)
+class OutputDelta:
+    """One RequestOutput delta between nodes (the prefill's first token; each line of the
+    decode stream): new token ids and text, their logprobs, finish state, token counts."""
+
+    ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    @classmethod
+    def of(cls, out: RequestOutput) -> OutputDelta:
+        """The delta of an engine RequestOutput."""
+        return cls(tuple(out.new_token_ids), out.new_text,
+                   tuple(out.logprobs) if out.logprobs else None, out.finished,
+                   out.finish_reason, out.stop_reason, out.num_output_tokens,
+                   out.num_cached_tokens, out.error)
+
+    def to_json(self) -> dict:
+        lps = None if not self.logprobs else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+                                              for lp in self.logprobs]
+        return {"ids": list(self.ids), "text": self.text, "logprobs": lps,
+                "finished": self.finished, "finish_reason": self.finish_reason,
+                "stop_reason": self.stop_reason, "num_output_tokens": self.num_output_tokens,
+                "num_cached_tokens": self.num_cached_tokens, "error": self.error}
+
+    @classmethod
+    def from_json(cls, d: Any) -> OutputDelta:
+        raw = _get(d, "logprobs", list, None)
+        try:
+            lps = None if not raw else tuple(TokenLogprob(int(t), float(lp),
+                                                          [(int(a), float(b)) for a, b in top])
+                                             for t, lp, top in raw)
+        except (TypeError, ValueError) as e:
+            raise MessageError(f"field 'logprobs': {e}") from None
+        stop = d.get("stop_reason") if isinstance(d, Mapping) else None
+        if stop is not None and not isinstance(stop, (str, int)):
+            raise MessageError("field 'stop_reason': expected a string or a token id")
+        return cls(_ints(_get(d, "ids", list), "ids"), _get(d, "text", str), lps,
+                   _get(d, "finished", bool), _get(d, "finish_reason", str, None), stop,
+                   _get(d, "num_output_tokens", int, 0), _get(d, "num_cached_tokens", int, 0),
+                   _get(d, "error", str, None))
+
+    def to_output(self, rid: str, ids: Sequence[int] | None = None, text: str | None = None
+                  ) -> RequestOutput:
+        """A RequestOutput for rid (ids and text replaced when given)."""
+        return RequestOutput(rid, list(self.ids if ids is None else ids),
+                             self.text if text is None else text, self.finished,
+                             self.finish_reason, self.stop_reason,
+                             list(self.logprobs) if self.logprobs else None,
+                             num_cached_tokens=self.num_cached_tokens,
+                             num_output_tokens=self.num_output_tokens, error=self.error)
+
+
+@dataclass(frozen=True)
+class DecodeFailure:
+    """A decode-stream line that ends the request: the error, its HTTP status (400 for a
+    request the engine refuses, 500 otherwise) and the parameter at fault."""
+
+    error: str
+    status: int
+    param: str | None = None
+
+    def to_json(self) -> dict:
+        return {"failure": {"error": self.error, "status": self.status, "param": self.param}}
+
+    @classmethod
+    def from_line(cls, d: Any) -> DecodeFailure | None:
+        """The failure a stream line carries, or None for an output line."""
+        f = d.get("failure") if isinstance(d, Mapping) else None
+        if f is None:
+            return None
+        return cls(_get(f, "error", str), _get(f, "status", int), _get(f, "param", str, None))
+
+
+# ---------------------------------------------------------------------------- KV hand-over
+
+
+@dataclass(frozen=True)
+class KVHandle:
+    """Where a request's KV is after its prefill: the stage segment's descriptor on the
+    prefill node (layer-major [layers, blocks, 2, block_size, kv_heads, head_dim], dtype),
+    tokens it covers, and whether it was pushed into the decode node's receive buffer
+    (then `push` holds the PushStats)."""
+
+    descriptor: dict
+    shape: tuple[int, ...]
+    dtype: str
+    num_tokens: int
+    pushed: bool = False
+    push: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"descriptor": self.descriptor, "shape": list(self.shape), "dtype": self.dtype,
+                "num_tokens": self.num_tokens, "pushed": self.pushed, "push": self.push}
+
+    @classmethod
+    def from_json(cls, d: Any) -> KVHandle:
+        return cls(_get(d, "descriptor", dict), _ints(_get(d, "shape", list), "shape"),
+                   _get(d, "dtype", str), _get(d, "num_tokens", int),
+                   _get(d, "pushed", bool, False), _get(d, "push", dict, None))
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """`node.prefill`: prefill `prompt` (token ids) with max_tokens=1 after fetching the
+    planned prefix; with `stage`, keep the KV staged layer by layer, and with `push_to` (a
+    decode node's control address) WRITE each layer there; `ttl_s`: the request's time left."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str | None = None
+    fetch: FetchPlan | None = None
+    prefix_tokens: int = 0
+    stage: bool = False
+    push_to: str | None = None
+    ttl_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "prompt": list(self.prompt),
+                "params": params_to_json(self.params), "cache_salt": self.cache_salt,
+                "fetch": self.fetch.to_json() if self.fetch is not None else None,
+                "prefix_tokens": self.prefix_tokens, "stage": self.stage,
+                "push_to": self.push_to, "ttl_s": self.ttl_s}
+
+    @classmethod
+    def from_json(cls, d: Any) -> PrefillRequest:
+        fetch = _get(d, "fetch", dict, None)
+        return cls(_get(d, "rid", str), _ints(_get(d, "prompt", list), "prompt"),
+                   params_from_json(_get(d, "params", dict)), _get(d, "cache_salt", str, None),
+                   FetchPlan.from_json(fetch) if fetch is not None else None,
+                   _get(d, "prefix_tokens", int, 0), _get(d, "stage", bool, False),
+                   _get(d, "push_to", str, None), _get(d, "ttl_s", float, 0.0))
+
+
+@dataclass(frozen=True)
+class PrefillReply:
+    """The answer of `node.prefill`: the first token, where the KV is (None when the request
+    finished with its first token), and the prefill's wall time (seconds)."""
+
+    output: OutputDelta
+    kv: KVHandle | None
+    seconds: float
+
+    def to_json(self) -> dict:
+        return {"output": self.output.to_json(),
+                "kv": self.kv.to_json() if self.kv is not None else None, "seconds": self.seconds}
+
+    @classmethod
+    def from_json(cls, d: Any) -> PrefillReply:
+        kv = _get(d, "kv", dict, None)
+        return cls(OutputDelta.from_json(_get(d, "output", dict)),
+                   KVHandle.from_json(kv) if kv is not None else None, _get(d, "seconds", float))
+
+
+@dataclass(frozen=True)
+class KVReservation:
+    """`node.kv_reserve`: a receive buffer on a decode node for one request's pushed KV
+    (layer-major shape, dtype), owned by the prefill node at control address `owner`, for
+    at most ttl_s seconds."""
+
+    rid: str
+    owner: str
+    shape: tuple[int, ...]
+    dtype: str
+    ttl_s: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "owner": self.owner, "shape": list(self.shape),
+                "dtype": self.dtype, "ttl_s": self.ttl_s}
+
+    @classmethod
+    def from_json(cls, d: Any) -> KVReservation:
+        return cls(_get(d, "rid", str), _get(d, "owner", str, ""),
+                   _ints(_get(d, "shape", list), "shape"), _get(d, "dtype", str),
+                   _get(d, "ttl_s", float, 0.0))
+
+
+@dataclass(frozen=True)
+class KVReserved:
+    """The reserved buffer's segment descriptor (its access key goes to the owner only)."""
+
+    descriptor: dict
+
+    def to_json(self) -> dict:
+        return {"descriptor": self.descriptor}
+
+    @classmethod
+    def from_json(cls, d: Any) -> KVReserved:
+        return cls(_get(d, "descriptor", dict))
+
+
+@dataclass(frozen=True)
+class Release:
+    """`node.release`: free rid's staged KV, or (with `owner`) the receive buffer that owner
+    reserved for rid."""
+
+    rid: str
+    owner: str | None = None
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "owner": self.owner}
+
+    @classmethod
+    def from_json(cls, d: Any) -> Release:
+        return cls(_get(d, "rid", str), _get(d, "owner", str, None))
+
+
+@dataclass(frozen=True)
+class DecodeRequest:
+    """POST /internal/decode: admit a prefilled request (prompt token ids, the prefill's
+    first token) with its KV, from the prefill node at control address `prefill`."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    first_token: int
+    params: SamplingParams
+    kv: KVHandle
+    prefill: str
+    cache_salt: str | None = None
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "prompt": list(self.prompt), "first_token": self.first_token,
+                "params": params_to_json(self.params), "kv": self.kv.to_json(),
+                "prefill": self.prefill, "cache_salt": self.cache_salt}
+
+    @classmethod
+    def from_json(cls, d: Any) -> DecodeRequest:
+        return cls(_get(d, "rid", str), _ints(_get(d, "prompt", list), "prompt"),
+                   _get(d, "first_token", int), params_from_json(_get(d, "params", dict)),
+                   KVHandle.from_json(_get(d, "kv", dict)), _get(d, "prefill", str, ""),
+                   _get(d, "cache_salt", str, None))
+
+
+# ---------------------------------------------------------------------------- reports
+
+
+@dataclass(frozen=True)
+class PrefillDone:
+    """A finished prefill: wall seconds, new and cached tokens, and whether it ran alone
+    on its node (only those are refit samples)."""
+
+    rid: str
+    seconds: float
+    new: int
+    cached: int
+    alone: bool
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, d: Any) -> PrefillDone:
+        return cls(_get(d, "rid", str, ""), _get(d, "seconds", float), _get(d, "new", int, 0),
+                   _get(d, "cached", int, 0), _get(d, "alone", bool, False))
+
+
+@dataclass(frozen=True)
+class StoreEventMsg:
+    """A store event on the wire: keys stored into or evicted from one tier, with its seq."""
+
+    kind: str
+    tier: str
+    seq: int
+    keys: tuple[bytes, ...]
+
+    def to_json(self) -> dict:
+        return {"kind": self.kind, "tier": self.tier, "seq": self.seq, "keys": hex_keys(self.keys)}
+
+    @classmethod
+    def from_json(cls, d: Any) -> StoreEventMsg:
+        return cls(_get(d, "kind", str), _get(d, "tier", str), _get(d, "seq", int),
+                   unhex_keys(_get(d, "keys", list)))
+
+
+@dataclass(frozen=True)
+class DecodeLoad:
+    """A decode node's load: running request ids, batch size, KV tokens they hold and KV
+    room left (tokens)."""
+
+    rids: tuple[str, ...] = ()
+    batch: int = 0
+    context_tokens: int = 0
+    free_kv_tokens: int = 0
+
+    def to_json(self) -> dict:
+        return {"rids": list(self.rids), "batch": self.batch,
+                "context_tokens": self.context_tokens, "free_kv_tokens": self.free_kv_tokens}
+
+    @classmethod
+    def from_json(cls, d: Any) -> DecodeLoad:
+        return cls(tuple(_get(d, "rids", list, [])), _get(d, "batch", int, 0),
+                   _get(d, "context_tokens", int, 0), _get(d, "free_kv_tokens", int, 0))
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """`conductor.report`, every cluster.report_interval_s: load (prefills pending as
+    rid -> (new, cached) tokens, decode load), requests that arrived, store events after
+    `store_seq`, finished prefills and timed decode steps ((batch, context tokens,
+    seconds))."""
+
+    node: str
+    role: str = ""
+    draining: bool = False
+    pending: Mapping[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    arrived: tuple[str, ...] = ()
+    decode: DecodeLoad = DecodeLoad()
+    store_seq: int = -1
+    events: tuple[StoreEventMsg, ...] = ()
+    done: tuple[PrefillDone, ...] = ()
+    decode_steps: tuple[tuple[int, int, float], ...] = ()
+
+    def to_json(self) -> dict:
+        return {"node": self.node, "role": self.role, "draining": self.draining,
+                "pending": {rid: list(v) for rid, v in self.pending.items()},
+                "arrived": list(self.arrived), "decode": self.decode.to_json(),
+                "store_seq": self.store_seq, "events": [e.to_json() for e in self.events],
+                "done": [x.to_json() for x in self.done],
+                "decode_steps": [list(s) for s in self.decode_steps]}
+
+    @classmethod
+    def from_json(cls, d: Any) -> NodeReport:
+        try:
+            pending = {str(rid): (int(a), int(b))
+                       for rid, (a, b) in _get(d, "pending", dict, {}).items()}
+            steps = tuple((int(b), int(c), float(s)) for b, c, s in
+                          _get(d, "decode_steps", list, []))
+        except (TypeError, ValueError) as e:
+            raise MessageError(f"report: {e}") from None
+        return cls(_get(d, "node", str), _get(d, "role", str, ""),
+                   _get(d, "draining", bool, False), pending,
+                   tuple(_get(d, "arrived", list, [])),
+                   DecodeLoad.from_json(_get(d, "decode", dict, {})),
+                   _get(d, "store_seq", int, -1),
+                   tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
+                   tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps)
+
+
+__all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",
+           "KVReservation", "KVReserved", "MessageError", "NodeRef", "NodeReport", "OutputDelta",
+           "PlaceRejected", "PlaceReply", "PlaceRequest", "PrefillDone", "PrefillReply",
+           "PrefillRequest", "Release", "StoreEventMsg", "hex_keys", "params_from_json",
+           "params_to_json", "place_result_from_json", "unhex_keys"]

@@ -1,0 +1,208 @@
+"""The prefill side of a node: `node.prefill`, the staged KV, the layer-wise push and
+prefix fetches (Mooncake paper, section 3 and 4.2; architecture.md step 3).
+
+Per request (a `PrefillRequest`): copy the prefix blocks the conductor planned from
+their holder into this node's store (a failure only means recomputing), prefill
+with max_tokens=1 while the engine stages every block's KV layer by layer
+(`LayerwiseKV`; the partial last block included) and, with a decode node to push
+to, WRITE each layer into the receive buffer it reserved there as soon as the
+layer is computed (kv_push.py). The stage stays registered as transfer-engine
+segment "<node>/stage/<rid>" for a decode node's READ until `node.release` or
+cluster.stage_ttl_s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mooncaked import failpoints
+from mooncaked.config import Settings
+from mooncaked.log import get_logger
+
+from .errors import ClusterError
+from .kv_push import KVPusher
+from .messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
+                       PrefillReply, PrefillRequest, Release)
+from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
+
+log = get_logger(__name__)
+
+
+@dataclass
+class PrefillLoad:
+    """A request on this prefill node: tokens to compute and already cached, and whether
+    it has run alone so far (only solo prefills are refit samples)."""
+
+    new: int
+    cached: int
+    alone: bool
+
+
+@dataclass
+class StagedKV:
+    """A request's staged KV, registered as transfer segment `segment` until `timer` fires."""
+
+    segment: str
+    blocks: Any                       # torch.Tensor, layer-major
+    timer: asyncio.TimerHandle
+
+
+class PrefillWorker:
+    """Runs `node.prefill` on a prefill node (see the module doc).
+
+    Args:
+        node_id, control_addr: this node's id and control address (host:port).
+        settings: the node's settings.
+        engine: the AsyncLLM.
+        transfer: the started TransferEngine.
+        store_node: this node's StoreNode (fetch target), or None.
+        client: ControlClient for calls to peers.
+        draining: returns True once the node takes no new requests.
+        spawn: runs a fire-and-forget coroutine.
+        counters, activity: shared with the node's status and reports.
+    """
+
+    def __init__(self, node_id: str, control_addr: str, settings: Settings, engine: Any,
+                 transfer: Any, store_node: Any, client: Any, draining: Callable[[], bool],
+                 spawn: Callable, counters: KVTransferCounters, activity: Activity):
+        self.node_id, self.control_addr, self.settings = node_id, control_addr, settings
+        self.engine, self.transfer, self.store_node, self.client = (engine, transfer, store_node,
+                                                                    client)
+        self._draining, self._spawn = draining, spawn
+        self.counters, self.activity = counters, activity
+        self.requests: dict[str, PrefillLoad] = {}
+        self.stages: dict[str, StagedKV] = {}
+
+    def pending(self) -> dict[str, tuple[int, int]]:
+        """rid -> (new, cached) tokens of every prefill on this node (for the report)."""
+        return {rid: (r.new, r.cached) for rid, r in self.requests.items()}
+
+    async def handle(self, payload: Any) -> dict:
+        """`node.prefill`: PrefillRequest -> PrefillReply (see the module doc). With
+        `kv.pushed` the decode node holds all of the KV; otherwise it READs the stage.
+        Raises: NodeDraining; MessageError (400) for a malformed body; InvalidRequest (bad
+        prompt or params); RuntimeError when the engine fails.
+        """
+        req = PrefillRequest.from_json(payload)
+        if self._draining():
+            raise NodeDraining(f"{self.node_id} is draining")
+        rid, prompt = req.rid, list(req.prompt)
+        params = dataclasses.replace(req.params, max_tokens=1)
+        for other in self.requests.values():
+            other.alone = False                  # nobody ran alone while this one ran
+        self.requests[rid] = PrefillLoad(len(prompt) - req.prefix_tokens, req.prefix_tokens,
+                                         not self.requests)
+        self.activity.arrived.append(rid)
+        t0 = time.monotonic()
+        kv_stream = pusher = None
+        handed_over = False
+        try:
+            await failpoints.ahit("node.prefill")
+            if req.fetch is not None and self.store_node is not None:
+                await self._fetch(req.fetch)
+            if req.stage and 0 < len(prompt) < self.engine.max_model_len:
+                kv_stream = self.engine.layerwise_kv(len(prompt))
+                if req.push_to:
+                    pusher = self._pusher(rid, kv_stream, req.push_to, req.ttl_s)
+                    kv_stream.on_layer = pusher.on_layer
+                    pusher.start()
+            final = None
+            gen = self.engine.generate(prompt, params, rid, cache_salt=req.cache_salt,
+                                       kv_stream=kv_stream)
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    if out.error:
+                        raise RuntimeError(f"engine error: {out.error}")
+                    final = out
+            compute_end = time.monotonic()
+            seconds = compute_end - t0
+            kv = None
+            if kv_stream is not None and final.finish_reason == "length":
+                push = await pusher.finish(compute_end) if pusher is not None else None
+                handed_over = bool(push is not None and push.ok)
+                kv = self._stage(rid, kv_stream, handed_over,
+                                 push.as_dict() if push is not None else None)
+                self.counters.count_push(push)
+                if push is not None:
+                    log.debug("kv_pushed", request_id=rid, compute_s=round(seconds, 4),
+                              **push.as_dict())
+            self.activity.done.append(PrefillDone(rid, seconds, len(prompt) - final.num_cached_tokens,
+                                                  final.num_cached_tokens,
+                                                  self.requests[rid].alone))
+            return PrefillReply(OutputDelta.of(final), kv, seconds).to_json()
+        finally:
+            self.requests.pop(rid, None)
+            if pusher is not None:
+                await pusher.aclose()
+                if pusher.attempted and not handed_over:
+                    self._spawn(release_on(self.client, req.push_to, Release(rid, self.control_addr)))
+
+    def _pusher(self, rid: str, kv_stream: Any, decode_control: str, ttl_s: float) -> KVPusher:
+        """A KVPusher whose reservation asks the decode node for a receive buffer."""
+        ask = KVReservation(rid, self.control_addr, tuple(kv_stream.shape),
+                            str(kv_stream.dtype).removeprefix("torch."), ttl_s)
+
+        async def reserve() -> dict:
+            r = await self.client.call(decode_control, "node.kv_reserve", ask.to_json())
+            return {"descriptor": KVReserved.from_json(r).descriptor}
+
+        return KVPusher(self.transfer, kv_stream, reserve,
+                        self.settings.cluster.rpc_timeout_s
+                        + self.settings.transfer.request_timeout_s)
+
+    async def _fetch(self, fetch: FetchPlan) -> None:
+        """Replicates prefix blocks from their holder into this node's store (section 4.2);
+        the engine then loads them from the store. A failure only means recomputing."""
+        if not fetch.keys or fetch.control == self.control_addr:
+            return
+        t0 = time.monotonic()
+        c = self.counters
+        c.fetches += 1
+        try:
+            results = await asyncio.wait_for(
+                self.store_node.fetch(fetch.control, fetch.keys),
+                self.settings.cluster.rpc_timeout_s + self.settings.transfer.request_timeout_s)
+            ok = sum(r.ok for r in results)
+            log.info("prefix_fetched", source=fetch.source, blocks=len(fetch.keys), ok=ok,
+                     seconds=round(time.monotonic() - t0, 4))
+            c.fetched_blocks += ok
+            c.fetch_failed += ok < len(fetch.keys)
+        except (ClusterError, TimeoutError, OSError, ValueError) as e:
+            log.warning("prefix_fetch_failed", source=fetch.source, error=str(e))
+            c.fetch_failed += 1
+
+    def _stage(self, rid: str, kv_stream: Any, pushed: bool, push: dict | None) -> KVHandle:
+        """Registers the staged KV (layer-major) as segment "<node>/stage/<rid>" for a
+        decode node's READ; freed by node.release or after cluster.stage_ttl_s."""
+        blocks = kv_stream.stage
+        name = f"{self.node_id}/stage/{rid}"
+        desc = self.transfer.register_segment(name, blocks, "cpu:0")
+        timer = asyncio.get_running_loop().call_later(self.settings.cluster.stage_ttl_s,
+                                                      self.release_stage, rid)
+        self.stages[rid] = StagedKV(name, blocks, timer)
+        return KVHandle(desc, tuple(blocks.shape), str(blocks.dtype).removeprefix("torch."),
+                        kv_stream.num_tokens, pushed, push)
+
+    def release_stage(self, rid: str) -> bool:
+        """Withdraws rid's stage segment; False when there was none."""
+        st = self.stages.pop(rid, None)
+        if st is None:
+            return False
+        st.timer.cancel()
+        with contextlib.suppress(Exception):
+            self.transfer.unregister_segment(st.segment)
+        return True
+
+    def close(self) -> None:
+        """Withdraws every stage (at shutdown)."""
+        for rid in list(self.stages):
+            self.release_stage(rid)
+
+
+__all__ = ["PrefillLoad", "PrefillWorker", "StagedKV"]

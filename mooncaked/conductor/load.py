@@ -1,0 +1,87 @@
+"""What the conductor knows of each node's load: its view of the node, fed by the node's
+reports and by the placements not yet in them (so a burst of requests between two
+reports does not all land on the same node)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from mooncaked.cluster.messages import NodeReport
+
+from .cost_model import CostModel
+
+INFLIGHT_TTL_S = 3.0        # a placement not seen in the chosen node's reports by then is gone
+
+
+@dataclass(frozen=True)
+class InflightPrefill:
+    """A placement on a prefill node that its reports do not count yet: tokens to compute
+    and cached, and when it was placed (monotonic seconds)."""
+
+    new: int
+    cached: int
+    placed_at: float
+
+
+@dataclass(frozen=True)
+class InflightDecode:
+    """A placement on a decode node that its reports do not count yet: KV tokens it will
+    hold (prompt + output) and when it was placed (monotonic seconds)."""
+
+    tokens: int
+    placed_at: float
+
+
+@dataclass
+class NodeView:
+    """What the conductor knows of one node (from its member record and its reports)."""
+
+    node_id: str
+    role: str = ""
+    control: str = ""
+    api: str = ""
+    info: dict = field(default_factory=dict)
+    draining: bool = False
+    reported_at: float = 0.0                 # monotonic seconds of the last report; 0: none
+    # rid -> (new tokens, cached tokens)
+    prefill_pending: dict[str, tuple[int, int]] = field(default_factory=dict)
+    decode_rids: set[str] = field(default_factory=set)
+    decode_batch: int = 0
+    decode_context_tokens: int = 0
+    free_kv_tokens: int = 0
+    store_seq: int = -1                      # last store event seq applied (-1: no inventory yet)
+    inflight_prefill: dict[str, InflightPrefill] = field(default_factory=dict)
+    inflight_decode: dict[str, InflightDecode] = field(default_factory=dict)
+    placed: int = 0                          # requests placed here (prefill or decode)
+
+
+def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
+    """Takes node v's reported load (monotonic `now`), and forgets the placements it now
+    counts itself or that never reached it within INFLIGHT_TTL_S."""
+    v.reported_at = now
+    v.draining = r.draining or bool(v.info.get("draining", False))
+    v.prefill_pending = dict(r.pending)
+    v.decode_rids = set(r.decode.rids)
+    v.decode_batch = r.decode.batch
+    v.decode_context_tokens = r.decode.context_tokens
+    v.free_kv_tokens = r.decode.free_kv_tokens
+    seen = set(r.arrived) | v.prefill_pending.keys() | v.decode_rids
+    for rid in [x for x, e in v.inflight_prefill.items()
+                if x in seen or now - e.placed_at > INFLIGHT_TTL_S]:
+        del v.inflight_prefill[rid]
+    for rid in [x for x, e in v.inflight_decode.items()
+                if x in seen or now - e.placed_at > INFLIGHT_TTL_S]:
+        del v.inflight_decode[rid]
+
+
+def queue_s(v: NodeView, cost: CostModel) -> float:
+    """Predicted prefill work queued on node v, seconds: its reported pending prefills and
+    the placements its reports do not count yet."""
+    work = list(v.prefill_pending.values())
+    work += [(x.new, x.cached) for rid, x in v.inflight_prefill.items()
+             if rid not in v.prefill_pending]
+    return sum(cost.prefill_s(a, b) for a, b in work)
+
+
+__all__ = ["INFLIGHT_TTL_S", "InflightDecode", "InflightPrefill", "NodeView", "apply_load",
+           "queue_s"]

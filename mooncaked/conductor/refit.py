@@ -1,0 +1,166 @@
+"""The conductor's live cost model: its predictions scored against what the nodes
+report, and refitted from what they measure (Mooncake paper, section 5: the cost
+model drives placement, so it must track the hardware).
+
+`CostModelRefitter` holds the model. Finished prefills that ran alone on their node
+refit the prefill polynomial; timed decode steps refit the decode-step model; a refit
+replaces the model only when it predicts the recent samples 20% better (and, for
+decode, has no negative coefficient). `conductor.refit_cost_model = false` keeps the
+loaded model fixed; predictions are still scored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections import deque
+from typing import Any
+
+from mooncaked.cluster.messages import PrefillDone
+from mooncaked.config import Settings
+from mooncaked.log import get_logger
+
+from .cost_model import DECODE_TERMS, CostModel, PolyModel
+
+log = get_logger(__name__)
+
+REFIT_MIN_SAMPLES = 16      # prefill samples (run alone on their node) before a refit is tried
+ERROR_WINDOW = 200          # prediction errors kept for `status()`
+
+
+def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = False
+           ) -> tuple[PolyModel, dict] | None:
+    """A PolyModel fitted to (x1, x2, seconds) samples, with its provenance, when it beats
+    `current` on them by 20% in mean relative error; else None. Never a fit that predicts
+    <= 0 at the largest observed (x1, x2), nor (nonnegative) one with a negative
+    coefficient: live samples move together (batch and context grow alike), so a fit can
+    look good on them and still go negative elsewhere."""
+    x1, x2, y = zip(*samples)
+    try:
+        new = PolyModel.fit(x1, x2, y, tuple(terms))
+    except ValueError:
+        return None
+    if new(max(x1), max(x2)) <= 0 or (nonnegative and min(new.coef) < 0):
+        return None
+
+    def err(m) -> float:
+        return statistics.fmean(abs(max(0.0, m(a, b)) - t) / t for a, b, t in samples)
+
+    old_err, new_err = err(current), err(new)
+    if new_err >= 0.8 * old_err:
+        return None
+    return new, {"samples": len(samples), "mean_rel_error": round(new_err, 4),
+                 "previous_mean_rel_error": round(old_err, 4)}
+
+
+class CostModelRefitter:
+    """The live cost model and its prediction errors (see the module doc).
+
+    Args:
+        settings: conductor.refit_cost_model switches refits.
+        cost: the starting model (the conductor loads it lazily when None).
+    Attributes: cost, refits and decode_refits (counts), errors and decode_errors
+    (signed relative errors, > 0 over-predicts).
+    """
+
+    def __init__(self, settings: Settings, cost: CostModel | None = None):
+        self.settings = settings
+        self.cost = cost
+        self.errors: deque[float] = deque(maxlen=ERROR_WINDOW)   # relative TTFT errors
+        self.samples: deque[tuple[int, int, float]] = deque(maxlen=256)  # (new, cached, s) alone
+        self._new_samples = 0
+        self.decode_errors: deque[float] = deque(maxlen=ERROR_WINDOW)  # relative step errors
+        self.decode_samples: deque[tuple[int, int, float]] = deque(maxlen=512)  # (batch, ctx, s)
+        self._new_decode_samples = 0
+        self.decode_refits = 0
+        self.refits = 0
+        self._predicted: dict[str, tuple[float, float]] = {}      # rid -> (ttft_s, monotonic)
+
+    def predicted(self, rid: str, ttft_s: float, now: float) -> None:
+        """Remembers the TTFT predicted for rid (seconds) until its prefill reports back."""
+        self._predicted[rid] = (ttft_s, now)
+        if len(self._predicted) > 10_000:          # placements that never reported back
+            for old in [r for r, (_, t) in self._predicted.items() if now - t > 600]:
+                del self._predicted[old]
+
+    def observe_prefill(self, d: PrefillDone) -> None:
+        """Folds one finished prefill in: prediction error, and a refit sample if it ran alone."""
+        pred = self._predicted.pop(d.rid, None)
+        seconds = d.seconds
+        if pred is not None and seconds > 0:
+            self.errors.append((pred[0] - seconds) / seconds)
+        if d.alone and seconds > 0 and self.settings.conductor.refit_cost_model:
+            self.samples.append((d.new, d.cached, seconds))
+            self._new_samples += 1
+            if self._new_samples >= REFIT_MIN_SAMPLES:
+                self._new_samples = 0
+                self._maybe_refit()
+
+    def _maybe_refit(self) -> None:
+        """Refits the prefill polynomial from recent solo prefills when the samples span
+        enough lengths and the refit predicts them better than the current model."""
+        if self.cost is None:
+            return
+        lengths = {s[0] for s in self.samples}
+        if len(lengths) < 4 or max(lengths) < 4 * max(1, min(lengths)):
+            return
+        new = _refit(self.cost.prefill, self.samples, ((0, 0), (1, 0), (0, 1), (1, 1)))
+        if new is not None:
+            model, info = new
+            self.cost = dataclasses.replace(self.cost, prefill=model,
+                                            meta={**self.cost.meta, "refit": info})
+            self.refits += 1
+            log.info("cost_model_refit", part="prefill", **info)
+
+    def observe_step(self, batch: int, context_tokens: int, seconds: float) -> None:
+        """Folds one timed decode step in: prediction error, and a refit now and then."""
+        if seconds <= 0 or batch < 1:
+            return
+        if self.cost is not None:
+            pred = self.cost.decode_step_s(batch, context_tokens)
+            self.decode_errors.append((pred - seconds) / seconds)
+        if not self.settings.conductor.refit_cost_model:
+            return
+        self.decode_samples.append((int(batch), int(context_tokens), float(seconds)))
+        self._new_decode_samples += 1
+        if self._new_decode_samples >= 4 * REFIT_MIN_SAMPLES:
+            self._new_decode_samples = 0
+            self._maybe_refit_decode()
+
+    def _maybe_refit_decode(self) -> None:
+        """Refits the decode-step model (batch size, context tokens) from served steps when
+        they span enough batch sizes and contexts and the refit predicts them better."""
+        if self.cost is None:
+            return
+        batches = {s[0] for s in self.decode_samples}
+        contexts = [s[1] for s in self.decode_samples]
+        if len(batches) < 3 or max(contexts) < 2 * max(1, min(contexts)):
+            return
+        new = _refit(self.cost.decode, self.decode_samples, DECODE_TERMS, nonnegative=True)
+        if new is not None:
+            model, info = new
+            self.cost = dataclasses.replace(self.cost, decode=model,
+                                            meta={**self.cost.meta, "decode_refit": info})
+            self.decode_refits += 1
+            log.info("cost_model_refit", part="decode", **info)
+
+    def status(self) -> dict:
+        """The model's name, source and refit counts, and both prediction-error summaries."""
+        cost = self.cost
+        return {"cost_model": None if cost is None else {
+                    "name": cost.name, "source": cost.meta.get("source", ""),
+                    "refits": self.refits, "decode_refits": self.decode_refits,
+                    "meta": cost.meta},
+                "ttft_prediction": _error_summary(list(self.errors)),
+                "decode_step_prediction": _error_summary(list(self.decode_errors))}
+
+
+def _error_summary(errs: list[float]) -> dict:
+    """Signed relative prediction errors -> {"samples", "median_rel_error",
+    "median_abs_rel_error"} (> 0 over-predicts)."""
+    return {"samples": len(errs),
+            "median_rel_error": statistics.median(errs) if errs else None,
+            "median_abs_rel_error": statistics.median(abs(e) for e in errs) if errs else None}
+
+
+__all__ = ["CostModelRefitter", "REFIT_MIN_SAMPLES"]

@@ -1,0 +1,125 @@
+"""cluster/messages.py: every message survives its JSON form (through orjson, as on the
+wire), and a malformed body is a MessageError (a ValueError: the control server's 400)
+naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+import pytest
+
+from mooncaked.cluster import ControlClient, ControlServer, RpcError
+from mooncaked.cluster.messages import (DecodeFailure, DecodeLoad, DecodeRequest, FetchPlan,
+                                        KVHandle, KVReservation, KVReserved, MessageError,
+                                        NodeRef, NodeReport, OutputDelta, PlaceRejected,
+                                        PlaceReply, PlaceRequest, PrefillDone, PrefillReply,
+                                        PrefillRequest, Release, StoreEventMsg,
+                                        place_result_from_json)
+from mooncaked.engine.types import RequestOutput, SamplingParams, TokenLogprob
+
+KEYS = (b"\x01" * 16, b"\x02" * 16)
+KV = KVHandle({"segment": "p1/stage/r1", "access_key": "ab"}, (30, 2, 2, 16, 3, 64),
+              "float32", 20, pushed=True, push={"bytes": 10, "ok": True})
+PARAMS = SamplingParams(max_tokens=7, temperature=0.0, stop=["\n"], logprobs=2, seed=3)
+
+
+def wire(msg) -> dict:
+    """The message's JSON form as the peer reads it."""
+    return orjson.loads(orjson.dumps(msg.to_json()))
+
+
+@pytest.mark.parametrize("msg", [
+    NodeRef("p1", "127.0.0.1:1", "http://127.0.0.1:1"),
+    FetchPlan("c1", "127.0.0.1:2", KEYS),
+    PlaceRequest("r1", KEYS, 40, 8, ("p2",), True),
+    KV,
+    PrefillRequest("r1", (1, 2, 3), PARAMS, "tenant", FetchPlan("c1", "a:1", KEYS), 16, True,
+                   "127.0.0.1:3", 12.5),
+    KVReservation("r1", "127.0.0.1:4", (30, 2, 2, 16, 3, 64), "float32", 30.0),
+    KVReserved({"segment": "d1/recv/r1"}),
+    Release("r1", "127.0.0.1:4"),
+    Release("r1"),
+    DecodeRequest("r1", (1, 2, 3), 9, PARAMS, KV, "127.0.0.1:3", "tenant"),
+    PrefillDone("r1", 0.25, 30, 16, True),
+    StoreEventMsg("stored", "dram", 4, KEYS),
+    DecodeLoad(("r1", "r2"), 2, 300, 1000),
+])
+def test_round_trip(msg):
+    assert type(msg).from_json(wire(msg)) == msg
+
+
+def test_output_delta_round_trip_keeps_logprobs_and_stop_reason():
+    out = RequestOutput("r1", [5, 6], "hi", True, "stop", 6,
+                        [TokenLogprob(5, -0.5, [(5, -0.5), (7, -1.25)]),
+                         TokenLogprob(6, -0.125, [])], num_cached_tokens=16,
+                         num_output_tokens=2)
+    delta = OutputDelta.of(out)
+    back = OutputDelta.from_json(wire(delta))
+    assert back == delta
+    got = back.to_output("r1")
+    assert (got.new_token_ids, got.new_text, got.finish_reason, got.stop_reason) == \
+        ([5, 6], "hi", "stop", 6)
+    assert got.logprobs[0].top == [(5, -0.5), (7, -1.25)] and got.num_cached_tokens == 16
+
+
+def test_node_report_round_trip():
+    r = NodeReport("p1", "prefill", True, {"r1": (30, 16)}, ("r1",), DecodeLoad(),
+                   7, (StoreEventMsg("evicted", "ssd", 7, KEYS),),
+                   (PrefillDone("r0", 0.5, 10, 0, False),), ((2, 300, 0.05),))
+    assert NodeReport.from_json(wire(r)) == r
+
+
+def test_place_results():
+    reply = PlaceReply(NodeRef("p1", "a:1"), NodeRef("d1", "b:2"), FetchPlan("c1", "c:3", KEYS),
+                       32, 16, 0.5, 0.05)
+    assert place_result_from_json(wire(reply)) == reply
+    rejected = PlaceRejected("ttft_slo", 2.5, 4.0, None)
+    assert place_result_from_json(wire(rejected)) == rejected
+
+
+def test_decode_failure_line():
+    f = DecodeFailure("bad stop", 400, "stop")
+    assert DecodeFailure.from_line(wire(f)) == f
+    assert DecodeFailure.from_line({"ids": [1], "text": "a", "finished": False}) is None
+
+
+@pytest.mark.parametrize("cls, body, field", [
+    (PlaceRequest, {"rid": "r", "keys": ["zz"]}, "keys"),
+    (PlaceRequest, {"rid": "r", "prompt_tokens": "40"}, "prompt_tokens"),
+    (PrefillRequest, {"rid": "r", "prompt": [1, "x"], "params": {}}, "prompt"),
+    (PrefillRequest, {"rid": "r", "prompt": [1], "params": {"temperature": 0, "nope": 1}},
+     "params"),
+    (KVReservation, {"rid": "r", "shape": [1, 2], "dtype": 5}, "dtype"),
+    (DecodeRequest, {"rid": "r", "prompt": [1], "first_token": 2, "params": {}}, "kv"),
+    (NodeReport, {"role": "prefill"}, "node"),
+    (Release, {"owner": "x"}, "rid"),
+    (Release, ["r1"], "JSON object"),
+])
+def test_malformed_bodies_name_the_field(cls, body, field):
+    with pytest.raises(MessageError, match=field):
+        cls.from_json(body)
+
+
+def test_a_control_server_answers_400_with_the_message_error():
+    async def run() -> RpcError:
+        server = ControlServer()
+
+        async def release(payload):
+            return Release.from_json(payload).to_json()
+
+        server.add_handler("node.release", release)
+        host, port = await server.start("127.0.0.1", 0)
+        try:
+            async with ControlClient(5.0) as c:
+                assert await c.call(f"{host}:{port}", "node.release", {"rid": "r1"}) == \
+                    {"rid": "r1", "owner": None}
+                with pytest.raises(RpcError) as e:
+                    await c.call(f"{host}:{port}", "node.release", {"owner": "x"})
+                return e.value
+        finally:
+            await server.stop()
+
+    err = asyncio.run(run())
+    assert (err.status, err.remote_type) == (400, "MessageError")
+    assert err.remote_message == "missing field 'rid'"
