@@ -31,107 +31,21 @@ import contextlib
 import math
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-import orjson
 
 from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
+from .coord_election import ElectionMixin
+from .coord_membership import MembershipMixin
+from .coord_records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
 from .errors import CoordinationError, SessionLost
 
 log = get_logger(__name__)
 
-DEFAULT_ELECTION = "conductor"
-
-
-@dataclass(frozen=True)
-class Member:
-    """One node in the membership view.
-
-    Attributes:
-        node_id: the node's configured id.
-        info: what the node registered (addresses, role, version, ...): a JSON object.
-        incarnation: id of the session that registered it; a node restarting with the
-            same id gets a new incarnation.
-        registered_at: unix time (seconds) of the registration.
-    """
-
-    node_id: str
-    info: dict
-    incarnation: str
-    registered_at: float
-
-
-@dataclass(frozen=True)
-class MemberEvent:
-    """A change in the membership view.
-
-    kind: "join" (new id), "leave" (lease expired or unregistered), "rejoin" (same id,
-    new incarnation: the node restarted) or "update" (same incarnation, new info).
-    For "leave", `member` is the last record seen.
-    """
-
-    kind: str
-    member: Member
-
-
-@dataclass(eq=False)
-class Leadership:
-    """Proof that this process won an election.
-
-    `lost` is set when leadership ends for any reason (resign, close, lease lost, the
-    leader key changed under us); `held` is False from then on, and also as soon as
-    the lease may have expired without a successful keep-alive (no split brain
-    through a stalled heartbeat).
-    """
-
-    election: str
-    node_id: str
-    incarnation: str
-    key: str
-    raw: bytes
-    _coord: "Coordinator"
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-
-    @property
-    def held(self) -> bool:
-        """True while this process is still the leader (lease alive and key ours)."""
-        return not self.lost.is_set() and self._coord.session_alive \
-            and self._coord.session_id == self.incarnation
-
-    async def wait_lost(self) -> None:
-        """Returns when leadership has ended."""
-        await self.lost.wait()
-
-
-def _dumps(value: Any) -> bytes:
-    try:
-        return orjson.dumps(value)
-    except TypeError as e:
-        raise ValueError(f"coordination values must be JSON-encodable: {e}") from e
-
-
-def _loads(raw: bytes) -> Any:
-    return orjson.loads(raw)
-
-
-def _member_from(raw: bytes) -> Member | None:
-    try:
-        d = _loads(raw)
-        return Member(d["node_id"], d.get("info") or {}, d["incarnation"], d["registered_at"])
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-
-
-def _check_name(kind: str, name: str) -> None:
-    if not name or "/" in name or name != name.strip():
-        raise ValueError(f"{kind} must be a non-empty string without '/' or surrounding spaces, "
-                         f"got {name!r}")
-
-
-class Coordinator(abc.ABC):
-    """Cluster coordination: metadata, leased membership, leader election.
+class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
+    """Cluster coordination: metadata, leased membership (coord_membership.py), leader
+    election (coord_election.py), over a backend's primitives.
 
     Use as `async with make_coordinator(settings) as coord: ...` or call `start()` and
     `close()`. Operations raise `CoordinationError` when the store fails or does not
@@ -437,144 +351,6 @@ class Coordinator(abc.ABC):
         async with contextlib.aclosing(self._snapshots(full)) as snaps:
             async for snap in snaps:
                 yield {self._rel(k): _loads(v) for k, v in sorted(snap.items())}
-
-    # ------------------------------------------------------------------ membership
-
-    async def _put_member(self, node_id: str, info: dict, registered_at: float) -> None:
-        record = {"node_id": node_id, "info": info, "incarnation": self._session_id,
-                  "registered_at": registered_at}
-        await self._op(self._put(self._key(f"members/{node_id}"), _dumps(record), self._lease),
-                       f"register {node_id}")
-
-    async def register(self, node_id: str, info: dict) -> Member:
-        """Joins the membership view as node_id with info, bound to this session's lease.
-
-        Calling it again updates info. A node restarting with the same id simply
-        registers again: its new record (new incarnation) replaces the old one.
-        Raises: ValueError (bad id, info not a JSON object), CoordinationError, SessionLost.
-        """
-        _check_name("node_id", node_id)
-        if not isinstance(info, dict):
-            raise ValueError(f"member info must be a dict, got {type(info).__name__}")
-        _dumps(info)
-        self._require_session()
-        registered_at = self._registered.get(node_id, (None, time.time()))[1]
-        self._registered[node_id] = (info, registered_at)
-        await self._put_member(node_id, info, registered_at)
-        log.info("coord_registered", node=node_id, session=self._session_id)
-        return Member(node_id, info, self._session_id, registered_at)
-
-    async def unregister(self, node_id: str) -> None:
-        """Leaves the membership view now (instead of at lease expiry)."""
-        self._registered.pop(node_id, None)
-        key = self._key(f"members/{node_id}")
-        raw = await self._op(self._get(key), f"get {key}")
-        member = _member_from(raw) if raw is not None else None
-        # Only our own record: never evict a newer incarnation of the same id.
-        if member is not None and member.incarnation == self._session_id:
-            await self._op(self._delete_if(key, raw), f"unregister {node_id}")
-
-    async def members(self) -> dict[str, Member]:
-        """{node_id: Member} of every node whose lease is alive. Raises: CoordinationError."""
-        raws = await self._op(self._list(self._key("members/")), "list members")
-        out = {}
-        for raw in raws.values():
-            m = _member_from(raw)
-            if m is not None:
-                out[m.node_id] = m
-        return dict(sorted(out.items()))
-
-    async def watch_members(self) -> AsyncIterator[MemberEvent]:
-        """Yields a "join" for every current member, then every change (MemberEvent).
-
-        A node that stops heartbeating produces "leave" within about lease_ttl_s (plus
-        poll_interval_s on the local backend).
-        """
-        known: dict[str, Member] = {}
-        async with contextlib.aclosing(self._snapshots(self._key("members/"))) as snaps:
-            async for snap in snaps:
-                now: dict[str, Member] = {}
-                for raw in snap.values():
-                    m = _member_from(raw)
-                    if m is not None:
-                        now[m.node_id] = m
-                for node_id, m in known.items():
-                    if node_id not in now:
-                        yield MemberEvent("leave", m)
-                for node_id, m in now.items():
-                    old = known.get(node_id)
-                    if old is None:
-                        yield MemberEvent("join", m)
-                    elif old.incarnation != m.incarnation:
-                        yield MemberEvent("rejoin", m)
-                    elif old != m:
-                        yield MemberEvent("update", m)
-                known = now
-
-    # ------------------------------------------------------------------ election
-
-    def _leader_key(self, election: str) -> str:
-        _check_name("election", election)
-        return self._key(f"election/{election}/leader")
-
-    async def campaign(self, node_id: str, election: str = DEFAULT_ELECTION) -> Leadership:
-        """Waits until this process is the leader of `election`, then returns the Leadership.
-
-        At most one leader at a time: the leader key is created only if absent, bound to
-        the winner's lease. When the leader dies its lease expires and a waiting
-        candidate takes over within about lease_ttl_s. Cancel the call to stop
-        campaigning. Calling it while already leader returns the held Leadership.
-        Raises: CoordinationError, SessionLost (no live session).
-        """
-        _check_name("node_id", node_id)
-        key = self._leader_key(election)
-        held = self._leading.get(election)
-        if held is not None and held.held:
-            return held
-        async with contextlib.aclosing(self._snapshots(key[: -len("leader")])) as snaps:
-            async for snap in snaps:
-                if key in snap:
-                    continue                      # someone leads; wait for the key to go
-                lease = self._require_session()
-                raw = _dumps({"node_id": node_id, "incarnation": self._session_id,
-                              "since": time.time()})
-                if await self._op(self._create(key, raw, lease), f"campaign {election}"):
-                    lead = Leadership(election, node_id, self._session_id, key, raw, self)
-                    self._leading[election] = lead
-                    log.info("coord_elected", election=election, node=node_id,
-                             session=self._session_id)
-                    return lead
-        raise CoordinationError(f"{self._describe()}: watch of {key} ended")  # pragma: no cover
-
-    async def resign(self, election: str = DEFAULT_ELECTION) -> bool:
-        """Gives up leadership of `election` if held; True if this process was leader."""
-        key = self._leader_key(election)
-        lead = self._leading.pop(election, None)
-        if lead is None:
-            return False
-        lead.lost.set()
-        await self._op(self._delete_if(key, lead.raw), f"resign {election}")
-        log.info("coord_resigned", election=election, node=lead.node_id)
-        return True
-
-    async def leader(self, election: str = DEFAULT_ELECTION) -> str | None:
-        """Node id of the current leader of `election`, or None. Raises: CoordinationError."""
-        key = self._leader_key(election)
-        raw = await self._op(self._get(key), f"get {key}")
-        return None if raw is None else _loads(raw)["node_id"]
-
-    async def watch_leader(self, election: str = DEFAULT_ELECTION) -> AsyncIterator[str | None]:
-        """Yields the current leader's node id (None: no leader), then each change."""
-        key = self._leader_key(election)
-        last: Any = object()
-        async with contextlib.aclosing(self._snapshots(key[: -len("leader")])) as snaps:
-            async for snap in snaps:
-                raw = snap.get(key)
-                cur = None if raw is None else _loads(raw)["node_id"]
-                if cur != last:
-                    last = cur
-                    yield cur
-
 
 def default_state_dir() -> str:
     """Local backend directory when cluster.state_dir is empty (shared by one user's nodes)."""
