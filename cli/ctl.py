@@ -17,7 +17,7 @@ from .main import app
 ctl_app = typer.Typer(help="Inspect and operate a running cluster.", no_args_is_help=True)
 app.add_typer(ctl_app, name="ctl")
 
-_CONFIG = typer.Option(None, "--config", "-c", help="TOML settings of the cluster (its [cluster] "
+_CONFIG = typer.Option(None, "--config", "-c", help="TOML settings of the cluster (its \\[cluster] "
                        "section tells where the coordinator is); default: the running "
                        "`mooncake up` cluster's, if any.")
 _BACKEND = typer.Option(None, help="local | etcd (overrides the file).")

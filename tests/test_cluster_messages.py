@@ -123,3 +123,15 @@ def test_a_control_server_answers_400_with_the_message_error():
     err = asyncio.run(run())
     assert (err.status, err.remote_type) == (400, "MessageError")
     assert err.remote_message == "missing field 'rid'"
+
+
+def test_an_overload_names_the_prediction_that_broke_its_slo():
+    from mooncaked.cluster.frontend import Overloaded
+
+    tbt = Overloaded("tbt_slo", 1.2, predicted_ttft_s=2.37, predicted_tbt_s=1.5)
+    assert (tbt.status, tbt.headers["Retry-After"]) == (429, "2")
+    assert str(tbt).endswith("(tbt_slo); predicted TBT 1.500 s")
+    ttft = Overloaded("ttft_slo", 3.0, predicted_ttft_s=6.0, predicted_tbt_s=0.1)
+    assert str(ttft).endswith("(ttft_slo); predicted TTFT 6.00 s")
+    none = Overloaded("no_prefill_node", 1.0)
+    assert none.status == 503 and "no_prefill_node" in str(none)

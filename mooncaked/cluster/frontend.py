@@ -84,16 +84,19 @@ class FrontendPort(Protocol):
 class Overloaded(ApiError):
     """An early rejection: HTTP 429 with Retry-After (whole seconds, rounded up) when the
     predicted TTFT or TBT breaks its SLO; 503 with Retry-After when no prefill or decode
-    node is available at all."""
+    node is available at all. The message gives the prediction that broke the SLO."""
 
-    def __init__(self, reason: str, retry_after_s: float, predicted_ttft_s: float | None = None):
+    def __init__(self, reason: str, retry_after_s: float, predicted_ttft_s: float | None = None,
+                 predicted_tbt_s: float | None = None):
         if reason.startswith("no_"):
             super().__init__(503, f"no node can serve this request now ({reason})",
                              type="server_error", code="no_capacity")
         else:
             msg = f"the cluster cannot serve this request within its SLO now ({reason})"
-            if predicted_ttft_s is not None:
+            if reason == "ttft_slo" and predicted_ttft_s is not None:
                 msg += f"; predicted TTFT {predicted_ttft_s:.2f} s"
+            elif reason in ("tbt_slo", "decode_full") and predicted_tbt_s is not None:
+                msg += f"; predicted TBT {predicted_tbt_s:.3f} s"
             super().__init__(429, msg, type="rate_limit_error", code="overloaded")
         self.reason, self.retry_after_s = reason, retry_after_s
         self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
@@ -200,7 +203,8 @@ class ClusterFrontend:
                 raise ApiError(500, f"placement failed: {e}", type="server_error") from e
             else:
                 if isinstance(r, PlaceRejected):
-                    raise Overloaded(r.reason, r.retry_after_s, r.predicted_ttft_s)
+                    raise Overloaded(r.reason, r.retry_after_s, r.predicted_ttft_s,
+                                     r.predicted_tbt_s)
                 return r
             log.info("place_retry", reason=last)
             # The leader died or moved: wait (bounded) for the election to settle.
