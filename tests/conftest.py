@@ -83,6 +83,15 @@ def pytest_make_collect_report(collector: pytest.Collector):
     return rep
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Prints pytest-randomly's seed at the end of the run, also under -q (as .ci/run runs),
+    whose header omits it: a shuffled failure is reproducible from the log."""
+    seed = getattr(config.option, "randomly_seed", None)
+    if isinstance(seed, int) and config.pluginmanager.has_plugin("randomly"):
+        terminalreporter.write_line(f"test order: --randomly-seed={seed} "
+                                    "(rerun it with that option; file order: -p no:randomly)")
+
+
 @pytest.fixture(scope="session")
 def bundled_model():
     """Path of the bundled SmolLM2-135M-Instruct GGUF file."""
