@@ -22,6 +22,6 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
     sh mooncaked/cluster/install_etcd.sh
     sh mooncaked/transfer/install_pyverbs.sh .venv
 else
-    echo "setup: not root or no apt-get: skipping etcd-server and pyverbs (their tests will skip)" >&2
+    echo "setup: not root or no apt-get: skipping etcd-server and pyverbs (their tests skip locally and fail under CI=true)" >&2
 fi
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
