@@ -18,6 +18,7 @@ import torch
 
 from .llm_engine import LLMEngine
 from .kv_stream import LayerwiseKV
+from .staging import wait_ready
 from .types import EngineStats, KVExport, KVGeometry, KVImport, RequestOutput, SamplingParams
 
 log = get_logger(__name__)
@@ -111,10 +112,16 @@ class AsyncLLM:
             pairs = [(k, export.blocks[i]) for i, k in enumerate(export.keys) if not self.store.exists(k)]
         else:
             pairs = list(zip(keys, export.blocks[first:len(export.keys)]))
-        srcs = [b.contiguous().cpu() for _, b in pairs]
-        task = asyncio.create_task(self.store.put_many([k for k, _ in pairs], srcs))
+        srcs = [b.contiguous().cpu() for _, b in pairs]  # host already (engine/staging.py): views
+        task = asyncio.create_task(self._put_when_ready(export.ready, [k for k, _ in pairs], srcs))
         self._offloads.add(task)
         task.add_done_callback(self._offloads.discard)
+
+    async def _put_when_ready(self, ready, keys: list[bytes], srcs: list[torch.Tensor]) -> None:
+        """Waits (in a worker thread) for the export's copy out of GPU pages, then puts."""
+        if ready is not None:
+            await asyncio.to_thread(wait_ready, ready)
+        await self.store.put_many(keys, srcs)
 
     async def _load_from_store(self, prompt_token_ids: list[int], cache_salt: str | None) -> KVImport | None:
         """KV of the prompt's prefix from the store when it beats the device prefix cache."""

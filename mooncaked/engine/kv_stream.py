@@ -22,6 +22,9 @@ import torch
 
 from mooncaked.utils import cdiv
 
+from .device_step import upload
+from .staging import staging_for
+
 # on_layer(layer, block_lo, block_hi, ready): blocks [block_lo, block_hi) of `layer` are
 # in stage[layer, block_lo:block_hi] once `ready` (a torch.cuda.Event, or None on the
 # CPU where the copy is synchronous) has completed. Called from the engine's thread.
@@ -92,7 +95,7 @@ class LayerwiseKV:
         if self.stage is None:
             self.stage = torch.empty(self.shape, dtype=self.dtype, pin_memory=self.pin_memory)
         self._lo, self._hi = self.num_final_blocks, hi
-        self._ids = torch.tensor(block_table[self._lo:hi], dtype=torch.long, device=device)
+        self._ids = upload(torch.tensor(block_table[self._lo:hi], dtype=torch.long), torch.device(device))
         self.num_tokens = max(self.num_tokens, end_token)
 
     def copy_layer(self, kv_cache: torch.Tensor, layer: int) -> None:
@@ -105,13 +108,9 @@ class LayerwiseKV:
             return
         dst = self.stage[layer, self._lo:self._hi]
         src = kv_cache[:, layer]
-        ready = None
-        if kv_cache.is_cuda:
-            dst.copy_(src.index_select(0, self._ids), non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            torch.index_select(src, 0, self._ids, out=dst)
+        # On CUDA: on the copy stream into the pinned stage, overlapped with the next
+        # layer's compute (engine/staging.py); on the CPU a plain copy (ready is None).
+        ready = staging_for(kv_cache.device).gather(src, self._ids, dst)
         if self.on_layer is not None:
             self.on_layer(layer, self._lo, self._hi, ready)
 

@@ -232,8 +232,9 @@ class LLMEngine:
         n_full = n_tok // self.block_size
         self.block_manager.ensure_keys(seq)  # keys of blocks already hashed are reused
         keys = seq.block_keys[:n_full]
-        blocks = self.runner.read_blocks(seq.block_table[:n_blocks])
-        return KVExport(keys=keys, blocks=blocks, num_tokens=min(n_tok, n_blocks * self.block_size))
+        blocks, ready = self.runner.read_blocks_to_host(seq.block_table[:n_blocks])
+        return KVExport(keys=keys, blocks=blocks, num_tokens=min(n_tok, n_blocks * self.block_size),
+                        ready=ready)
 
     def _finish(self, seq: Sequence, new_ids: list[int], text: str, logprobs) -> RequestOutput:
         seq.status = SeqStatus.FINISHED

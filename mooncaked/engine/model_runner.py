@@ -13,6 +13,7 @@ from mooncaked.model.sampling import SamplingRow, sample
 from .cuda_graph import CudaGraphRunner, decode_inputs, graph_buckets
 from .device_step import needs_host_sampling, upload, upload_step
 from .scheduler_output import ScheduledSeq, SchedulerOutput
+from .staging import staging_for
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -70,14 +71,24 @@ class ModelRunner:
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.model.device)
         return self.ops.gather_blocks(self.kv_cache, ids)
 
+    def read_blocks_to_host(self, block_ids: list[int] | tuple[int, ...]
+                            ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Copies whole pages into a new host buffer off the compute stream (engine/staging.py).
+
+        Returns: (blocks [n, num_layers, 2, block_size, num_kv_heads, head_dim] on the host,
+            pinned on CUDA; an event that completes when they landed, None on the CPU).
+        """
+        ids = upload(torch.tensor(block_ids, dtype=torch.long), self.model.device)
+        return staging_for(self.model.device).gather_to_host(self.kv_cache, ids)
+
     def write_blocks(self, block_ids: list[int] | tuple[int, ...], blocks: torch.Tensor) -> None:
         """Copies whole blocks into the pages `block_ids` (n of them).
 
         blocks: [n, num_layers, 2, block_size, num_kv_heads, head_dim], any float dtype, CPU
         or device (moved and cast to the cache's first).
         """
-        ids = torch.tensor(block_ids, dtype=torch.long, device=self.model.device)
-        src = blocks.to(device=self.model.device, dtype=self.model.dtype)
+        ids = upload(torch.tensor(block_ids, dtype=torch.long), self.model.device)
+        src = upload(blocks, self.model.device).to(dtype=self.model.dtype)
         self.ops.scatter_blocks(self.kv_cache, ids, src)
 
     def _block_tables(self, seqs: tuple[ScheduledSeq, ...]) -> torch.Tensor:

@@ -100,14 +100,18 @@ class KVImport:
 class KVExport:
     """K/V of a finished request, gathered out of the pages before they are freed.
 
-    blocks: [n, num_layers, 2, block_size, num_kv_heads, head_dim], the engine's dtype, on
-    its device, covering the first `num_tokens` tokens (the last block may be partial);
-    keys: block keys of the leading full blocks (len(keys) <= n).
+    blocks: [n, num_layers, 2, block_size, num_kv_heads, head_dim], the engine's dtype, in
+    host memory (pinned on CUDA), covering the first `num_tokens` tokens (the last block
+    may be partial); keys: block keys of the leading full blocks (len(keys) <= n).
+    ready: None when `blocks` holds the bytes already (CPU engines); on CUDA a
+        torch.cuda.Event that completes when the copy out of the pages (on the copy
+        stream, engine/staging.py) has landed: wait on it before reading `blocks`.
     """
 
     keys: list[bytes]
     blocks: torch.Tensor
     num_tokens: int
+    ready: object | None = None
 
 
 @dataclass

@@ -1,0 +1,101 @@
+"""KV pages out of GPU memory: pinned host staging on a separate CUDA stream.
+
+The hand-over paths (the layer-wise push, the READ fallback that reads the same
+stage, and store offload) move K/V from the device pages to peers and the store
+through host memory: the transfer engine's TCP transport and the store's DRAM tier
+address host bytes. A copy on the compute stream would queue behind (and delay) the
+next layer's kernels, and a blocking copy would stall the engine thread, so:
+
+- the copy runs on a *copy stream* of its own, which first waits for the compute
+  stream's work so far (the kernels that wrote the K/V), and then overlaps with the
+  compute that follows (the next layer, the next step);
+- the destination is page-locked (pinned) host memory, so the copy is a DMA that
+  neither blocks the host nor goes through a bounce buffer;
+- the caller gets a `torch.cuda.Event` recorded after the copy and waits on it where
+  the bytes are needed (kv_push.py awaits it in a worker thread before its WRITE; the
+  store offload before its put), never in the engine's step.
+
+On the CPU (the dev machine, the tests) the same calls run: the copy is synchronous,
+the event is None and pinning is skipped (it needs a CUDA driver), so the path is
+exercised with CPU tensors standing in for the GPU's.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+
+def host_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty host tensor for staging: pinned when CUDA is available, else pageable."""
+    return torch.empty(shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+
+
+class HostStaging:
+    """Copies from device pages into host staging buffers, off the compute stream.
+
+    Args:
+        device: the pages' device. CUDA: a copy stream is created on it; anything else:
+            copies are plain synchronous copies.
+    Attributes:
+        stream: the copy stream (CUDA), else None.
+    """
+
+    def __init__(self, device: torch.device | str):
+        self.device = torch.device(device)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def gather(self, pages: torch.Tensor, block_ids: torch.Tensor, dst: torch.Tensor) -> torch.cuda.Event | None:
+        """dst <- pages[block_ids] (rows along dim 0), without blocking the host on CUDA.
+
+        Args:
+            pages: a device tensor whose dim 0 is the page index: the KV cache
+                [num_blocks, num_layers, 2, block_size, kv_heads, head_dim] or one layer's
+                view of it `kv_cache[:, layer]` [num_blocks, 2, block_size, kv_heads, head_dim].
+            block_ids: int64 [n] page ids, on pages' device.
+            dst: host tensor [n, *pages.shape[1:]], pages' dtype (pinned on CUDA, see
+                host_buffer); may be a view of a larger stage.
+        Returns: on CUDA an event that completes when dst holds the bytes (the copy stream
+            first waits for everything queued on the current stream so far); None on the
+            CPU, where dst is written on return.
+        Raises: ValueError when dst's shape or dtype does not match.
+        """
+        want = (int(block_ids.shape[0]), *pages.shape[1:])
+        if tuple(dst.shape) != want or dst.dtype != pages.dtype:
+            raise ValueError(f"staging buffer {tuple(dst.shape)} {dst.dtype} does not match "
+                             f"{want} {pages.dtype}")
+        if self.stream is None:
+            torch.index_select(pages, 0, block_ids, out=dst)
+            return None
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
+        with torch.cuda.stream(self.stream):
+            rows = pages.index_select(0, block_ids)   # allocated on the copy stream
+            dst.copy_(rows, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        # block_ids came from the compute stream's allocator: keep it until the copy ran.
+        block_ids.record_stream(self.stream)
+        return done
+
+    def gather_to_host(self, pages: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """A new host buffer holding pages[block_ids], and its ready event (see `gather`)."""
+        dst = host_buffer((int(block_ids.shape[0]), *pages.shape[1:]), pages.dtype)
+        return dst, self.gather(pages, block_ids, dst)
+
+
+@functools.lru_cache(maxsize=None)
+def staging_for(device: torch.device) -> HostStaging:
+    """The process's HostStaging of a device (one copy stream per device)."""
+    return HostStaging(device)
+
+
+def wait_ready(ready: torch.cuda.Event | None) -> None:
+    """Blocks until a staging copy completed (no-op for None, the CPU's synchronous copy).
+    Call it off the engine thread, e.g. `await asyncio.to_thread(wait_ready, ready)`."""
+    if ready is not None:
+        ready.synchronize()
+
+
+__all__ = ["HostStaging", "host_buffer", "staging_for", "wait_ready"]
