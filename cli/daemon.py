@@ -20,6 +20,9 @@ def serve(
     port: Optional[int] = typer.Option(None, help="API port."),
     model: Optional[str] = typer.Option(None, help="GGUF file or safetensors directory."),
     dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16."),
+    device: Optional[str] = typer.Option(None, help="cpu | cuda[:N] (model, KV pages, sampling)."),
+    load_format: Optional[str] = typer.Option(None, "--load-format", help="auto | dummy (--model is a "
+                                              "config.json; random weights)."),
     node_id: Optional[str] = typer.Option(None, "--node-id", help="Node id in the cluster."),
     log_level: Optional[str] = typer.Option(None, help="debug | info | warning | error."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Any setting as KEY=VALUE, e.g. "
@@ -28,7 +31,8 @@ def serve(
 ) -> None:
     """Run one node until SIGINT/SIGTERM. Flags override the config file."""
     settings = _settings(config, {"node.role": role, "server.host": host, "server.port": port,
-                                  "model.path": model, "model.dtype": dtype, "node.id": node_id,
+                                  "model.path": model, "model.dtype": dtype, "model.device": device,
+                                  "model.load_format": load_format, "node.id": node_id,
                                   "log.level": log_level}, set_)
     from mooncaked.daemon import run_daemon  # noqa: PLC0415
 

@@ -75,6 +75,8 @@ class ModelSettings:
                                    "config.json; random weights drawn on the device, the bundled "
                                    "tokenizer: for speed tests at real sizes).",
                            choices=("auto", "dummy"))
+    tokenizer: str = opt("", "Tokenizer source (GGUF file or directory with tokenizer.json); empty "
+                             "means the model's own (the bundled model's with load_format = dummy).")
     max_model_len: int = opt(0, "Longest prompt + output in tokens; 0 means the model's context "
                                 "length.", min=0)
     num_threads: int = opt(0, "torch intra-op threads; 0 means one per core minus one (kept for "

