@@ -93,7 +93,7 @@ class Plan:
 
 
 GPU_PLAN = Plan("cuda", "bfloat16", CONFIG_8B, 64, 128, 128, 4096, 3, 8 << 30, 1 << 30, 64)
-DRY_PLAN = Plan("cpu", "bfloat16", CONFIG_TINY, 4, 16, 6, 64, 1, 32 << 20, 32 << 20, 0)
+DRY_PLAN = Plan("cpu", "bfloat16", CONFIG_TINY, 4, 16, 8, 64, 1, 32 << 20, 32 << 20, 0)
 
 
 def log(msg: str) -> None:
@@ -429,33 +429,17 @@ def ours_ttft(engine, prompt: list[int], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def hf_generate(hf, prompts: list[list[int]], n: int, device: torch.device) -> tuple[float, list[float]]:
-    """transformers greedy generate of exactly n tokens, static cache. Returns (wall seconds,
-    the time each new token was handed out)."""
-    import transformers  # noqa: PLC0415
-
-    class Times(transformers.generation.streamers.BaseStreamer):
-        def __init__(self):
-            self.times: list[float] = []
-            self.seen_prompt = False
-
-        def put(self, value):
-            if self.seen_prompt:
-                self.times.append(time.perf_counter())
-            self.seen_prompt = True
-
-        def end(self):
-            pass
-
+def hf_generate(hf, prompts: list[list[int]], n: int, device: torch.device) -> float:
+    """transformers greedy `generate` of exactly n tokens (static cache) for equal-length
+    prompts. Returns wall seconds, the device synchronised at both ends."""
     ids = torch.tensor(prompts, device=device)
-    st = Times() if len(prompts) == 1 else None   # generate's streamer takes batch 1 only
     kw = {"cache_implementation": HF_CACHE[0]} if HF_CACHE[0] != "dynamic" else {}
     sync(device)
     t0 = time.perf_counter()
     with torch.inference_mode():
         try:
             out = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                              min_new_tokens=n, do_sample=False, pad_token_id=0, streamer=st, **kw)
+                              min_new_tokens=n, do_sample=False, pad_token_id=0, **kw)
         except (TypeError, ValueError) as e:   # a transformers without static caches: say so, go on
             if not kw:
                 raise
@@ -465,21 +449,18 @@ def hf_generate(hf, prompts: list[list[int]], n: int, device: torch.device) -> t
     sync(device)
     wall = time.perf_counter() - t0
     assert out.shape[1] == ids.shape[1] + n, out.shape
-    return wall, (st.times if st else [])
+    return wall
 
 
 def hf_decode_step(hf, prompts: list[list[int]], n: int, device: torch.device) -> float:
-    """transformers' seconds per decode step: batch 1 from the streamer's token times;
-    a batch from the difference of two runs (n and n // 2 tokens, same prompts), which
-    cancels the prefill."""
-    if len(prompts) == 1:
-        _, times = hf_generate(hf, prompts, n, device)
-        gaps = np.diff(times)
-        return float(np.median(gaps))
+    """transformers' seconds per decode step of this batch: the difference of two runs on
+    the same prompts (n and n // 2 new tokens), which cancels the prefill and setup."""
     half = max(2, n // 2)
-    w_full, _ = hf_generate(hf, prompts, n, device)
-    w_half, _ = hf_generate(hf, prompts, half, device)
-    return (w_full - w_half) / (n - half)
+    full = hf_generate(hf, prompts, n, device)
+    step = (full - hf_generate(hf, prompts, half, device)) / (n - half)
+    # Noise on a loaded CPU (dry runs) can make the difference <= 0: then the whole run
+    # per token, an upper bound (it includes the prefill).
+    return step if step > 0 else full / n
 
 
 def speed(plan: Plan, tokenizer: str) -> dict:
@@ -536,7 +517,7 @@ def speed(plan: Plan, tokenizer: str) -> dict:
     hb = hf_decode_step(hf, big, plan.decode_tokens, dev)
     log(f"transformers: TTFT of {plan.ttft_prompt} tokens")
     hf_generate(hf, [ttft[0]], 1, dev)                          # warm-up at this length
-    ht = [hf_generate(hf, [p], 1, dev)[0] for p in ttft[1:]]
+    ht = [hf_generate(hf, [p], 1, dev) for p in ttft[1:]]
     del hf
 
     def share(step_s: float, ctx_tokens: float) -> float:
@@ -625,8 +606,9 @@ def summary_text(res: dict) -> str:
     if "error" in s:
         lines.append(f"speed: ERROR {s['error']}")
     elif s:
-        lines.append(f"speed ({s['config']}, {s['dtype']}): copy bandwidth "
-                     f"{s['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s, weights {s['weight_bytes'] / 2**30:.2f} GiB")
+        lines.append(f"speed ({s['config']}, {s['dtype']}, transformers {s.get('transformers_cache')} cache): "
+                     f"copy bandwidth {s['copy_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s, "
+                     f"weights {s['weight_bytes'] / 2**30:.2f} GiB")
         lines.append(f"{'case':<12}{'ours':>12}{'transformers':>14}{'ratio':>8}{'roofline':>10}{'(theirs)':>10}")
         for name, x in s["cases"].items():
             fmt = (lambda v: f"{v * 1e3:.1f} ms") if x["unit"] == "s" else (lambda v: f"{v:.1f} tok/s")

@@ -6,9 +6,12 @@ through host memory: the transfer engine's TCP transport and the store's DRAM ti
 address host bytes. A copy on the compute stream would queue behind (and delay) the
 next layer's kernels, and a blocking copy would stall the engine thread, so:
 
-- the copy runs on a *copy stream* of its own, which first waits for the compute
-  stream's work so far (the kernels that wrote the K/V), and then overlaps with the
-  compute that follows (the next layer, the next step);
+- the pages are gathered into a contiguous device buffer on the compute stream (a
+  device-to-device copy, microseconds; ordered before any later kernel that writes
+  those pages, so a page freed and reused right after is safe), and the device-to-host
+  copy of that buffer runs on a *copy stream* of its own, which first waits for the
+  compute stream's work so far and then overlaps with the compute that follows (the
+  next layer, the next step);
 - the destination is page-locked (pinned) host memory, so the copy is a DMA that
   neither blocks the host nor goes through a bounce buffer;
 - the caller gets a `torch.cuda.Event` recorded after the copy and waits on it where
@@ -56,9 +59,9 @@ class HostStaging:
             block_ids: int64 [n] page ids, on pages' device.
             dst: host tensor [n, *pages.shape[1:]], pages' dtype (pinned on CUDA, see
                 host_buffer); may be a view of a larger stage.
-        Returns: on CUDA an event that completes when dst holds the bytes (the copy stream
-            first waits for everything queued on the current stream so far); None on the
-            CPU, where dst is written on return.
+        Returns: on CUDA an event that completes when dst holds the bytes (the gather is
+            queued on the current stream, the device-to-host copy on the copy stream after
+            everything queued so far); None on the CPU, where dst is written on return.
         Raises: ValueError when dst's shape or dtype does not match.
         """
         want = (int(block_ids.shape[0]), *pages.shape[1:])
@@ -68,15 +71,18 @@ class HostStaging:
         if self.stream is None:
             torch.index_select(pages, 0, block_ids, out=dst)
             return None
-        compute = torch.cuda.current_stream(self.device)
-        self.stream.wait_stream(compute)
+        # The gather runs on the compute stream, so it reads the pages before any later kernel
+        # writes them (a freed page reused by the next step, the next token of a partial
+        # block); it is a device-to-device copy of a few MB, microseconds. Only the slow
+        # device-to-host leg runs on the copy stream, overlapped with what follows.
+        rows = pages.index_select(0, block_ids)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
-            rows = pages.index_select(0, block_ids)   # allocated on the copy stream
             dst.copy_(rows, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self.stream)
-        # block_ids came from the compute stream's allocator: keep it until the copy ran.
-        block_ids.record_stream(self.stream)
+        # rows belongs to the compute stream's allocator: not reused until the copy ran.
+        rows.record_stream(self.stream)
         return done
 
     def gather_to_host(self, pages: torch.Tensor, block_ids: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
