@@ -17,8 +17,9 @@
 #    and transformers generate with a static cache, ratios, HBM roofline shares); writes
 #    $OUT/gpu_serve.json (after each part) and $OUT/gpu_serve.log;
 # 3. prints the compact summary again as the last lines.
-# Worst case under 8 minutes: the Python step has a 420 s timeout (an H200 needs about
-# 3 minutes: Triton compiles, an 8B model built twice, CUDA graph capture).
+# Worst case under 8 minutes: GPU unit tests 60 s and the Python step 400 s at most, each
+# with a timeout (an H200 should need about 3 minutes in all: Triton compiles, an 8B model
+# built twice, CUDA graph capture).
 set -u
 cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out}"
@@ -59,7 +60,15 @@ if ! "$PY" -c "import mooncaked.benchmarks.gpu_serve" 2>/dev/null; then
 fi
 "$PY" -c "import mooncaked.benchmarks.gpu_serve as g; print('mooncaked from', g.__file__)" || status=1
 
-timeout 420 "$PY" -m mooncaked.benchmarks.gpu_serve $DRY --json-file "$OUT/gpu_serve.json" 2>&1 \
+# The GPU unit checks first (CUDA graph replay = eager, staging order); quick, and they
+# point at the piece that broke if the run below fails. --noconftest: no Triton interpreter.
+if [ -z "$DRY" ]; then
+    timeout 60 "$PY" -m pytest -q -rfE -p no:cacheprovider -p no:randomly --noconftest -m gpu \
+        tests/test_gpu_path.py 2>&1 | tee "$OUT/gpu_unit_tests.log"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+
+timeout 400 "$PY" -m mooncaked.benchmarks.gpu_serve $DRY --json-file "$OUT/gpu_serve.json" 2>&1 \
     | tee "$OUT/gpu_serve.log"
 rc=${PIPESTATUS[0]}
 echo "gpu_serve.py exit status: $rc"

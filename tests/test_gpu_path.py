@@ -181,3 +181,45 @@ def test_gpu_serve_dry_run_end_to_end(tmp_path):
     last = r.stdout.strip().splitlines()[-9:]   # the summary, printed again at the very end
     assert last[0].startswith("gpu_serve: cpu") and last[1].startswith("correctness (dummy, fp32")
     assert last[-2].startswith("targets:") and last[-1] == "gpu_serve exit status: 0"
+
+
+# ---------------------------------------------------------------- on a GPU (gpu_serve.sh runs these first)
+
+needs_cuda = pytest.mark.gpu(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@needs_cuda
+def test_cuda_graph_replay_matches_eager_on_gpu():
+    from mooncaked.engine.cuda_graph import CudaGraphRunner
+    from mooncaked.kernels import attention_ops
+
+    cfg, _ = read_hf_config(CONFIG_TINY)
+    dev = torch.device("cuda")
+    model = LlamaModel(cfg, dummy_tensors(cfg, torch.float32, dev), torch.float32, dev, attention_ops(dev),
+                       max_positions=256)
+    kv = torch.randn(16, cfg.num_layers, 2, 4, cfg.num_kv_heads, cfg.head_dim, device=dev)
+    graphs = CudaGraphRunner(model, kv, graph_buckets(8, 8), max_blocks=6)
+    graphs.capture()
+    step = _decode_step(cfg, 3, 2, [5, 6, 8])
+    assert graphs.bucket(step) == 4
+    eager_kv = kv.clone()
+    replayed = graphs.run(step, 4).clone()
+    meta = AttentionMetadata(step.slot_mapping.to(dev), 3, decode_block_tables=step.block_tables.to(dev),
+                             decode_context_lens=step.context_lens.to(dev))
+    eager = model.forward(step.input_ids.to(dev), step.positions.to(dev), meta, eager_kv)
+    torch.testing.assert_close(replayed, eager, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(kv, eager_kv, rtol=1e-5, atol=1e-5)   # same K/V written, nothing else
+    assert graphs.replays == 1
+
+
+@needs_cuda
+def test_staging_copy_is_ordered_before_later_writes_on_gpu():
+    pages = torch.randn(64, 2, 16, 8, 128, device="cuda")
+    want = pages[[3, 9, 40]].cpu()
+    stager = HostStaging("cuda")
+    dst = host_buffer((3, *pages.shape[1:]), pages.dtype)
+    assert dst.is_pinned()
+    ready = stager.gather(pages, torch.tensor([3, 9, 40], device="cuda"), dst)
+    pages.zero_()                      # the next step reusing the pages, queued right after
+    ready.synchronize()
+    assert torch.equal(dst, want)

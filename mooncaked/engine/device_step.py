@@ -24,7 +24,9 @@ def upload(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device`: through pinned memory without blocking on CUDA (the
     caching host allocator keeps the pinned buffer until the copy completed); unchanged
     when `device` is the tensor's own."""
-    if t.device == device:
+    if t.device.type != "cpu":
+        return t.to(device, non_blocking=True)  # already on a device (a no-op on the same one)
+    if device.type == "cpu":
         return t
     if device.type == "cuda":
         return t.pin_memory().to(device, non_blocking=True)
