@@ -223,3 +223,20 @@ def test_staging_copy_is_ordered_before_later_writes_on_gpu():
     pages.zero_()                      # the next step reusing the pages, queued right after
     ready.synchronize()
     assert torch.equal(dst, want)
+    from mooncaked.engine.staging import scatter_from_host
+    scatter_from_host(pages, [7, 2], dst[:2])   # and back up, without a host sync
+    assert torch.equal(pages[[7, 2]].cpu(), want[:2]) and int(pages[3].abs().sum()) == 0
+
+
+def test_scatter_from_host_checks_and_writes():
+    from mooncaked.engine.staging import scatter_from_host
+
+    pages = torch.zeros(6, 2, 3)
+    blocks = torch.arange(12, dtype=torch.float64).reshape(2, 2, 3)
+    scatter_from_host(pages, [4, 1], blocks)
+    assert torch.equal(pages[4], blocks[0].float()) and torch.equal(pages[1], blocks[1].float())
+    assert int(pages[[0, 2, 3, 5]].abs().sum()) == 0
+    with pytest.raises(IndexError, match="outside a pool of 6"):
+        scatter_from_host(pages, [6, 0], blocks)
+    with pytest.raises(ValueError, match="do not match"):
+        scatter_from_host(pages, [0], blocks)

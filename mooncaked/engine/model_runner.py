@@ -13,7 +13,7 @@ from mooncaked.model.sampling import SamplingRow, sample
 from .cuda_graph import CudaGraphRunner, decode_inputs, graph_buckets
 from .device_step import needs_host_sampling, upload, upload_step
 from .scheduler_output import ScheduledSeq, SchedulerOutput
-from .staging import staging_for
+from .staging import scatter_from_host, staging_for
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -87,8 +87,11 @@ class ModelRunner:
         blocks: [n, num_layers, 2, block_size, num_kv_heads, head_dim], any float dtype, CPU
         or device (moved and cast to the cache's first).
         """
-        ids = upload(torch.tensor(block_ids, dtype=torch.long), self.model.device)
-        src = upload(blocks, self.model.device).to(dtype=self.model.dtype)
+        if self.model.device.type == "cuda":  # no host sync (the Triton copy checks ids on the device)
+            scatter_from_host(self.kv_cache, block_ids, blocks)
+            return
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.model.device)
+        src = blocks.to(device=self.model.device, dtype=self.model.dtype)
         self.ops.scatter_blocks(self.kv_cache, ids, src)
 
     def _block_tables(self, seqs: tuple[ScheduledSeq, ...]) -> torch.Tensor:

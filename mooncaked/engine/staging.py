@@ -91,6 +91,30 @@ class HostStaging:
         return dst, self.gather(pages, block_ids, dst)
 
 
+def scatter_from_host(pages: torch.Tensor, block_ids: list[int] | tuple[int, ...], blocks: torch.Tensor) -> None:
+    """pages[block_ids] <- blocks, the way into device pages (a KV import, a store load),
+    with no host sync: ids are checked on the host, blocks go up through pinned memory
+    without blocking and land with one index_copy_ on the current stream.
+
+    Args:
+        pages: the KV cache [num_blocks, ...] (any device).
+        block_ids: n page ids, each in [0, num_blocks).
+        blocks: [n, *pages.shape[1:]], any float dtype (cast to the pages'), host or device.
+    Raises: IndexError for an id outside the pool; ValueError for a shape mismatch.
+    """
+    from .device_step import upload  # noqa: PLC0415 - device_step imports the model package
+
+    n = pages.shape[0]
+    bad = [b for b in block_ids if not 0 <= b < n]
+    if bad:
+        raise IndexError(f"block ids {bad[:4]} outside a pool of {n} blocks")
+    if tuple(blocks.shape) != (len(block_ids), *pages.shape[1:]):
+        raise ValueError(f"blocks {tuple(blocks.shape)} do not match {len(block_ids)} blocks of "
+                         f"{tuple(pages.shape[1:])}")
+    ids = upload(torch.tensor(block_ids, dtype=torch.long), pages.device)
+    pages.index_copy_(0, ids, upload(blocks, pages.device).to(pages.dtype))
+
+
 @functools.cache
 def staging_for(device: torch.device) -> HostStaging:
     """The process's HostStaging of a device (one copy stream per device)."""
@@ -104,4 +128,4 @@ def wait_ready(ready: torch.cuda.Event | None) -> None:
         ready.synchronize()
 
 
-__all__ = ["HostStaging", "host_buffer", "staging_for", "wait_ready"]
+__all__ = ["HostStaging", "host_buffer", "scatter_from_host", "staging_for", "wait_ready"]
