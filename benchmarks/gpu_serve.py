@@ -595,8 +595,9 @@ def tokenizer_dir(src: Path, dst: Path) -> Path:
 
 def summary_text(res: dict) -> str:
     """The compact summary printed last (plain text, narrow)."""
+    dry = " (dry run)" if res.get("dry_run") else ""
     lines = [f"gpu_serve: {res.get('device_name', res.get('device'))}, torch {res.get('torch')}, "
-             f"transformers {res.get('transformers')}{' (dry run)' if res.get('dry_run') else ''}"]
+             f"transformers {res.get('transformers')}{dry}"]
     c = res.get("correctness", {})
     if "error" in c:
         lines.append(f"correctness: ERROR {c['error']}")

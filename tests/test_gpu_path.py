@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from mooncaked.engine.cuda_graph import DecodeInputs, bucket_for, decode_inputs, graph_buckets, pad_decode
+from mooncaked.engine.cuda_graph import (
+    DecodeInputs,
+    bucket_for,
+    decode_inputs,
+    graph_buckets,
+    pad_decode,
+)
 from mooncaked.engine.model_runner import ModelRunner
 from mooncaked.engine.staging import HostStaging, host_buffer
 from mooncaked.kernels import reference
@@ -140,7 +146,7 @@ def test_padded_step_computes_the_same_rows_and_writes_no_kv(tiny):
 
 
 def test_host_staging_with_cpu_tensors(tiny):
-    cfg, model = tiny
+    _, model = tiny
     runner = ModelRunner(model, num_blocks=12, block_size=4)
     runner.kv_cache.copy_(torch.randn_like(runner.kv_cache))
     stager = HostStaging("cpu")
