@@ -118,10 +118,16 @@ def test_pad_decode_values_and_errors(tiny):
     assert decode_inputs(step.input_ids, step.positions, mixed) is None
 
 
-def test_padded_step_computes_the_same_rows_and_writes_no_kv(tiny):
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_padded_step_computes_the_same_rows_and_writes_no_kv(tiny, kernels):
     """What a graph replays (padded rows, wide tables) equals the eager step on the real
-    rows, and padded rows leave the pages untouched."""
+    rows, and padded rows leave the pages untouched; with the torch ops and with the
+    Triton kernels the GPU replays (here under the interpreter)."""
     cfg, model = tiny
+    if kernels == "triton":
+        from mooncaked.kernels import triton_ops
+        model = LlamaModel(cfg, dummy_tensors(cfg, torch.float32, "cpu", seed=0), torch.float32,
+                           torch.device("cpu"), triton_ops, max_positions=256)
     kv = torch.randn(16, cfg.num_layers, 2, 4, cfg.num_kv_heads, cfg.head_dim)
     step = _decode_step(cfg, 3, 2, [5, 6, 8])
 
