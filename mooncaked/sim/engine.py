@@ -4,7 +4,8 @@ Replays a Mooncake-format trace through N prefill and M decode instances with th
 conductor's own placement function (`mooncaked.conductor.policy.place`), global
 prefix index (`PrefixIndex`) and cost models (`CostModel`):
 
-- Prefill instance: a FIFO queue, one request at a time (prefill time from the cost
+- Prefill instance: a FIFO queue (or shortest predicted prefill first with an aging
+  bound, prefill_order "spf", `policy.spf_pick`), one request at a time (prefill time from the cost
   model with the prefix it actually holds when it starts), an LRU cache of KV blocks
   of `cache_tokens` tokens (its DRAM pool). Blocks the placement fetches from another
   node arrive after the predicted transfer time and become replicas (section 4.2).
@@ -38,8 +39,21 @@ import numpy as np
 
 from mooncaked.conductor.cost_model import CostModel, PaperSetting, paper_cost_model
 from mooncaked.conductor.index import PrefixIndex
-from mooncaked.conductor.policy import POLICIES, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
-from mooncaked.measures import cache_hit_rate, effective_request_capacity, percentile, tbt_s
+from mooncaked.conductor.policy import (
+    POLICIES,
+    PlacementRequest,
+    PolicyConfig,
+    Rejection,
+    Snapshot,
+    place,
+    spf_pick,
+)
+from mooncaked.measures import (
+    cache_hit_rate,
+    effective_request_capacity,
+    percentile,
+    tbt_s,
+)
 
 from .cache import LRUCache
 from .trace import TRACE_BLOCK_TOKENS, TraceRequest
@@ -63,6 +77,9 @@ class SimConfig:
     request's output length (1 = prefill only, as the paper's Figure 10).
     `ttft_slo_s`/`tbt_slo_s`: early rejection (inf: off). `ttft_threshold_s` and
     `tbt_thresholds_s`: what effective request capacity counts as served in time.
+    `fetch_rule`, `decode_rule`, `prefill_order`, `aging_s`: the PolicyConfig options
+    ("" = the policy's default; `policy.policy_defaults`); prefill_order also sets how
+    the simulated prefill queues run.
     """
 
     policy: str = "global_cache_aware"
@@ -83,6 +100,10 @@ class SimConfig:
     replica_ranks: tuple[int, ...] = (10, 100, 1000, 10000)
     replica_samples: int = 60
     hit_windows: int = 30
+    fetch_rule: str = ""
+    decode_rule: str = ""
+    prefill_order: str = ""
+    aging_s: float = 10.0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -179,7 +200,10 @@ class Simulator:
         self.pcfg = PolicyConfig(policy="load_balancing" if self.coupled else cfg.policy,
                                  block_size=cfg.block_tokens,
                                  cache_balance_threshold=cfg.cache_balance_threshold,
-                                 ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s)
+                                 ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
+                                 fetch_rule=cfg.fetch_rule, decode_rule=cfg.decode_rule,
+                                 prefill_order=cfg.prefill_order, aging_s=cfg.aging_s)
+        self.spf = self.pcfg.prefill_order == "spf" and not self.coupled
         self.rng = random.Random(cfg.seed)
         self.events: list = []
         self.seq = 0
@@ -273,10 +297,11 @@ class Simulator:
         queue = [max(0.0, p.busy_until - t) + p.queued_pred for p in self.pnodes]
         ds = self.dnodes
         cap = self.cfg.decode_kv_tokens
+        queued = [[x[2] for x in p.queue] for p in self.pnodes] if self.spf else ()
         return Snapshot(self.pids, queue, match, self.dids,
                         [len(d.batch) + d.pending_n for d in ds],
                         [d.ctx + d.pending_ctx for d in ds],
-                        [cap - d.committed for d in ds])
+                        [cap - d.committed for d in ds], prefill_queued_s=queued)
 
     def _arrive(self, q: _Req, t: float) -> None:
         snap = self._snapshot(q, t)
@@ -328,13 +353,27 @@ class Simulator:
     def _pstart(self, p: _PNode, t: float) -> None:
         if not p.queue:
             return
-        q, ready, pred = p.queue[0]
-        if ready > t:              # FIFO: the head waits for its fetched blocks
-            if not p.waiting_fetch:
-                p.waiting_fetch = True
-                self._push(ready, _PF_START, p)
-            return
-        p.queue.popleft()
+        if self.spf:
+            # shortest predicted prefill first among those whose fetched blocks are in,
+            # the oldest first once it waited aging_s (policy.spf_pick)
+            ready_k = [k for k, x in enumerate(p.queue) if x[1] <= t]
+            if not ready_k:
+                if not p.waiting_fetch:
+                    p.waiting_fetch = True
+                    self._push(min(x[1] for x in p.queue), _PF_START, p)
+                return
+            k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2]) for k in ready_k],
+                                 t, self.cfg.aging_s)]
+            q, ready, pred = p.queue[k]
+            del p.queue[k]
+        else:
+            q, ready, pred = p.queue[0]
+            if ready > t:              # FIFO: the head waits for its fetched blocks
+                if not p.waiting_fetch:
+                    p.waiting_fetch = True
+                    self._push(ready, _PF_START, p)
+                return
+            p.queue.popleft()
         p.queued_pred -= pred
         m = p.cache.match(q.keys)
         p.cache.touch(q.keys[:m])
@@ -497,6 +536,7 @@ class Simulator:
             "ttft_mean_s": float(ttft.mean()) if len(ttft) else math.nan,
             "ttft_p50_s": percentile(ttl, 50), "ttft_p90_s": percentile(ttl, 90),
             "ttft_p99_s": percentile(ttl, 99),
+            "ttft_max_s": float(ttft.max()) if len(ttft) else math.nan,
             "tbt_mean_s": float(tbt.mean()) if len(tbt) else math.nan,
             "tbt_p90_s": percentile(tbl, 90), "tbt_p99_s": percentile(tbl, 99),
             "ttft_threshold_s": cfg.ttft_threshold_s,
