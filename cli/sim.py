@@ -181,6 +181,23 @@ def _sweep(run: _Run, target: float) -> None:
         table.add_row(p, *[f"{v['arrival_rate_rps']:.2f}  ({ratios[p][k]:.2f}x)"
                            for k, v in per.items()])
     run.console.print(table)
+    base = run.policies[0]
+    for key, title in (("at_trace_rate", "at the trace's own rate"),
+                       ("at_baseline_capacity", f"at {base}'s capacity (first threshold)")):
+        rows = out.get(key) or {}
+        if not rows:
+            continue
+        t = Table(title=f"TTFT and hit rate {title}: "
+                        f"{next(iter(rows.values()))['arrival_rate_rps']:.2f} req/s")
+        for c in ("policy", "TTFT mean (s)", "vs base", "TTFT p90 (s)", "TTFT max (s)",
+                  "hit rate", "within thresholds"):
+            t.add_column(c, justify="left" if c == "policy" else "right")
+        for p, r in rows.items():
+            t.add_row(p, f"{r['ttft_mean_s']:.2f}",
+                      f"{r['ttft_mean_s'] / rows[base]['ttft_mean_s']:.2f}x",
+                      f"{r['ttft_p90_s']:.2f}", f"{r['ttft_max_s']:.1f}",
+                      f"{r['cache_hit_rate']:.3f}", f"{r['effective_request_capacity']:.3f}")
+        run.console.print(t)
 
 
 def _hit_curve(run: _Run, caps: list[float]) -> None:

@@ -37,10 +37,13 @@ breaks its SLO (section 4, step 4; section 7 on overload).
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random as _random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .cost_model import CostModel
 
@@ -145,8 +148,9 @@ class Snapshot:
     nodes), with `holder_prefix_blocks` their prefix match; the global policy may fetch
     from them (preferred over a prefill node holding as much, whose compute it spares).
     Optional, used by the cost-aware rules (empty: unknown, taken as none):
-    `prefill_queued_s` per prefill node the predicted prefill seconds of each request
-    waiting in its queue (the running one excluded), for the shortest-first wait;
+    `prefill_queued_s` per prefill node the requests waiting in its queue (the running
+    one excluded) as a QueuedWork (or a plain sequence of their predicted prefill
+    seconds), for the shortest-first wait;
     `prefill_busy_s` and `holder_busy_s` seconds until each node's outgoing transfers
     already planned are done (queueing at a fetch source).
     """
@@ -160,7 +164,7 @@ class Snapshot:
     decode_free_kv_tokens: Sequence[float] = ()
     holder_nodes: Sequence[Hashable] = ()
     holder_prefix_blocks: Sequence[int] = ()
-    prefill_queued_s: Sequence[Sequence[float]] = ()
+    prefill_queued_s: Sequence[QueuedWork | Sequence[float]] = ()
     prefill_busy_s: Sequence[float] = ()
     holder_busy_s: Sequence[float] = ()
 
@@ -266,11 +270,18 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         i = min(range(len(nodes)), key=queue.__getitem__)
     else:
         global_ = policy in ("global_cache_aware", "cost_aware")
+        overtakes = None
         if cfg.prefill_order == "spf" and snap.prefill_queued_s:
-            queue = [spf_wait_s(q, items, prefill_s(m))
-                     for q, items, m in zip(queue, snap.prefill_queued_s, own)]
+            queue, overtakes = [], []
+            for q, work, m in zip(snap.prefill_queue_s, snap.prefill_queued_s, own):
+                if not isinstance(work, QueuedWork):
+                    work = QueuedWork.of(work)
+                before, over = work.ahead(prefill_s(m))
+                queue.append(max(0.0, q - work.total_s()) + before)
+                overtakes.append(over)
         if global_ and cfg.fetch_rule == "cost":
-            i, used, xfer, fetch_from = _cost_choice(n, bs, queue, own, snap, cost, prefill_s)
+            i, used, xfer, fetch_from = _cost_choice(n, bs, queue, own, snap, cost, prefill_s,
+                                                     overtakes)
             overlap = True
         else:
             # A node's TTFT is queue + the prefill it would run. Which prefill (own prefix,
@@ -323,20 +334,49 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
                      predicted_prefill_s=pf, predicted_ttft_s=ttft, predicted_tbt_s=tbt)
 
 
-def spf_wait_s(queue_s: float, queued_s: Sequence[float], prefill_s: float) -> float:
+class QueuedWork(NamedTuple):
+    """The prefills waiting in one node's queue (the running one excluded), as a
+    shortest-first queue sees them: predicted seconds sorted ascending, and their running
+    sums (cumsum_s[k] = sum of sorted_s[:k + 1]). Build it with `QueuedWork.of`."""
+
+    sorted_s: tuple[float, ...]
+    cumsum_s: tuple[float, ...]
+
+    @classmethod
+    def of(cls, queued_s: Sequence[float]) -> QueuedWork:
+        """From the predicted prefill seconds of the queued requests, in any order."""
+        xs = tuple(sorted(queued_s))
+        return cls(xs, tuple(itertools.accumulate(xs)))
+
+    def total_s(self) -> float:
+        """All queued prefill seconds."""
+        return self.cumsum_s[-1] if self.cumsum_s else 0.0
+
+    def ahead(self, prefill_s: float) -> tuple[float, int]:
+        """(seconds of the queued prefills no longer than `prefill_s`, which run before a
+        new request of that prefill; how many are longer, which it overtakes)."""
+        k = bisect.bisect_right(self.sorted_s, prefill_s)
+        return (self.cumsum_s[k - 1] if k else 0.0), len(self.sorted_s) - k
+
+
+def spf_wait_s(queue_s: float, queued: QueuedWork | Sequence[float],
+               prefill_s: float) -> float:
     """Predicted wait of a new request on a shortest-predicted-prefill-first queue, seconds.
 
     Args:
         queue_s: all predicted work on the node (running remainder + queued), seconds.
-        queued_s: predicted prefill seconds of each queued (not running) request.
+        queued: the queued (not running) requests' predicted prefill seconds, as a
+            QueuedWork or a plain sequence.
         prefill_s: the new request's predicted prefill on this node, seconds.
     Returns: the running remainder plus the queued prefills no longer than the new one
         (they run first; a tie keeps arrival order). Requests aging past the starvation
         bound may also go first; that is not predicted (it only lengthens waits under
         overload, where rejection on the TTFT SLO takes over).
     """
-    rest = queue_s - math.fsum(queued_s)
-    return max(0.0, rest) + math.fsum(x for x in queued_s if x <= prefill_s)
+    if not isinstance(queued, QueuedWork):
+        queued = QueuedWork.of(queued)
+    before, _ = queued.ahead(prefill_s)
+    return max(0.0, queue_s - queued.total_s()) + before
 
 
 def spf_pick(waiting: Sequence[tuple[float, float]], now: float, aging_s: float) -> int:
@@ -363,7 +403,8 @@ def spf_pick(waiting: Sequence[tuple[float, float]], now: float, aging_s: float)
 
 
 def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], snap: Snapshot,
-                 cost: CostModel, prefill_s) -> tuple[int, int, float, Hashable | None]:
+                 cost: CostModel, prefill_s, overtakes: Sequence[int] | None = None
+                 ) -> tuple[int, int, float, Hashable | None]:
     """Fetch or recompute by predicted time (fetch_rule "cost"), for every prefill node.
 
     For each prefix length L held by some node (a holder of L blocks holds every shorter
@@ -371,8 +412,12 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
     a prefill node when equally busy: it spares compute). Node i with own prefix m and wait
     w either recomputes, TTFT = w + prefill(m), or fetches the blocks m..L while it waits,
     TTFT = max(w, busy(source) + transfer(L - m)) + prefill(L). No ratio threshold.
+    With `overtakes` (shortest-first queues: how many queued requests on each node the
+    new one would run before), each overtaken request waits the new one's prefill longer,
+    so a node scores TTFT + overtaken x prefill: the total delay the placement causes.
+    That keeps short requests off a node whose long queued request they would starve.
     Returns: (node index, blocks used, fetch seconds incl. the source's busy time, source
-    node or None); the node with the lowest TTFT wins (the first among equals).
+    node or None); the node with the lowest score wins (the first among equals).
     """
     pbusy = snap.prefill_busy_s or [0.0] * len(own)
     hbusy = snap.holder_busy_s or [0.0] * len(snap.holder_nodes)
@@ -394,7 +439,8 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
     best_t, best = math.inf, (0, own[0] if own else 0, 0.0, None)
     plan: dict[tuple[int, int], float] = {}          # (own m, L) -> fetch seconds
     for i, (w, m) in enumerate(zip(waits, own)):
-        t = w + prefill_s(m)
+        over = overtakes[i] if overtakes else 0
+        t = w + prefill_s(m) * (1 + over)
         choice = None
         mt = min(m * bs, n)
         for L, tok in zip(lengths, tokens):
@@ -403,7 +449,7 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
             x = plan.get((m, L))
             if x is None:
                 x = plan[(m, L)] = src[L][0] + cost.transfer_s(tok - mt)
-            tt = max(w, x) + prefill_s(L)
+            tt = max(w, x) + prefill_s(L) * (1 + over)
             if tt < t:
                 t, choice = tt, (L, x)
         if t < best_t:

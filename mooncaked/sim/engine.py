@@ -43,6 +43,7 @@ from mooncaked.conductor.policy import (
     POLICIES,
     PlacementRequest,
     PolicyConfig,
+    QueuedWork,
     Rejection,
     Snapshot,
     place,
@@ -152,7 +153,8 @@ class _Req:
 class _PNode:
     """A prefill instance (disaggregated mode)."""
 
-    __slots__ = ("idx", "cache", "queue", "queued_pred", "busy_until", "running", "waiting_fetch")
+    __slots__ = ("idx", "cache", "queue", "queued_pred", "busy_until", "running", "waiting_fetch",
+                 "_work")
 
     def __init__(self, idx: int, cache_tokens: float, block_tokens: int):
         self.idx = idx
@@ -162,6 +164,13 @@ class _PNode:
         self.busy_until = 0.0
         self.running: _Req | None = None
         self.waiting_fetch = False
+        self._work: QueuedWork | None = None
+
+    def work(self) -> QueuedWork:
+        """The queue as a QueuedWork, rebuilt only after the queue changed."""
+        if self._work is None:
+            self._work = QueuedWork.of([x[2] for x in self.queue])
+        return self._work
 
 
 class _DNode:
@@ -297,7 +306,7 @@ class Simulator:
         queue = [max(0.0, p.busy_until - t) + p.queued_pred for p in self.pnodes]
         ds = self.dnodes
         cap = self.cfg.decode_kv_tokens
-        queued = [[x[2] for x in p.queue] for p in self.pnodes] if self.spf else ()
+        queued = [p.work() for p in self.pnodes] if self.spf else ()
         return Snapshot(self.pids, queue, match, self.dids,
                         [len(d.batch) + d.pending_n for d in ds],
                         [d.ctx + d.pending_ctx for d in ds],
@@ -332,6 +341,7 @@ class Simulator:
             d.pending_ctx += q.n
             d.committed += q.need
         p.queue.append((q, ready, res.predicted_prefill_s))
+        p._work = None
         p.queued_pred += res.predicted_prefill_s
         if p.running is None and not p.waiting_fetch:
             self._pstart(p, t)
@@ -375,6 +385,7 @@ class Simulator:
                 return
             p.queue.popleft()
         p.queued_pred -= pred
+        p._work = None
         m = p.cache.match(q.keys)
         p.cache.touch(q.keys[:m])
         c = min(m * self.cfg.block_tokens, q.n)
