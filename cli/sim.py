@@ -76,7 +76,7 @@ def sim(
                                       "policy's; cost_aware uses spf)."),
     decode_rule: str = typer.Option("", help="step | kv_aware: decode placement (default: the "
                                     "policy's; cost_aware uses kv_aware)."),
-    aging: float = typer.Option(10.0, help="spf starvation bound: a request waiting this long "
+    aging: float = typer.Option(30.0, help="spf starvation bound: a request waiting this long "
                                 "goes first, s."),
     plot_dir: Path | None = typer.Option(None, help="Write PNG figures here."),
     sweep: bool = typer.Option(False, "--sweep", help="Find each policy's highest arrival rate with "

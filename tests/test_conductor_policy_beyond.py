@@ -262,3 +262,27 @@ def test_sweep_reports_ttft_and_hit_rate_at_the_trace_rate():
         assert r["ttft_max_s"] >= r["ttft_p90_s"] > 0 and 0 <= r["cache_hit_rate"] <= 1
         assert out["at_baseline_capacity"][p]["arrival_rate_rps"] == pytest.approx(
             out["results"]["global_cache_aware"]["0.1"]["arrival_rate_rps"])
+
+
+def test_waiting_for_a_prefix_still_being_computed():
+    # a runs a prefill that will store all 10 blocks of this request within 0.5 s
+    snap = Snapshot(["a", "b"], [0.5, 0.0], [0, 0], pending_prefix_blocks=[10, 0],
+                    pending_ready_s=[0.5, 0.0])
+    c = place(REQ, snap, COST, cfg(prefill_order="fcfs"))
+    assert c.prefill == "a" and c.waits_for_pending and c.prefix_blocks == 10
+    assert c.predicted_ttft_s == pytest.approx(0.5)             # wait, then nothing new
+    late = Snapshot(["a", "b"], [0.5, 0.0], [0, 0], pending_prefix_blocks=[10, 0],
+                    pending_ready_s=[1.5, 0.0])
+    c = place(REQ, late, COST, cfg(prefill_order="fcfs"))
+    assert c.prefill == "b" and not c.waits_for_pending        # recomputing (1.0 s) is sooner
+    assert place(REQ, snap, COST, cfg("global_cache_aware")).prefill == "b"
+
+
+def test_simulated_next_turn_reuses_the_prefix_its_previous_turn_is_computing():
+    # the second request extends the first, arriving while the first is still prefilling
+    first = TraceRequest(0.0, 40 * 512, 1, tuple(range(40)))
+    nxt = TraceRequest(0.1, 41 * 512, 1, tuple(range(41)))
+    hits = {p: simulate([first, nxt], SimConfig(policy=p, prefill=2, decode=0, output_tokens=1))
+            .summary["cache_hit_rate"] for p in ("global_cache_aware", "cost_aware")}
+    assert hits["global_cache_aware"] == 0.0                    # not stored yet: recomputed
+    assert hits["cost_aware"] == pytest.approx(40 / (40 + 41))  # waited for it on its node

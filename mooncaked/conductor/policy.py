@@ -28,6 +28,10 @@ Policies (Mooncake paper, sections 4.1 and 4.2, Figure 5):
   queued prefills no longer than its own, `spf_wait_s`), and decode_rule ``kv_aware``
   (`choose_decode`: the lowest step time after admission, counting the KV the request
   will hold at its end, among nodes keeping room for another request of its size).
+  Under shortest-first queues a node scores its TTFT plus the delay the request causes
+  to the queued ones it overtakes. With the cost rule a node may also wait for a prefix
+  that a prefill queued there is about to store (Snapshot.pending_*): under load the
+  next turn of a conversation often arrives before the previous turn has run.
 
 For every other policy the decode node is the one with the lowest predicted step time
 (batch + 1, context + prompt) among those with KV room (decode_rule ``step``), and the
@@ -81,7 +85,8 @@ class PolicyConfig:
         prefill_order: "fcfs" or "spf", how the prefill queues run (the simulator's and
             the placement's wait prediction, `spf_wait_s`); "" takes the policy's default.
         aging_s: with "spf", a request that has waited this long (seconds) goes before
-            every younger one, in arrival order: its wait is bounded.
+            every younger one, in arrival order: its wait is bounded (default 30 s, the
+            paper's TTFT threshold).
     Raises (constructor): ValueError on an unknown policy, rule or out-of-range value.
     """
 
@@ -94,7 +99,7 @@ class PolicyConfig:
     fetch_rule: str = ""
     decode_rule: str = ""
     prefill_order: str = ""
-    aging_s: float = 10.0
+    aging_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -152,7 +157,12 @@ class Snapshot:
     one excluded) as a QueuedWork (or a plain sequence of their predicted prefill
     seconds), for the shortest-first wait;
     `prefill_busy_s` and `holder_busy_s` seconds until each node's outgoing transfers
-    already planned are done (queueing at a fetch source).
+    already planned are done (queueing at a fetch source);
+    `pending_prefix_blocks` per prefill node the prefix blocks of the request it will hold
+    once a prefill queued or running there has stored them (>= prefix_blocks), and
+    `pending_ready_s` predicted seconds until that prefill is done: a request may wait
+    for a prefix still being computed instead of recomputing it (under load the next turn
+    of a conversation often arrives before the previous one ran).
     """
 
     prefill_nodes: Sequence[Hashable]
@@ -167,13 +177,17 @@ class Snapshot:
     prefill_queued_s: Sequence[QueuedWork | Sequence[float]] = ()
     prefill_busy_s: Sequence[float] = ()
     holder_busy_s: Sequence[float] = ()
+    pending_prefix_blocks: Sequence[int] = ()
+    pending_ready_s: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         n, m = len(self.prefill_nodes), len(self.decode_nodes)
         if len(self.holder_nodes) != len(self.holder_prefix_blocks):
             raise ValueError("snapshot holder columns differ in length")
         if (len(self.prefill_queued_s) not in (0, n) or len(self.prefill_busy_s) not in (0, n)
-                or len(self.holder_busy_s) not in (0, len(self.holder_nodes))):
+                or len(self.holder_busy_s) not in (0, len(self.holder_nodes))
+                or len(self.pending_prefix_blocks) not in (0, n)
+                or len(self.pending_ready_s) != len(self.pending_prefix_blocks)):
             raise ValueError("snapshot optional columns differ in length from their nodes")
         if not (len(self.prefill_queue_s) == len(self.prefix_blocks) == n):
             raise ValueError("snapshot prefill columns differ in length")
@@ -211,6 +225,7 @@ class Placement:
     predicted_prefill_s: float
     predicted_ttft_s: float
     predicted_tbt_s: float
+    waits_for_pending: bool = False   # reuses blocks a prefill queued on its node will store
 
 
 @dataclass(frozen=True)
@@ -262,6 +277,7 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     xfer = 0.0
     used = -1
     overlap = False          # the fetch runs while the request waits in the queue
+    pending = False          # the prefix used is partly still being computed on the node
     if policy == "random":
         if rng is None:
             raise ValueError("the random policy needs an rng")
@@ -280,9 +296,12 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
                 queue.append(max(0.0, q - work.total_s()) + before)
                 overtakes.append(over)
         if global_ and cfg.fetch_rule == "cost":
-            i, used, xfer, fetch_from = _cost_choice(n, bs, queue, own, snap, cost, prefill_s,
-                                                     overtakes)
+            i, used, xfer, fetch_from, ready = _cost_choice(n, bs, queue, own, snap, cost,
+                                                            prefill_s, overtakes)
             overlap = True
+            if ready is not None:            # waits for a prefix still being computed there
+                pending, queue = True, list(queue)
+                queue[i] = max(queue[i], ready)
         else:
             # A node's TTFT is queue + the prefill it would run. Which prefill (own prefix,
             # or fetch up to best_len) depends only on its own prefix length, not on its
@@ -331,7 +350,8 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     return Placement(prefill=nodes[i], decode=decode, prefix_blocks=used,
                      prefix_tokens=min(used * bs, n), local_prefix_blocks=own[i], fetch=fetch,
                      predicted_queue_s=queue[i], predicted_transfer_s=xfer,
-                     predicted_prefill_s=pf, predicted_ttft_s=ttft, predicted_tbt_s=tbt)
+                     predicted_prefill_s=pf, predicted_ttft_s=ttft, predicted_tbt_s=tbt,
+                     waits_for_pending=pending)
 
 
 class QueuedWork(NamedTuple):
@@ -404,7 +424,7 @@ def spf_pick(waiting: Sequence[tuple[float, float]], now: float, aging_s: float)
 
 def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], snap: Snapshot,
                  cost: CostModel, prefill_s, overtakes: Sequence[int] | None = None
-                 ) -> tuple[int, int, float, Hashable | None]:
+                 ) -> tuple[int, int, float, Hashable | None, float | None]:
     """Fetch or recompute by predicted time (fetch_rule "cost"), for every prefill node.
 
     For each prefix length L held by some node (a holder of L blocks holds every shorter
@@ -416,8 +436,11 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
     new one would run before), each overtaken request waits the new one's prefill longer,
     so a node scores TTFT + overtaken x prefill: the total delay the placement causes.
     That keeps short requests off a node whose long queued request they would starve.
+    With `snap.pending_prefix_blocks`, node i may also wait for the prefix a prefill
+    queued there will store: TTFT = max(w, pending_ready_s) + prefill(pending blocks).
     Returns: (node index, blocks used, fetch seconds incl. the source's busy time, source
-    node or None); the node with the lowest score wins (the first among equals).
+    node or None, pending ready seconds when the choice waits for a pending prefix else
+    None); the node with the lowest score wins (the first among equals).
     """
     pbusy = snap.prefill_busy_s or [0.0] * len(own)
     hbusy = snap.holder_busy_s or [0.0] * len(snap.holder_nodes)
@@ -436,7 +459,8 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
             run = by_len[L]
         src[L] = run
     tokens = [min(L * bs, n) for L in lengths]
-    best_t, best = math.inf, (0, own[0] if own else 0, 0.0, None)
+    best_t, best = math.inf, (0, own[0] if own else 0, 0.0, None, None)
+    pend, pend_s = snap.pending_prefix_blocks, snap.pending_ready_s
     plan: dict[tuple[int, int], float] = {}          # (own m, L) -> fetch seconds
     for i, (w, m) in enumerate(zip(waits, own)):
         over = overtakes[i] if overtakes else 0
@@ -452,14 +476,20 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
             tt = max(w, x) + prefill_s(L) * (1 + over)
             if tt < t:
                 t, choice = tt, (L, x)
+        if pend and pend[i] > m:
+            tt = max(w, pend_s[i]) + prefill_s(pend[i]) * (1 + over)
+            if tt < t:
+                t, choice = tt, (pend[i], None)
         if t < best_t:
             if choice is None:
-                best_t, best = t, (i, m, 0.0, None)
+                best_t, best = t, (i, m, 0.0, None, None)
+            elif choice[1] is None:
+                best_t, best = t, (i, choice[0], 0.0, None, pend_s[i])
             else:
                 L, x = choice
                 _, kind, k = src[L]
                 node = snap.holder_nodes[k] if kind == 0 else snap.prefill_nodes[k]
-                best_t, best = t, (i, L, x, node)
+                best_t, best = t, (i, L, x, node, None)
     return best
 
 

@@ -28,6 +28,7 @@ All times are simulated seconds; nothing reads the clock except the wall-time re
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import random
 import time
@@ -104,7 +105,7 @@ class SimConfig:
     fetch_rule: str = ""
     decode_rule: str = ""
     prefill_order: str = ""
-    aging_s: float = 10.0
+    aging_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -154,12 +155,13 @@ class _PNode:
     """A prefill instance (disaggregated mode)."""
 
     __slots__ = ("idx", "cache", "queue", "queued_pred", "busy_until", "running", "waiting_fetch",
-                 "_work")
+                 "_work", "pending")
 
     def __init__(self, idx: int, cache_tokens: float, block_tokens: int):
         self.idx = idx
         self.cache = LRUCache(cache_tokens, block_tokens)
-        self.queue: deque = deque()       # (req, decode idx, fetch ready time, predicted s)
+        self.queue: deque = deque()       # (req, fetch ready time, predicted s, runs after req)
+        self.pending: dict = {}           # key -> the queued/running request that will store it
         self.queued_pred = 0.0
         self.busy_until = 0.0
         self.running: _Req | None = None
@@ -213,6 +215,9 @@ class Simulator:
                                  fetch_rule=cfg.fetch_rule, decode_rule=cfg.decode_rule,
                                  prefill_order=cfg.prefill_order, aging_s=cfg.aging_s)
         self.spf = self.pcfg.prefill_order == "spf" and not self.coupled
+        # the cost rule may wait for a prefix a queued prefill will store (Snapshot.pending_*)
+        self.track_pending = (self.pcfg.fetch_rule == "cost" and not self.coupled
+                              and cfg.policy in ("global_cache_aware", "cost_aware"))
         self.rng = random.Random(cfg.seed)
         self.events: list = []
         self.seq = 0
@@ -307,10 +312,41 @@ class Simulator:
         ds = self.dnodes
         cap = self.cfg.decode_kv_tokens
         queued = [p.work() for p in self.pnodes] if self.spf else ()
+        pend, pend_s = (), ()
+        if self.track_pending:
+            pend, pend_s = self._pending(q, t, match)
         return Snapshot(self.pids, queue, match, self.dids,
                         [len(d.batch) + d.pending_n for d in ds],
                         [d.ctx + d.pending_ctx for d in ds],
-                        [cap - d.committed for d in ds], prefill_queued_s=queued)
+                        [cap - d.committed for d in ds], prefill_queued_s=queued,
+                        pending_prefix_blocks=pend, pending_ready_s=pend_s)
+
+    def _pending(self, q: _Req, t: float, match: list[int]) -> tuple[list[int], list[float]]:
+        """Per prefill node: the request's prefix blocks held or to be stored by a prefill
+        queued or running there, and the predicted seconds until that prefill is done."""
+        pend, ready = [], []
+        keys = q.keys
+        for p, m in zip(self.pnodes, match):
+            j, prod = m, None
+            pk = p.pending
+            while j < len(keys) and keys[j] in pk:
+                prod = pk[keys[j]]
+                j += 1
+            if prod is None:
+                pend.append(m)
+                ready.append(0.0)
+                continue
+            rest = max(0.0, p.busy_until - t)
+            if prod is p.running:
+                r = rest
+            else:
+                pred = next(x[2] for x in p.queue if x[0] is prod)
+                r = rest + (p.work().ahead(pred)[0] if self.spf
+                            else sum(x[2] for x in itertools.takewhile(
+                                lambda x: x[0] is not prod, p.queue)) + pred)
+            pend.append(j)
+            ready.append(r)
+        return pend, ready
 
     def _arrive(self, q: _Req, t: float) -> None:
         snap = self._snapshot(q, t)
@@ -340,10 +376,16 @@ class Simulator:
             d.pending_n += 1
             d.pending_ctx += q.n
             d.committed += q.need
-        p.queue.append((q, ready, res.predicted_prefill_s))
+        after = None
+        if res.waits_for_pending:
+            after = p.pending.get(q.keys[res.prefix_blocks - 1])
+        p.queue.append((q, ready, res.predicted_prefill_s, after))
         p._work = None
+        if self.track_pending:
+            for k in q.keys:
+                p.pending.setdefault(k, q)
         p.queued_pred += res.predicted_prefill_s
-        if p.running is None and not p.waiting_fetch:
+        if p.running is None and (self.spf or not p.waiting_fetch):
             self._pstart(p, t)
 
     # ------------------------------------------------------------------ prefill (disaggregated)
@@ -366,18 +408,21 @@ class Simulator:
         if self.spf:
             # shortest predicted prefill first among those whose fetched blocks are in,
             # the oldest first once it waited aging_s (policy.spf_pick)
-            ready_k = [k for k, x in enumerate(p.queue) if x[1] <= t]
+            # ready: its fetched blocks are in and the prefill it waits for (if any) is done
+            ready_k = [k for k, x in enumerate(p.queue)
+                       if x[1] <= t and (x[3] is None or x[3].first == x[3].first)]
             if not ready_k:
-                if not p.waiting_fetch:
+                later = [x[1] for x in p.queue if x[1] > t]
+                if later and not p.waiting_fetch:
                     p.waiting_fetch = True
-                    self._push(min(x[1] for x in p.queue), _PF_START, p)
+                    self._push(min(later), _PF_START, p)
                 return
             k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2]) for k in ready_k],
                                  t, self.cfg.aging_s)]
-            q, ready, pred = p.queue[k]
+            q, ready, pred, _ = p.queue[k]
             del p.queue[k]
         else:
-            q, ready, pred = p.queue[0]
+            q, ready, pred, _ = p.queue[0]
             if ready > t:              # FIFO: the head waits for its fetched blocks
                 if not p.waiting_fetch:
                     p.waiting_fetch = True
@@ -403,6 +448,10 @@ class Simulator:
         p.running = None
         q.first = t
         self._store(p.idx, p.cache, q.keys)
+        if self.track_pending:
+            for k in q.keys:
+                if p.pending.get(k) is q:
+                    del p.pending[k]
         if q.remaining <= 0:
             q.done = t
             if q.decode >= 0:
