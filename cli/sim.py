@@ -90,7 +90,11 @@ def sim(
     policy side by side (default), --sweep for capacity, or --hit-curve for hit rates."""
     from rich.console import Console
 
-    from mooncaked.conductor.cost_model import CostModel, TransferModel, paper_cost_model
+    from mooncaked.conductor.cost_model import (
+        CostModel,
+        TransferModel,
+        paper_cost_model,
+    )
     from mooncaked.conductor.policy import PolicyConfig
     from mooncaked.sim.engine import SIM_POLICIES, SimConfig
     from mooncaked.sim.trace import load_trace

@@ -28,7 +28,6 @@ All times are simulated seconds; nothing reads the clock except the wall-time re
 from __future__ import annotations
 
 import heapq
-import itertools
 import math
 import random
 import time
@@ -340,10 +339,13 @@ class Simulator:
             if prod is p.running:
                 r = rest
             else:
-                pred = next(x[2] for x in p.queue if x[0] is prod)
-                r = rest + (p.work().ahead(pred)[0] if self.spf
-                            else sum(x[2] for x in itertools.takewhile(
-                                lambda x: x[0] is not prod, p.queue)) + pred)
+                before, pred = 0.0, 0.0
+                for x in p.queue:              # FCFS: everything queued before it runs first
+                    if x[0] is prod:
+                        pred = x[2]
+                        break
+                    before += x[2]
+                r = rest + (p.work().ahead(pred)[0] if self.spf else before + pred)
             pend.append(j)
             ready.append(r)
         return pend, ready
