@@ -45,7 +45,8 @@ def _jsonable(x):
 def sim(
     file: Path = typer.Argument(..., exists=True, dir_okay=False, help="Mooncake-format trace (.jsonl)."),
     policy: str = typer.Option("global_cache_aware", help="random | load_balancing | local_cache_aware | "
-                               "global_cache_aware | coupled; comma-separated for several, or 'all'."),
+                               "global_cache_aware | cost_aware | coupled; comma-separated for "
+                               "several, or 'all'."),
     prefill: int = typer.Option(10, help="Prefill instances (coupled: prefill + decode instances)."),
     decode: int = typer.Option(6, help="Decode instances."),
     cache_tokens: str = typer.Option("inf", help="Block cache per prefill instance, tokens "
@@ -69,6 +70,14 @@ def sim(
     tbt_threshold: str = typer.Option("0.1,0.2,0.3", help="TBT thresholds of effective request "
                                       "capacity, s, comma-separated (the first is the headline)."),
     seed: int = typer.Option(0, help="Seed of the random policy."),
+    fetch_rule: str = typer.Option("", help="threshold | cost: fetch-or-recompute rule (default: "
+                                   "the policy's; cost_aware uses cost)."),
+    prefill_order: str = typer.Option("", help="fcfs | spf: prefill queue order (default: the "
+                                      "policy's; cost_aware uses spf)."),
+    decode_rule: str = typer.Option("", help="step | kv_aware: decode placement (default: the "
+                                    "policy's; cost_aware uses kv_aware)."),
+    aging: float = typer.Option(30.0, help="spf starvation bound: a request waiting this long "
+                                "goes first, s."),
     plot_dir: Path | None = typer.Option(None, help="Write PNG figures here."),
     sweep: bool = typer.Option(False, "--sweep", help="Find each policy's highest arrival rate with "
                                "effective request capacity >= --target (first policy = baseline)."),
@@ -81,7 +90,12 @@ def sim(
     policy side by side (default), --sweep for capacity, or --hit-curve for hit rates."""
     from rich.console import Console
 
-    from mooncaked.conductor.cost_model import CostModel, TransferModel, paper_cost_model
+    from mooncaked.conductor.cost_model import (
+        CostModel,
+        TransferModel,
+        paper_cost_model,
+    )
+    from mooncaked.conductor.policy import PolicyConfig
     from mooncaked.sim.engine import SIM_POLICIES, SimConfig
     from mooncaked.sim.trace import load_trace
 
@@ -104,7 +118,14 @@ def sim(
                          cache_tokens=parse_tokens(cache_tokens), time_scale=time_scale,
                          cache_balance_threshold=threshold, ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
                          ttft_threshold_s=ttft_threshold, tbt_thresholds_s=thresholds,
-                         output_tokens=output_tokens, seed=seed, **kw)
+                         output_tokens=output_tokens, seed=seed, fetch_rule=fetch_rule,
+                         prefill_order=prefill_order, decode_rule=decode_rule, aging_s=aging,
+                         **kw)
+        for p in policies:    # an unknown rule fails here, before any simulation
+            if p != "coupled":
+                dataclasses.replace(base, policy=p)
+                PolicyConfig(policy=p, fetch_rule=fetch_rule, prefill_order=prefill_order,
+                             decode_rule=decode_rule, aging_s=aging)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run = _Run(trace, base, policies, thresholds, cost, console, json_out, plot_dir)
@@ -164,6 +185,23 @@ def _sweep(run: _Run, target: float) -> None:
         table.add_row(p, *[f"{v['arrival_rate_rps']:.2f}  ({ratios[p][k]:.2f}x)"
                            for k, v in per.items()])
     run.console.print(table)
+    base = run.policies[0]
+    for key, title in (("at_trace_rate", "at the trace's own rate"),
+                       ("at_baseline_capacity", f"at {base}'s capacity (first threshold)")):
+        rows = out.get(key) or {}
+        if not rows:
+            continue
+        t = Table(title=f"TTFT and hit rate {title}: "
+                        f"{next(iter(rows.values()))['arrival_rate_rps']:.2f} req/s")
+        for c in ("policy", "TTFT mean (s)", "vs base", "TTFT p90 (s)", "TTFT max (s)",
+                  "hit rate", "within thresholds"):
+            t.add_column(c, justify="left" if c == "policy" else "right")
+        for p, r in rows.items():
+            t.add_row(p, f"{r['ttft_mean_s']:.2f}",
+                      f"{r['ttft_mean_s'] / rows[base]['ttft_mean_s']:.2f}x",
+                      f"{r['ttft_p90_s']:.2f}", f"{r['ttft_max_s']:.1f}",
+                      f"{r['cache_hit_rate']:.3f}", f"{r['effective_request_capacity']:.3f}")
+        run.console.print(t)
 
 
 def _hit_curve(run: _Run, caps: list[float]) -> None:
@@ -254,3 +292,33 @@ def _compare(run: _Run, name: str, cache_tokens: str) -> None:
     run.console.print(table)
     if run.plot_dir:
         run.console.print(f"figures in {run.plot_dir}")
+
+
+@app.command("gen-trace")
+def gen_trace(
+    out: Path = typer.Argument(..., dir_okay=False, help="Where to write the .jsonl trace."),
+    seed: int = typer.Option(0, help="Seed: the same arguments give the same file."),
+    duration: float = typer.Option(3600.0, help="Span of session starts, s."),
+    session_rate: float = typer.Option(1.0, help="New sessions a second (Poisson)."),
+    system_prompts: int = typer.Option(200, help="Shared system prompts (Zipf popularity)."),
+    mean_turns: float = typer.Option(4.0, help="Mean turns of a session (geometric)."),
+    think: float = typer.Option(60.0, help="Mean think time between turns, s."),
+    input_median: float = typer.Option(1200.0, help="Median new user input a turn, tokens."),
+) -> None:
+    """Write a synthetic Mooncake-format trace: Poisson sessions over shared system prompts,
+    multi-turn conversations (mooncaked.sim.gen); deterministic by seed."""
+    from mooncaked.sim.gen import GenConfig, generate, iter_jsonl
+
+    try:
+        cfg = GenConfig(seed=seed, duration_s=duration, session_rate_rps=session_rate,
+                        system_prompts=system_prompts, mean_turns=mean_turns, think_s=think,
+                        input_median=input_median)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
+    records = generate(cfg)
+    with open(out, "wb") as f:
+        f.writelines(iter_jsonl(records))
+    n = len(records)
+    mean_in = sum(r["input_length"] for r in records) / max(1, n)
+    span = records[-1]["timestamp"] / 1000 if records else 0.0
+    typer.echo(f"{out}: {n} requests over {span:.0f} s, mean input {mean_in:.0f} tokens")

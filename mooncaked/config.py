@@ -223,9 +223,11 @@ class ConductorSettings:
     policy: str = opt("global_cache_aware", "random | load_balancing (least queued work) | "
                                             "local_cache_aware (own cache only) | "
                                             "global_cache_aware (Algorithm 1 with cache load "
-                                            "balancing).",
+                                            "balancing) | cost_aware (fetch or recompute by "
+                                            "predicted time, shortest-first wait, KV-aware "
+                                            "decode choice; docs/simulation.md).",
                       choices=("random", "load_balancing", "local_cache_aware",
-                               "global_cache_aware"))
+                               "global_cache_aware", "cost_aware"))
     cache_balance_threshold: float = opt(1.5, "A prefill node fetches a longer prefix held "
                                               "elsewhere when best/own prefix length exceeds this "
                                               "and the transfer beats recomputing.", min=1.0)
@@ -246,6 +248,21 @@ class ConductorSettings:
                                  "section 4.2); 0 disables.", min=0)
     hot_block_replicas: int = opt(2, "Hot blocks are replicated until this many nodes hold "
                                      "them.", min=1, max=64)
+    fetch_rule: str = opt("", "Fetch or recompute a prefix held elsewhere: threshold (Algorithm "
+                              "1: cache_balance_threshold, then transfer + prefill against "
+                              "recompute) | cost (predicted time only, the fetch overlapping "
+                              "the queue wait); empty: the policy's default.",
+                          choices=("", "threshold", "cost"))
+    decode_rule: str = opt("", "Decode node choice: step (lowest step time with KV room) | "
+                               "kv_aware (lowest step time after admission at the request's "
+                               "final context, keeping room for another like it); empty: the "
+                               "policy's default.", choices=("", "step", "kv_aware"))
+    replication: str = opt("count", "When a hot prefix is copied onto a cache node: count (reused "
+                                    "hot_block_hits times) | cost (its observed reuse rate over "
+                                    "replication_horizon_s saves more prefill time than the copy "
+                                    "costs).", choices=("count", "cost"))
+    replication_horizon_s: float = opt(60.0, "With replication = cost: how far ahead observed "
+                                             "reuse is expected to continue, seconds.", min=0.0)
 
 
 @dataclass

@@ -16,22 +16,55 @@ Policies (Mooncake paper, sections 4.1 and 4.2, Figure 5):
   prefill (cache nodes) count as sources too. Fetching replicates hot blocks onto
   more nodes (section 4.2).
 
-For every policy the decode node is the one with the lowest predicted step time
-(batch + 1, context + prompt) among those with KV room, and the request is
-rejected early (HTTP 429 with Retry-After) when the predicted TTFT or TBT breaks
-its SLO (section 4, step 4; section 7 on overload).
+- ``cost_aware`` (beyond Algorithm 1): the global policy with its three hand-set or
+  blind parts replaced by predictions, each also available alone as an option of
+  PolicyConfig so that Algorithm 1 stays reproducible as is:
+  fetch_rule ``cost`` (fetch or recompute by predicted time, no ratio threshold: every
+  prefix length held anywhere is a candidate, fetched from its least busy holder, and
+  the fetch overlaps the node's queue wait: TTFT = max(wait, busy + transfer) + prefill),
+  prefill_order ``spf`` (the prefill queue runs the shortest predicted prefill first,
+  except that a request waiting aging_s or longer goes first in arrival order: the
+  starvation bound; the wait a new request sees is the running remainder plus the
+  queued prefills no longer than its own, `spf_wait_s`), and decode_rule ``kv_aware``
+  (`choose_decode`: the lowest step time after admission, counting the KV the request
+  will hold at its end, among nodes keeping room for another request of its size).
+  Under shortest-first queues a node scores its TTFT plus the delay the request causes
+  to the queued ones it overtakes. With the cost rule a node may also wait for a prefix
+  that a prefill queued there is about to store (Snapshot.pending_*): under load the
+  next turn of a conversation often arrives before the previous turn has run.
+
+For every other policy the decode node is the one with the lowest predicted step time
+(batch + 1, context + prompt) among those with KV room (decode_rule ``step``), and the
+request is rejected early (HTTP 429 with Retry-After) when the predicted TTFT or TBT
+breaks its SLO (section 4, step 4; section 7 on overload).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import random as _random
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from .cost_model import CostModel
 
-POLICIES = ("random", "load_balancing", "local_cache_aware", "global_cache_aware")
+POLICIES = ("random", "load_balancing", "local_cache_aware", "global_cache_aware", "cost_aware")
+FETCH_RULES = ("threshold", "cost")
+DECODE_RULES = ("step", "kv_aware")
+PREFILL_ORDERS = ("fcfs", "spf")
+# (fetch_rule, decode_rule, prefill_order) a policy uses unless PolicyConfig overrides them
+_RULE_DEFAULTS = {"cost_aware": ("cost", "kv_aware", "spf")}
+_PLAIN_RULES = ("threshold", "step", "fcfs")
+
+
+def policy_defaults(policy: str) -> tuple[str, str, str]:
+    """(fetch_rule, decode_rule, prefill_order) of `policy` when not overridden: the
+    cost-aware policy's predictions, else Algorithm 1's threshold, step-time decode
+    choice and FCFS prefill queues."""
+    return _RULE_DEFAULTS.get(policy, _PLAIN_RULES)
 
 
 @dataclass(frozen=True)
@@ -46,7 +79,15 @@ class PolicyConfig:
             paper.
         ttft_slo_s, tbt_slo_s: reject when the prediction exceeds these; inf disables.
         min_retry_after_s: smallest Retry-After returned with a rejection.
-    Raises (constructor): ValueError on an unknown policy or out-of-range value.
+        fetch_rule: "threshold" (Algorithm 1: the ratio above, then transfer + prefill
+            against recompute) or "cost" (see the module doc); "" takes the policy's default.
+        decode_rule: "step" or "kv_aware" (`choose_decode`); "" takes the policy's default.
+        prefill_order: "fcfs" or "spf", how the prefill queues run (the simulator's and
+            the placement's wait prediction, `spf_wait_s`); "" takes the policy's default.
+        aging_s: with "spf", a request that has waited this long (seconds) goes before
+            every younger one, in arrival order: its wait is bounded (default 30 s, the
+            paper's TTFT threshold).
+    Raises (constructor): ValueError on an unknown policy, rule or out-of-range value.
     """
 
     policy: str = "global_cache_aware"
@@ -55,11 +96,24 @@ class PolicyConfig:
     ttft_slo_s: float = math.inf
     tbt_slo_s: float = math.inf
     min_retry_after_s: float = 1.0
+    fetch_rule: str = ""
+    decode_rule: str = ""
+    prefill_order: str = ""
+    aging_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
             raise ValueError(f"unknown placement policy {self.policy!r}; choose one of "
                              f"{', '.join(POLICIES)}")
+        for name, allowed, default in zip(("fetch_rule", "decode_rule", "prefill_order"),
+                                          (FETCH_RULES, DECODE_RULES, PREFILL_ORDERS),
+                                          policy_defaults(self.policy)):
+            v = getattr(self, name) or default
+            if v not in allowed:
+                raise ValueError(f"unknown {name} {v!r}; choose one of {', '.join(allowed)}")
+            object.__setattr__(self, name, v)
+        if not self.aging_s >= 0:
+            raise ValueError(f"aging_s must be >= 0, got {self.aging_s}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.cache_balance_threshold >= 1.0:
@@ -98,6 +152,17 @@ class Snapshot:
     Holders: `holder_nodes` that lend store memory to the pool but do not prefill (cache
     nodes), with `holder_prefix_blocks` their prefix match; the global policy may fetch
     from them (preferred over a prefill node holding as much, whose compute it spares).
+    Optional, used by the cost-aware rules (empty: unknown, taken as none):
+    `prefill_queued_s` per prefill node the requests waiting in its queue (the running
+    one excluded) as a QueuedWork (or a plain sequence of their predicted prefill
+    seconds), for the shortest-first wait;
+    `prefill_busy_s` and `holder_busy_s` seconds until each node's outgoing transfers
+    already planned are done (queueing at a fetch source);
+    `pending_prefix_blocks` per prefill node the prefix blocks of the request it will hold
+    once a prefill queued or running there has stored them (>= prefix_blocks), and
+    `pending_ready_s` predicted seconds until that prefill is done: a request may wait
+    for a prefix still being computed instead of recomputing it (under load the next turn
+    of a conversation often arrives before the previous one ran).
     """
 
     prefill_nodes: Sequence[Hashable]
@@ -109,11 +174,21 @@ class Snapshot:
     decode_free_kv_tokens: Sequence[float] = ()
     holder_nodes: Sequence[Hashable] = ()
     holder_prefix_blocks: Sequence[int] = ()
+    prefill_queued_s: Sequence[QueuedWork | Sequence[float]] = ()
+    prefill_busy_s: Sequence[float] = ()
+    holder_busy_s: Sequence[float] = ()
+    pending_prefix_blocks: Sequence[int] = ()
+    pending_ready_s: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         n, m = len(self.prefill_nodes), len(self.decode_nodes)
         if len(self.holder_nodes) != len(self.holder_prefix_blocks):
             raise ValueError("snapshot holder columns differ in length")
+        if (len(self.prefill_queued_s) not in (0, n) or len(self.prefill_busy_s) not in (0, n)
+                or len(self.holder_busy_s) not in (0, len(self.holder_nodes))
+                or len(self.pending_prefix_blocks) not in (0, n)
+                or len(self.pending_ready_s) != len(self.pending_prefix_blocks)):
+            raise ValueError("snapshot optional columns differ in length from their nodes")
         if not (len(self.prefill_queue_s) == len(self.prefix_blocks) == n):
             raise ValueError("snapshot prefill columns differ in length")
         if not (len(self.decode_batch) == len(self.decode_context_tokens)
@@ -150,6 +225,7 @@ class Placement:
     predicted_prefill_s: float
     predicted_ttft_s: float
     predicted_tbt_s: float
+    waits_for_pending: bool = False   # reuses blocks a prefill queued on its node will store
 
 
 @dataclass(frozen=True)
@@ -176,7 +252,8 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     Returns: a Placement, or a Rejection when an SLO would break or no node can serve.
     Raises: ValueError for the ``random`` policy without `rng`, or a negative prompt length.
     Cost: O(prefill nodes + decode nodes); the prefill model is evaluated once per
-    distinct prefix length.
+    distinct prefix length (fetch_rule "cost": O(prefill nodes x distinct prefix lengths);
+    prefill_order "spf": plus O(queued requests)).
     """
     n = req.prompt_tokens
     if n < 0:
@@ -199,6 +276,8 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     fetch_from = None        # the source node when the choice fetches
     xfer = 0.0
     used = -1
+    overlap = False          # the fetch runs while the request waits in the queue
+    pending = False          # the prefix used is partly still being computed on the node
     if policy == "random":
         if rng is None:
             raise ValueError("the random policy needs an rng")
@@ -206,53 +285,60 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     elif policy == "load_balancing":
         i = min(range(len(nodes)), key=queue.__getitem__)
     else:
-        # A node's TTFT is queue + the prefill it would run. Which prefill (own prefix, or
-        # fetch up to best_len) depends only on its own prefix length, not on its queue:
-        # transfer + prefill(best) < prefill(own) is the same test on every node. So decide
-        # once per distinct prefix length, then scan the nodes with plain list operations.
-        holders = snap.holder_prefix_blocks if policy == "global_cache_aware" else ()
-        best = max(max(own), max(holders, default=0))
-        thr = cfg.cache_balance_threshold
-        fetches: dict[int, float] = {}   # own blocks -> transfer s, where fetching wins
-        cost_of: dict[int, float] = {}   # own blocks -> transfer + prefill s
-        for mine in set(own):
-            cost_of[mine] = prefill_s(mine)
-            if (policy == "global_cache_aware" and best > mine
-                    and (mine == 0 or best > thr * mine)):
-                x = cost.transfer_s(min(best * bs, n) - min(mine * bs, n))
-                if x + prefill_s(best) < cost_of[mine]:     # fetching beats recomputing
-                    cost_of[mine] = x + prefill_s(best)
-                    fetches[mine] = x
-        ttfts = [q + cost_of[m] for q, m in zip(queue, own)]
-        i = ttfts.index(min(ttfts))
-        if own[i] in fetches:
-            xfer, used = fetches[own[i]], best
-            fetch_from = (snap.holder_nodes[list(holders).index(best)] if best in holders
-                          else nodes[own.index(best)])
+        global_ = policy in ("global_cache_aware", "cost_aware")
+        overtakes = None
+        if cfg.prefill_order == "spf" and snap.prefill_queued_s:
+            queue, overtakes = [], []
+            for q, work, m in zip(snap.prefill_queue_s, snap.prefill_queued_s, own):
+                if not isinstance(work, QueuedWork):
+                    work = QueuedWork.of(work)
+                before, over = work.ahead(prefill_s(m))
+                queue.append(max(0.0, q - work.total_s()) + before)
+                overtakes.append(over)
+        if global_ and cfg.fetch_rule == "cost":
+            i, used, xfer, fetch_from, ready = _cost_choice(n, bs, queue, own, snap, cost,
+                                                            prefill_s, overtakes)
+            overlap = True
+            if ready is not None:            # waits for a prefix still being computed there
+                pending, queue = True, list(queue)
+                queue[i] = max(queue[i], ready)
+        else:
+            # A node's TTFT is queue + the prefill it would run. Which prefill (own prefix,
+            # or fetch up to best_len) depends only on its own prefix length, not on its
+            # queue: transfer + prefill(best) < prefill(own) is the same test on every node.
+            # So decide once per distinct prefix length, then scan the nodes.
+            holders = snap.holder_prefix_blocks if global_ else ()
+            best = max(max(own), max(holders, default=0))
+            thr = cfg.cache_balance_threshold
+            fetches: dict[int, float] = {}   # own blocks -> transfer s, where fetching wins
+            cost_of: dict[int, float] = {}   # own blocks -> transfer + prefill s
+            for mine in set(own):
+                cost_of[mine] = prefill_s(mine)
+                if global_ and best > mine and (mine == 0 or best > thr * mine):
+                    x = cost.transfer_s(min(best * bs, n) - min(mine * bs, n))
+                    if x + prefill_s(best) < cost_of[mine]:     # fetching beats recomputing
+                        cost_of[mine] = x + prefill_s(best)
+                        fetches[mine] = x
+            ttfts = [q + cost_of[m] for q, m in zip(queue, own)]
+            i = ttfts.index(min(ttfts))
+            if own[i] in fetches:
+                xfer, used = fetches[own[i]], best
+                fetch_from = (snap.holder_nodes[list(holders).index(best)] if best in holders
+                              else nodes[own.index(best)])
     if used < 0:
         used = own[i]
     pf = prefill_s(used)
-    ttft = xfer + queue[i] + pf
+    ttft = (max(xfer, queue[i]) if overlap else xfer + queue[i]) + pf
     fetch = None
     if fetch_from is not None:
         lo = own[i]
         fetch = Fetch(source=fetch_from, first_block=lo, keys=tuple(req.keys[lo:used]),
                       tokens=min(used * bs, n) - min(lo * bs, n))
 
-    # Decode: lowest predicted step time among nodes with KV room for prompt + output;
-    # when none has room, the one with the most room.
     decode, tbt = None, 0.0
     if snap.decode_nodes:
-        need = n + req.max_new_tokens
-        step = cost.decode
-        free = snap.decode_free_kv_tokens
-        steps = [step(b + 1, c + n) if f >= need else math.inf
-                 for b, c, f in zip(snap.decode_batch, snap.decode_context_tokens, free)]
-        best_step = min(steps)
-        room = best_step < math.inf
-        j = steps.index(best_step) if room else max(range(len(free)), key=free.__getitem__)
+        j, tbt, room = choose_decode(n, req.max_new_tokens, snap, cost, cfg.decode_rule)
         decode = snap.decode_nodes[j]
-        tbt = cost.decode_step_s(snap.decode_batch[j] + 1, snap.decode_context_tokens[j] + n)
         if not room and math.isfinite(cfg.tbt_slo_s):
             return Rejection("decode_full", cfg.min_retry_after_s, ttft, tbt)
 
@@ -264,4 +350,186 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     return Placement(prefill=nodes[i], decode=decode, prefix_blocks=used,
                      prefix_tokens=min(used * bs, n), local_prefix_blocks=own[i], fetch=fetch,
                      predicted_queue_s=queue[i], predicted_transfer_s=xfer,
-                     predicted_prefill_s=pf, predicted_ttft_s=ttft, predicted_tbt_s=tbt)
+                     predicted_prefill_s=pf, predicted_ttft_s=ttft, predicted_tbt_s=tbt,
+                     waits_for_pending=pending)
+
+
+class QueuedWork(NamedTuple):
+    """The prefills waiting in one node's queue (the running one excluded), as a
+    shortest-first queue sees them: predicted seconds sorted ascending, and their running
+    sums (cumsum_s[k] = sum of sorted_s[:k + 1]). Build it with `QueuedWork.of`."""
+
+    sorted_s: tuple[float, ...]
+    cumsum_s: tuple[float, ...]
+
+    @classmethod
+    def of(cls, queued_s: Sequence[float]) -> QueuedWork:
+        """From the predicted prefill seconds of the queued requests, in any order."""
+        xs = tuple(sorted(queued_s))
+        return cls(xs, tuple(itertools.accumulate(xs)))
+
+    def total_s(self) -> float:
+        """All queued prefill seconds."""
+        return self.cumsum_s[-1] if self.cumsum_s else 0.0
+
+    def ahead(self, prefill_s: float) -> tuple[float, int]:
+        """(seconds of the queued prefills no longer than `prefill_s`, which run before a
+        new request of that prefill; how many are longer, which it overtakes)."""
+        k = bisect.bisect_right(self.sorted_s, prefill_s)
+        return (self.cumsum_s[k - 1] if k else 0.0), len(self.sorted_s) - k
+
+
+def spf_wait_s(queue_s: float, queued: QueuedWork | Sequence[float],
+               prefill_s: float) -> float:
+    """Predicted wait of a new request on a shortest-predicted-prefill-first queue, seconds.
+
+    Args:
+        queue_s: all predicted work on the node (running remainder + queued), seconds.
+        queued: the queued (not running) requests' predicted prefill seconds, as a
+            QueuedWork or a plain sequence.
+        prefill_s: the new request's predicted prefill on this node, seconds.
+    Returns: the running remainder plus the queued prefills no longer than the new one
+        (they run first; a tie keeps arrival order). Requests aging past the starvation
+        bound may also go first; that is not predicted (it only lengthens waits under
+        overload, where rejection on the TTFT SLO takes over).
+    """
+    if not isinstance(queued, QueuedWork):
+        queued = QueuedWork.of(queued)
+    before, _ = queued.ahead(prefill_s)
+    return max(0.0, queue_s - queued.total_s()) + before
+
+
+def spf_pick(waiting: Sequence[tuple[float, float]], now: float, aging_s: float) -> int:
+    """Which queued request a shortest-first prefill queue runs next.
+
+    Args:
+        waiting: (enqueued at, predicted prefill s) of each request ready to run, in
+            arrival order (seconds on any one clock).
+        now: the current time on that clock.
+        aging_s: starvation bound: a request enqueued at least aging_s ago goes first.
+    Returns: the index in `waiting`: the oldest request that has waited aging_s or more,
+        else the shortest predicted prefill (the earliest among equals).
+    Raises: ValueError when `waiting` is empty.
+    """
+    if not waiting:
+        raise ValueError("nothing to pick from")
+    best, key = 0, math.inf
+    for k, (enq, pred) in enumerate(waiting):
+        if now - enq >= aging_s:
+            return k                     # arrival order: the first aged one is the oldest
+        if pred < key:
+            best, key = k, pred
+    return best
+
+
+def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], snap: Snapshot,
+                 cost: CostModel, prefill_s, overtakes: Sequence[int] | None = None
+                 ) -> tuple[int, int, float, Hashable | None, float | None]:
+    """Fetch or recompute by predicted time (fetch_rule "cost"), for every prefill node.
+
+    For each prefix length L held by some node (a holder of L blocks holds every shorter
+    prefix too), the source is the least busy node holding at least L (a cache node before
+    a prefill node when equally busy: it spares compute). Node i with own prefix m and wait
+    w either recomputes, TTFT = w + prefill(m), or fetches the blocks m..L while it waits,
+    TTFT = max(w, busy(source) + transfer(L - m)) + prefill(L). No ratio threshold.
+    With `overtakes` (shortest-first queues: how many queued requests on each node the
+    new one would run before), each overtaken request waits the new one's prefill longer,
+    so a node scores TTFT + overtaken x prefill: the total delay the placement causes.
+    That keeps short requests off a node whose long queued request they would starve.
+    With `snap.pending_prefix_blocks`, node i may also wait for the prefix a prefill
+    queued there will store: TTFT = max(w, pending_ready_s) + prefill(pending blocks).
+    Returns: (node index, blocks used, fetch seconds incl. the source's busy time, source
+    node or None, pending ready seconds when the choice waits for a pending prefix else
+    None); the node with the lowest score wins (the first among equals).
+    """
+    pbusy = snap.prefill_busy_s or [0.0] * len(own)
+    hbusy = snap.holder_busy_s or [0.0] * len(snap.holder_nodes)
+    by_len: dict[int, tuple[float, int, int]] = {}   # L -> (busy, 0 cache / 1 prefill, index)
+    for k, (L, b) in enumerate(zip(snap.holder_prefix_blocks, hbusy)):
+        if L > 0 and (L not in by_len or (b, 0, k) < by_len[L]):
+            by_len[L] = (b, 0, k)
+    for k, (L, b) in enumerate(zip(own, pbusy)):
+        if L > 0 and (L not in by_len or (b, 1, k) < by_len[L]):
+            by_len[L] = (b, 1, k)
+    lengths = sorted(by_len, reverse=True)
+    src: dict[int, tuple[float, int, int]] = {}      # L -> least busy source holding >= L
+    run = None
+    for L in lengths:
+        if run is None or by_len[L] < run:
+            run = by_len[L]
+        src[L] = run
+    tokens = [min(L * bs, n) for L in lengths]
+    best_t, best = math.inf, (0, own[0] if own else 0, 0.0, None, None)
+    pend, pend_s = snap.pending_prefix_blocks, snap.pending_ready_s
+    plan: dict[tuple[int, int], float] = {}          # (own m, L) -> fetch seconds
+    for i, (w, m) in enumerate(zip(waits, own)):
+        over = overtakes[i] if overtakes else 0
+        t = w + prefill_s(m) * (1 + over)
+        choice = None
+        mt = min(m * bs, n)
+        for L, tok in zip(lengths, tokens):
+            if L <= m or tok <= mt:
+                break
+            x = plan.get((m, L))
+            if x is None:
+                x = plan[(m, L)] = src[L][0] + cost.transfer_s(tok - mt)
+            tt = max(w, x) + prefill_s(L) * (1 + over)
+            if tt < t:
+                t, choice = tt, (L, x)
+        if pend and pend[i] > m:
+            tt = max(w, pend_s[i]) + prefill_s(pend[i]) * (1 + over)
+            if tt < t:
+                t, choice = tt, (pend[i], None)
+        if t < best_t:
+            if choice is None:
+                best_t, best = t, (i, m, 0.0, None, None)
+            elif choice[1] is None:
+                best_t, best = t, (i, choice[0], 0.0, None, pend_s[i])
+            else:
+                L, x = choice
+                _, kind, k = src[L]
+                node = snap.holder_nodes[k] if kind == 0 else snap.prefill_nodes[k]
+                best_t, best = t, (i, L, x, node, None)
+    return best
+
+
+def choose_decode(prompt_tokens: int, max_new_tokens: int, snap: Snapshot, cost: CostModel,
+                  rule: str = "step") -> tuple[int, float, bool]:
+    """The decode node for a request (the conductor-side decision; pure).
+
+    Args:
+        prompt_tokens, max_new_tokens: the request's KV need = their sum, tokens.
+        snap: the decode columns (batch, context tokens, free KV tokens per node).
+        cost: the decode step model.
+        rule: "step": the lowest predicted step time at (batch + 1, context + prompt) among
+            nodes with KV room for the need (Algorithm 1's load-based choice).
+            "kv_aware": the lowest predicted step time after admission at the context the
+            request will have grown to (context + prompt + output), among nodes that keep
+            room for another request of the same need after admitting this one; else among
+            nodes with room; so it spreads KV before a node fills and a later request finds
+            no room.
+    Returns: (index into snap.decode_nodes, predicted TBT seconds = the step time at
+        (batch + 1, context + prompt) on that node, whether it has room); with no node with
+        room, the one with the most free KV and room False.
+    Raises: ValueError on an empty decode side or an unknown rule.
+    """
+    if not snap.decode_nodes:
+        raise ValueError("no decode nodes")
+    n, need = prompt_tokens, prompt_tokens + max_new_tokens
+    step = cost.decode
+    free, batch, ctx = snap.decode_free_kv_tokens, snap.decode_batch, snap.decode_context_tokens
+    if rule == "step":
+        scores = [step(b + 1, c + n) if f >= need else math.inf
+                  for b, c, f in zip(batch, ctx, free)]
+    elif rule == "kv_aware":
+        scores = [step(b + 1, c + need) if f >= 2 * need else math.inf
+                  for b, c, f in zip(batch, ctx, free)]
+        if min(scores) == math.inf:
+            scores = [step(b + 1, c + need) if f >= need else math.inf
+                      for b, c, f in zip(batch, ctx, free)]
+    else:
+        raise ValueError(f"unknown decode rule {rule!r}; choose one of {', '.join(DECODE_RULES)}")
+    best = min(scores)
+    room = best < math.inf
+    j = scores.index(best) if room else max(range(len(free)), key=free.__getitem__)
+    return j, cost.decode_step_s(batch[j] + 1, ctx[j] + n), room

@@ -302,7 +302,9 @@ class ConductorService:
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,
                            ttft_slo_s=math.inf if decode_only else cs.ttft_slo_s,
-                           tbt_slo_s=cs.tbt_slo_s, min_retry_after_s=retry)
+                           tbt_slo_s=cs.tbt_slo_s, min_retry_after_s=retry,
+                           fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
+                           prefill_order="fcfs")    # the live prefill queues run FCFS
         if decode_only:
             # The prefill already ran: only the decode side is chosen (the prefill side is a
             # placeholder with no queue, fully cached).
@@ -329,7 +331,7 @@ class ConductorService:
             return self._reject(result)
         if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
             self.replicator.note_request(keys, now, self.nodes,
-                                         self._eligible("cache", set(), now))
+                                         self._eligible("cache", set(), now), cost, bs)
         return self._accept(rid, result, n, max_new, decode_only, now)
 
     def _block_size(self, v: NodeView) -> int:

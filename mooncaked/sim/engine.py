@@ -4,7 +4,8 @@ Replays a Mooncake-format trace through N prefill and M decode instances with th
 conductor's own placement function (`mooncaked.conductor.policy.place`), global
 prefix index (`PrefixIndex`) and cost models (`CostModel`):
 
-- Prefill instance: a FIFO queue, one request at a time (prefill time from the cost
+- Prefill instance: a FIFO queue (or shortest predicted prefill first with an aging
+  bound, prefill_order "spf", `policy.spf_pick`), one request at a time (prefill time from the cost
   model with the prefix it actually holds when it starts), an LRU cache of KV blocks
   of `cache_tokens` tokens (its DRAM pool). Blocks the placement fetches from another
   node arrive after the predicted transfer time and become replicas (section 4.2).
@@ -38,8 +39,22 @@ import numpy as np
 
 from mooncaked.conductor.cost_model import CostModel, PaperSetting, paper_cost_model
 from mooncaked.conductor.index import PrefixIndex
-from mooncaked.conductor.policy import POLICIES, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
-from mooncaked.measures import cache_hit_rate, effective_request_capacity, percentile, tbt_s
+from mooncaked.conductor.policy import (
+    POLICIES,
+    PlacementRequest,
+    PolicyConfig,
+    QueuedWork,
+    Rejection,
+    Snapshot,
+    place,
+    spf_pick,
+)
+from mooncaked.measures import (
+    cache_hit_rate,
+    effective_request_capacity,
+    percentile,
+    tbt_s,
+)
 
 from .cache import LRUCache
 from .trace import TRACE_BLOCK_TOKENS, TraceRequest
@@ -63,6 +78,9 @@ class SimConfig:
     request's output length (1 = prefill only, as the paper's Figure 10).
     `ttft_slo_s`/`tbt_slo_s`: early rejection (inf: off). `ttft_threshold_s` and
     `tbt_thresholds_s`: what effective request capacity counts as served in time.
+    `fetch_rule`, `decode_rule`, `prefill_order`, `aging_s`: the PolicyConfig options
+    ("" = the policy's default; `policy.policy_defaults`); prefill_order also sets how
+    the simulated prefill queues run.
     """
 
     policy: str = "global_cache_aware"
@@ -83,6 +101,10 @@ class SimConfig:
     replica_ranks: tuple[int, ...] = (10, 100, 1000, 10000)
     replica_samples: int = 60
     hit_windows: int = 30
+    fetch_rule: str = ""
+    decode_rule: str = ""
+    prefill_order: str = ""
+    aging_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -131,16 +153,25 @@ class _Req:
 class _PNode:
     """A prefill instance (disaggregated mode)."""
 
-    __slots__ = ("idx", "cache", "queue", "queued_pred", "busy_until", "running", "waiting_fetch")
+    __slots__ = ("idx", "cache", "queue", "queued_pred", "busy_until", "running", "waiting_fetch",
+                 "_work", "pending")
 
     def __init__(self, idx: int, cache_tokens: float, block_tokens: int):
         self.idx = idx
         self.cache = LRUCache(cache_tokens, block_tokens)
-        self.queue: deque = deque()       # (req, decode idx, fetch ready time, predicted s)
+        self.queue: deque = deque()       # (req, fetch ready time, predicted s, runs after req)
+        self.pending: dict = {}           # key -> the queued/running request that will store it
         self.queued_pred = 0.0
         self.busy_until = 0.0
         self.running: _Req | None = None
         self.waiting_fetch = False
+        self._work: QueuedWork | None = None
+
+    def work(self) -> QueuedWork:
+        """The queue as a QueuedWork, rebuilt only after the queue changed."""
+        if self._work is None:
+            self._work = QueuedWork.of([x[2] for x in self.queue])
+        return self._work
 
 
 class _DNode:
@@ -179,7 +210,13 @@ class Simulator:
         self.pcfg = PolicyConfig(policy="load_balancing" if self.coupled else cfg.policy,
                                  block_size=cfg.block_tokens,
                                  cache_balance_threshold=cfg.cache_balance_threshold,
-                                 ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s)
+                                 ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
+                                 fetch_rule=cfg.fetch_rule, decode_rule=cfg.decode_rule,
+                                 prefill_order=cfg.prefill_order, aging_s=cfg.aging_s)
+        self.spf = self.pcfg.prefill_order == "spf" and not self.coupled
+        # the cost rule may wait for a prefix a queued prefill will store (Snapshot.pending_*)
+        self.track_pending = (self.pcfg.fetch_rule == "cost" and not self.coupled
+                              and cfg.policy in ("global_cache_aware", "cost_aware"))
         self.rng = random.Random(cfg.seed)
         self.events: list = []
         self.seq = 0
@@ -273,10 +310,45 @@ class Simulator:
         queue = [max(0.0, p.busy_until - t) + p.queued_pred for p in self.pnodes]
         ds = self.dnodes
         cap = self.cfg.decode_kv_tokens
+        queued = [p.work() for p in self.pnodes] if self.spf else ()
+        pend, pend_s = (), ()
+        if self.track_pending:
+            pend, pend_s = self._pending(q, t, match)
         return Snapshot(self.pids, queue, match, self.dids,
                         [len(d.batch) + d.pending_n for d in ds],
                         [d.ctx + d.pending_ctx for d in ds],
-                        [cap - d.committed for d in ds])
+                        [cap - d.committed for d in ds], prefill_queued_s=queued,
+                        pending_prefix_blocks=pend, pending_ready_s=pend_s)
+
+    def _pending(self, q: _Req, t: float, match: list[int]) -> tuple[list[int], list[float]]:
+        """Per prefill node: the request's prefix blocks held or to be stored by a prefill
+        queued or running there, and the predicted seconds until that prefill is done."""
+        pend, ready = [], []
+        keys = q.keys
+        for p, m in zip(self.pnodes, match):
+            j, prod = m, None
+            pk = p.pending
+            while j < len(keys) and keys[j] in pk:
+                prod = pk[keys[j]]
+                j += 1
+            if prod is None:
+                pend.append(m)
+                ready.append(0.0)
+                continue
+            rest = max(0.0, p.busy_until - t)
+            if prod is p.running:
+                r = rest
+            else:
+                before, pred = 0.0, 0.0
+                for x in p.queue:              # FCFS: everything queued before it runs first
+                    if x[0] is prod:
+                        pred = x[2]
+                        break
+                    before += x[2]
+                r = rest + (p.work().ahead(pred)[0] if self.spf else before + pred)
+            pend.append(j)
+            ready.append(r)
+        return pend, ready
 
     def _arrive(self, q: _Req, t: float) -> None:
         snap = self._snapshot(q, t)
@@ -306,9 +378,16 @@ class Simulator:
             d.pending_n += 1
             d.pending_ctx += q.n
             d.committed += q.need
-        p.queue.append((q, ready, res.predicted_prefill_s))
+        after = None
+        if res.waits_for_pending:
+            after = p.pending.get(q.keys[res.prefix_blocks - 1])
+        p.queue.append((q, ready, res.predicted_prefill_s, after))
+        p._work = None
+        if self.track_pending:
+            for k in q.keys:
+                p.pending.setdefault(k, q)
         p.queued_pred += res.predicted_prefill_s
-        if p.running is None and not p.waiting_fetch:
+        if p.running is None and (self.spf or not p.waiting_fetch):
             self._pstart(p, t)
 
     # ------------------------------------------------------------------ prefill (disaggregated)
@@ -328,14 +407,32 @@ class Simulator:
     def _pstart(self, p: _PNode, t: float) -> None:
         if not p.queue:
             return
-        q, ready, pred = p.queue[0]
-        if ready > t:              # FIFO: the head waits for its fetched blocks
-            if not p.waiting_fetch:
-                p.waiting_fetch = True
-                self._push(ready, _PF_START, p)
-            return
-        p.queue.popleft()
+        if self.spf:
+            # shortest predicted prefill first among those whose fetched blocks are in,
+            # the oldest first once it waited aging_s (policy.spf_pick)
+            # ready: its fetched blocks are in and the prefill it waits for (if any) is done
+            ready_k = [k for k, x in enumerate(p.queue)
+                       if x[1] <= t and (x[3] is None or x[3].first == x[3].first)]
+            if not ready_k:
+                later = [x[1] for x in p.queue if x[1] > t]
+                if later and not p.waiting_fetch:
+                    p.waiting_fetch = True
+                    self._push(min(later), _PF_START, p)
+                return
+            k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2]) for k in ready_k],
+                                 t, self.cfg.aging_s)]
+            q, ready, pred, _ = p.queue[k]
+            del p.queue[k]
+        else:
+            q, ready, pred, _ = p.queue[0]
+            if ready > t:              # FIFO: the head waits for its fetched blocks
+                if not p.waiting_fetch:
+                    p.waiting_fetch = True
+                    self._push(ready, _PF_START, p)
+                return
+            p.queue.popleft()
         p.queued_pred -= pred
+        p._work = None
         m = p.cache.match(q.keys)
         p.cache.touch(q.keys[:m])
         c = min(m * self.cfg.block_tokens, q.n)
@@ -353,6 +450,10 @@ class Simulator:
         p.running = None
         q.first = t
         self._store(p.idx, p.cache, q.keys)
+        if self.track_pending:
+            for k in q.keys:
+                if p.pending.get(k) is q:
+                    del p.pending[k]
         if q.remaining <= 0:
             q.done = t
             if q.decode >= 0:
@@ -497,6 +598,7 @@ class Simulator:
             "ttft_mean_s": float(ttft.mean()) if len(ttft) else math.nan,
             "ttft_p50_s": percentile(ttl, 50), "ttft_p90_s": percentile(ttl, 90),
             "ttft_p99_s": percentile(ttl, 99),
+            "ttft_max_s": float(ttft.max()) if len(ttft) else math.nan,
             "tbt_mean_s": float(tbt.mean()) if len(tbt) else math.nan,
             "tbt_p90_s": percentile(tbl, 90), "tbt_p99_s": percentile(tbl, 99),
             "ttft_threshold_s": cfg.ttft_threshold_s,

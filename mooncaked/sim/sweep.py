@@ -36,7 +36,11 @@ def capacity_sweep(trace: Sequence[TraceRequest], base: SimConfig, policies: Seq
             5 leaves about 2%).
         on_run: called after each simulation with (policy, rate multiplier, result).
     Returns: {"target", "ttft_threshold_s", "runs", "results": {policy: {thr: {...}}},
-        "ratio_vs_<baseline>": {policy: {thr: ratio}}}; a rate is 0 when even min_mult fails.
+        "ratio_vs_<baseline>": {policy: {thr: ratio}}, "at_trace_rate" and
+        "at_baseline_capacity": {policy: {arrival_rate_rps, ttft_mean_s, ttft_p90_s,
+        ttft_max_s, cache_hit_rate, effective_request_capacity}} at the trace's own rate
+        and at the baseline's capacity for the first threshold}; a rate is 0 when even
+        min_mult fails.
     Raises: ValueError on a target outside (0, 1].
     """
     if not 0 < target <= 1:
@@ -46,20 +50,24 @@ def capacity_sweep(trace: Sequence[TraceRequest], base: SimConfig, policies: Seq
     base_rate = len(trace) / span if span > 0 else math.inf
     runs = 0
     out: dict = {}
-    for policy in policies:
-        memo: dict[float, dict] = {}
+    memos: dict[str, dict[float, dict]] = {}
 
-        def share(mult: float, thr: float) -> float:
-            nonlocal runs
-            if mult not in memo:
-                cfg = dataclasses.replace(base, policy=policy, time_scale=1.0 / mult,
-                                          tbt_thresholds_s=thresholds)
-                res = simulate(trace, cfg, cost)
-                runs += 1
-                memo[mult] = res.summary["effective_request_capacity_by_tbt"]
-                if on_run:
-                    on_run(policy, mult, res)
-            return memo[mult][f"{thr:g}"]
+    def summary(policy: str, mult: float) -> dict:
+        nonlocal runs
+        memo = memos.setdefault(policy, {})
+        if mult not in memo:
+            cfg = dataclasses.replace(base, policy=policy, time_scale=1.0 / mult,
+                                      tbt_thresholds_s=thresholds)
+            res = simulate(trace, cfg, cost)
+            runs += 1
+            memo[mult] = res.summary
+            if on_run:
+                on_run(policy, mult, res)
+        return memo[mult]
+
+    for policy in policies:
+        def share(mult: float, thr: float, policy: str = policy) -> float:
+            return summary(policy, mult)["effective_request_capacity_by_tbt"][f"{thr:g}"]
 
         per: dict = {}
         for thr in thresholds:
@@ -95,5 +103,11 @@ def capacity_sweep(trace: Sequence[TraceRequest], base: SimConfig, policies: Seq
     ratios = {p: {thr: (v["arrival_rate_rps"] / out[baseline][thr]["arrival_rate_rps"]
                         if out[baseline][thr]["arrival_rate_rps"] else math.inf)
                   for thr, v in per.items()} for p, per in out.items()}
+    keys = ("arrival_rate_rps", "ttft_mean_s", "ttft_p90_s", "ttft_max_s", "cache_hit_rate",
+            "effective_request_capacity")
+    at_rate = {p: {k: summary(p, 1.0)[k] for k in keys} for p in policies}
+    cap = out[baseline][f"{thresholds[0]:g}"]["rate_multiplier"]
+    at_cap = {p: {k: summary(p, cap)[k] for k in keys} for p in policies} if cap else {}
     return {"target": target, "ttft_threshold_s": base.ttft_threshold_s, "runs": runs,
-            "base_arrival_rate_rps": base_rate, "results": out, f"ratio_vs_{baseline}": ratios}
+            "base_arrival_rate_rps": base_rate, "results": out, f"ratio_vs_{baseline}": ratios,
+            "at_trace_rate": at_rate, "at_baseline_capacity": at_cap}
