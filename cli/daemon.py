@@ -83,7 +83,9 @@ def profile(
 
 @app.command("config")
 def config_cmd(example: bool = typer.Option(False, "--example", help="Print config.example.toml."),
-               check: Optional[Path] = typer.Option(None, "--check", help="Validate a file.")) -> None:
+               check: Optional[Path] = typer.Option(None, "--check", help="Validate a file: "
+                                                    "every check `serve` runs on it (types, "
+                                                    "ranges, cross-field rules).")) -> None:
     """Print the example configuration, or validate a file."""
     from mooncaked.config import ConfigError, example_toml, load_settings  # noqa: PLC0415
 
@@ -96,6 +98,23 @@ def config_cmd(example: bool = typer.Option(False, "--example", help="Print conf
         typer.echo(f"{check}: ok")
         return
     typer.echo(example_toml(), nl=False)   # byte for byte config.example.toml (ends in \n)
+
+
+@app.command()
+def token(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write it to this file "
+                                             "(created with mode 0600; never overwritten) "
+                                             "instead of printing it.")) -> None:
+    """Make a new cluster token (the shared secret of cluster.token_file)."""
+    from mooncaked.cluster.auth import new_token, write_token_file  # noqa: PLC0415
+
+    if out is None:
+        typer.echo(new_token())
+        return
+    if out.exists():
+        typer.echo(f"mooncaked token: {out} exists; not overwriting it", err=True)
+        raise typer.Exit(1)
+    write_token_file(out)
+    typer.echo(f"cluster token written to {out} (mode 0600)")
 
 
 def main() -> None:

@@ -51,6 +51,7 @@ from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, S
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
 
+from .auth import auth_headers
 from .errors import PeerUnavailable, RpcError, RpcTimeout
 from .messages import (DecodeFailure, DecodeRequest, NodeRef, OutputDelta, PlaceRejected,
                        PlaceReply, PlaceRequest, PrefillReply, PrefillRequest, Release)
@@ -164,6 +165,12 @@ class ClusterFrontend:
         if self._http is not None:
             await self._http.close()
             self._http = None
+
+    @property
+    def _headers(self) -> dict[str, str]:
+        """Headers of a decode stream request: JSON and the cluster token."""
+        return {"Content-Type": "application/json",
+                **auth_headers(getattr(self.port, "token", None))}
 
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
@@ -319,7 +326,7 @@ class ClusterFrontend:
             produced = False
             try:
                 async with self._session().post(url, data=body, timeout=timeout,
-                                                headers={"Content-Type": "application/json"}) as r:
+                                                headers=self._headers) as r:
                     if r.status != 200:
                         text = (await r.read())[:500].decode(errors="replace")
                         if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
