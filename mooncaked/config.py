@@ -101,6 +101,9 @@ class LogSettings:
     level: str = opt("info", "Lowest level logged.",
                      choices=("debug", "info", "warning", "error"))
     format: str = opt("json", "json (one object a line) or text.", choices=("json", "text"))
+    stats_interval_s: float = opt(10.0, "Seconds between a model node's throughput lines (prompt "
+                                        "and generation tokens/s, running, waiting, KV usage; "
+                                        "none while idle); 0 turns them off.", min=0.0)
 
 
 @dataclass

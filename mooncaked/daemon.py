@@ -132,6 +132,7 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
     from mooncaked.cluster.health import node_health  # noqa: PLC0415
     from mooncaked.cluster.node import ClusterNode  # noqa: PLC0415
+    from mooncaked.cluster.node_metrics import label_registry  # noqa: PLC0415
     from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
     stop.bind()
@@ -166,6 +167,7 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         cs = settings.cluster
         app = build_app(node.frontend, request_timeout_s=settings.server.request_timeout_s)
         app[SERVER_KEY].health_check = lambda: node_health(node)
+        label_registry(app[SERVER_KEY].metrics, node)   # node/role on every series
         runner = await _listen(app, settings.server.host, settings.server.port)
         if runner is None:
             return 1
@@ -217,12 +219,12 @@ def run_daemon(settings: Settings) -> int:
     (port in use, bad address) or a cluster node cannot reach its coordinator. Logs one
     `ready` event with the API's URL once it accepts requests.
     """
-    setup_logging(settings.log.level, settings.log.format)
     cluster = settings.node.role != "all"
     bound = (settings.cluster.drain_timeout_s if cluster else SHUTDOWN_GRACE_S) \
         + SHUTDOWN_SLACK_S
-    # Installed before the model loads, so a signal during start-up counts as well.
+    # Installed before anything is logged or loaded, so a signal during start-up counts.
     stop = Shutdown(bound).install()
+    setup_logging(settings.log.level, settings.log.format)
     main = _serve_cluster(settings, stop) if cluster else _serve(settings, stop)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)

@@ -24,7 +24,6 @@ async def cluster_view(settings: ClusterSettings, timeout_s: float = 3.0) -> dic
     Raises: CoordinationError when the coordination store cannot be reached; ConfigError
     when the cluster token cannot be read.
     """
-    token = load_token(settings)
     coord = make_coordinator(settings)
     await coord.start()
     try:
@@ -35,6 +34,10 @@ async def cluster_view(settings: ClusterSettings, timeout_s: float = 3.0) -> dic
     nodes: dict[str, dict] = {nid: {"info": m.info, "incarnation": m.incarnation,
                                     "registered_at": m.registered_at}
                               for nid, m in members.items()}
+    if not nodes:
+        return {"backend": settings.backend, "leader": leader, "nodes": {},
+                "conductor": {"error": "no node is registered"}}
+    token = load_token(settings)
     async with ControlClient(timeout_s, token=token) as client:
         async def status(nid: str) -> None:
             try:

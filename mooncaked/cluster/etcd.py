@@ -33,10 +33,12 @@ import grpc
 
 from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
+from ..lograte import RateLimitedLog
 from .coordinator import Coordinator
 from .errors import CoordinationError
 
 log = get_logger(__name__)
+_limited = RateLimitedLog(log)   # an outage restarts every watch every few seconds
 
 
 def parse_endpoint(url: str) -> tuple[str, int, bool]:
@@ -164,7 +166,8 @@ class EtcdCoordinator(Coordinator):
                 unreachable = isinstance(e, (aetcd.exceptions.ConnectionFailedError,
                                              aetcd.exceptions.ConnectionTimeoutError))
                 if unreachable and len(self.endpoints) > 1:
-                    log.warning("etcd_endpoint_unreachable", endpoint=where, error=str(e))
+                    _limited.warning(f"unreachable:{where}", "etcd_endpoint_unreachable",
+                                     endpoint=where, error=str(e))
                     await self._failover()
                     if attempt + 1 < len(self.endpoints):
                         continue
@@ -254,8 +257,8 @@ class EtcdCoordinator(Coordinator):
                         yield dict(snap)
                 raise CoordinationError("watch stream ended")
             except (CoordinationError, aetcd.exceptions.ClientError) as e:
-                log.warning("coord_watch_restart", prefix=prefix, error=str(e),
-                            retry_in_s=backoff)
+                _limited.warning(f"watch:{prefix}", "coord_watch_restart", prefix=prefix,
+                                 error=str(e), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:

@@ -18,6 +18,7 @@ from typing import Any
 from mooncaked.conductor.service import ConductorService, NotLeader
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
+from mooncaked.lograte import RateLimitedLog
 
 from .coordinator import Coordinator, Member
 from .errors import ClusterError, CoordinationError
@@ -26,6 +27,7 @@ from .node_state import Activity
 
 log = get_logger(__name__)
 
+_limited = RateLimitedLog(log)   # an outage fails these every second
 STEP_DOWN_TIMEOUT_S = 3.0   # bound on each step of standing down (conductor stop, resign)
 
 
@@ -146,7 +148,7 @@ class ClusterView:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - keep watching
-                log.warning("node_members_watch_failed", error=repr(e))
+                _limited.warning("members", "node_members_watch_failed", error=repr(e))
                 await asyncio.sleep(1.0)
 
     async def _watch_leader(self) -> None:
@@ -161,7 +163,7 @@ class ClusterView:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001
-                log.warning("node_leader_watch_failed", error=repr(e))
+                _limited.warning("leader", "node_leader_watch_failed", error=repr(e))
                 await asyncio.sleep(1.0)
 
     async def _campaign_loop(self) -> None:
@@ -171,7 +173,7 @@ class ClusterView:
             except asyncio.CancelledError:
                 raise
             except CoordinationError as e:
-                log.warning("campaign_failed", error=str(e))
+                _limited.warning("campaign", "campaign_failed", error=str(e))
                 await asyncio.sleep(self.settings.cluster.heartbeat_interval_s)
                 continue
             if not self.standing:      # stood down while the campaign call returned

@@ -274,13 +274,38 @@ class ClusterNode:
             log.warning("failpoints_enabled", node=self.node_id)
         self.coord = make_coordinator(self.settings.cluster)
         await self.coord.start()
+        await self._claim_id()
         self.info = self._info()
         await self.coord.register(self.node_id, self.info)
         self.view = ClusterView(self.node_id, control_addr, self.coord, self.client,
                                 self.settings, self._on_member, self._report, self.activity)
         await self.view.start()
+        if self.engine is not None and self.settings.log.stats_interval_s > 0:
+            from .throughput import log_throughput  # noqa: PLC0415
+            self.spawn(log_throughput(self, self.settings.log.stats_interval_s))
         log.info("node_started", node=self.node_id, role=self.role, api=api_url,
                  control=control_addr, backend=self.settings.cluster.backend)
+
+    async def _claim_id(self) -> None:
+        """Takes node.id for this process. A process that died without leaving (kill -9)
+        holds it until its lease ends, so wait up to one lease TTL; a live holder keeps
+        it, and this node refuses to join (ClusterError naming the holder)."""
+        cs = self.settings.cluster
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "api": self.api_url}
+        deadline = time.monotonic() + self.coord.ttl_s + 2 * cs.heartbeat_interval_s
+        logged = False
+        while (holder := await self.coord.claim_id(self.node_id, me)) is not None:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"node id {self.node_id!r} is in use by pid {holder.get('pid')} on "
+                    f"{holder.get('host')} (API {holder.get('api')}), which holds its lease: "
+                    f"give this process another node.id, or stop that one first")
+            if not logged:
+                log.info("node_id_busy", node=self.node_id, holder_pid=holder.get("pid"),
+                         holder_host=holder.get("host"), wait_s=round(deadline
+                                                                     - time.monotonic(), 1))
+                logged = True
+            await asyncio.sleep(min(1.0, cs.heartbeat_interval_s))
 
     async def _start_store(self, block_bytes: int) -> None:
         from mooncaked.store import BlockStore  # noqa: PLC0415

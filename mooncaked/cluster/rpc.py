@@ -29,10 +29,12 @@ import orjson
 from aiohttp import web
 
 from ..log import get_logger
+from ..lograte import RateLimitedLog
 from .auth import auth_headers, authorized
 from .errors import PeerUnavailable, RpcError, RpcTimeout
 
 log = get_logger(__name__)
+_limited = RateLimitedLog(log)
 
 Handler = Callable[[Any], Awaitable[Any]]
 
@@ -105,7 +107,9 @@ class ControlServer:
         except (ValueError, TypeError) as e:
             return _error(400, type(e).__name__, str(e), getattr(e, "param", None))
         except Exception as e:
-            log.warning("control_handler_failed", method=name, error=repr(e))
+            # NotLeader answers every report while there is no conductor: one line a window.
+            _limited.warning(f"{name}:{type(e).__name__}", "control_handler_failed",
+                             method=name, error=repr(e))
             return _error(500, type(e).__name__, str(e), getattr(e, "param", None))
         try:
             return _json_response({"ok": True, "result": result})

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import random
 import time
@@ -297,7 +298,12 @@ class ConductorService:
         retry = cs.min_retry_after_s
         if (not pre and not decode_only) or not dec:
             reason = "no_decode_node" if pre or decode_only else "no_prefill_node"
-            return self._reject(Rejection(reason, retry))
+            role = "decode" if pre or decode_only else "prefill"
+            drained = sorted(v.node_id for v in self.nodes.values()
+                             if v.role == role and v.draining)
+            detail = (f"{', '.join(drained)} {'is' if len(drained) == 1 else 'are'} draining"
+                      if drained else f"no {role} node has joined or reported")
+            return dataclasses.replace(self._reject(Rejection(reason, retry)), detail=detail)
         bs = self._block_size(pre[0] if pre else dec[0])
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,
