@@ -18,6 +18,20 @@ ctl_app = typer.Typer(help="Inspect and operate a running cluster (calls carry t
                            "token from cluster.token_file).", no_args_is_help=True)
 app.add_typer(ctl_app, name="ctl")
 
+_GLOBAL: dict[str, Any] = {}   # the ctl group's own options (--prefix, --token-file)
+
+
+@ctl_app.callback()
+def _group(prefix: Optional[str] = typer.Option(None, "--prefix", help="The cluster to talk to: "
+                                                "its cluster.key_prefix (its name), e.g. "
+                                                "/mooncaked/prod/; overrides the file."),
+           token_file: Optional[Path] = typer.Option(None, "--token-file", help="The cluster's "
+                                                     "token file (cluster.token_file); "
+                                                     "overrides the file.")) -> None:
+    """Inspect and operate a running cluster."""
+    _GLOBAL.update(prefix=prefix, token_file=str(token_file) if token_file else None)
+
+
 _CONFIG = typer.Option(None, "--config", "-c", help="TOML settings of the cluster (its \\[cluster] "
                        "section tells where the coordinator is); default: the running "
                        "`mooncake up` cluster's, if any.")
@@ -37,7 +51,9 @@ def _cluster(config: Optional[Path], backend: Optional[str], state_dir: Optional
         config = default_ctl_config_path()
     try:
         s = load_settings(config, {"cluster.backend": backend, "cluster.state_dir": state_dir,
-                                   "cluster.etcd_endpoints": etcd or None})
+                                   "cluster.etcd_endpoints": etcd or None,
+                                   "cluster.key_prefix": _GLOBAL.get("prefix"),
+                                   "cluster.token_file": _GLOBAL.get("token_file")})
     except ConfigError as e:
         typer.echo(f"mooncake ctl: configuration error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -133,7 +149,8 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
                f"{rejected}, indexed blocks {c['indexed_keys']}, hot-block copies "
                f"{rep.get('started', 0)} ({rep.get('blocks', 0)} blocks, "
                f"{rep.get('failed', 0)} failed)")
-    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}], refits: "
+    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}] from "
+               f"{(cm.get('meta') or {}).get('origin', '-')}, refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
     if c["rejected"]:
         _table("rejections", ["reason", "count"],

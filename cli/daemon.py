@@ -59,6 +59,10 @@ def profile(
     tiny: bool = typer.Option(False, help="The smallest grid that fits every term (seconds; "
                               "for smoke tests, too noisy for a real cost model)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Any setting as KEY=VALUE."),
+    publish: Optional[bool] = typer.Option(None, "--publish/--no-publish", help="Store the model "
+                                           "in the cluster's coordination backend, where every "
+                                           "conductor reads it (default: when node.role is "
+                                           "prefill, decode or cache)."),
 ) -> None:
     """Fit the conductor's cost models on this hardware (prefill, decode step, transfer)."""
     settings = _settings(config, {}, set_)
@@ -73,6 +77,21 @@ def profile(
     model, path = run_profile(settings, grid, out)
     pf, df = model.meta.get("prefill_fit", {}), model.meta.get("decode_fit", {})
     typer.echo(f"cost model written to {path}")
+    if publish if publish is not None else settings.node.role != "all":
+        import asyncio  # noqa: PLC0415
+
+        from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
+        from mooncaked.conductor.cost_store import COST_KEY  # noqa: PLC0415
+        from mooncaked.conductor.cost_store import publish as publish_model  # noqa: PLC0415
+
+        try:
+            asyncio.run(publish_model(settings.cluster, model, str(path)))
+        except ClusterError as e:
+            typer.echo(f"mooncaked profile: not published (the coordinator is unreachable: "
+                       f"{e}); the file is written", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(f"  published as {settings.cluster.key_prefix}{COST_KEY} "
+                   f"({settings.cluster.backend} backend): every conductor of the cluster uses it")
     typer.echo(f"  prefill: {pf.get('samples')} samples, max relative error "
                f"{pf.get('max_rel_error', float('nan')):.1%}")
     typer.echo(f"  decode:  {df.get('samples')} samples, max relative error "

@@ -204,3 +204,44 @@ def test_metrics_label_every_series_with_node_and_role(cluster):
     pushed = [ln for ln in text.splitlines()
               if ln.startswith("mooncaked_kv_transfer_total") and 'kind="pushed"' in ln]
     assert pushed and float(pushed[0].rsplit(" ", 1)[1]) >= 1
+
+
+def test_published_cost_model_is_used_by_the_leader_without_a_leader_change(cluster):
+    import asyncio
+
+    from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
+    from mooncaked.config import load_settings
+
+    model = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.2, 0.003)),
+                      decode=PolyModel(((0, 0),), (0.05,)), transfer=TransferModel(1e9),
+                      kv_bytes_per_token=46080, name="published-by-test", meta={"source": "fit"})
+    from mooncaked.conductor.cost_store import publish
+    settings = load_settings(cluster.write_ctl_config())
+    leader = control_call(cluster.control("c1"), "node.status")["leader"]
+    asyncio.run(publish(settings.cluster, model, "/elsewhere/cost_model.json"))
+
+    def in_use():
+        st = control_call(cluster.control(leader), "conductor.status")
+        cm = st.get("cost_model") or {}
+        return cm if cm.get("name") == "published-by-test" else None
+    cm = wait_until(in_use, WAIT_S, "the leader to take the published cost model")
+    assert "coordinator key cost_model" in cm["meta"]["origin"]
+    assert "/elsewhere/cost_model.json" in cm["meta"]["origin"]
+    assert control_call(cluster.control("c1"), "node.status")["leader"] == leader
+
+
+def test_transfer_port_in_use_names_the_port():
+    import asyncio
+    import socket
+
+    from mooncaked.config import TransferSettings
+    from mooncaked.transfer import TransferEngine
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        engine = TransferEngine(TransferSettings(host="127.0.0.1", port=port, backend="tcp"),
+                                node_id="t")
+        with pytest.raises(OSError, match=f"127.0.0.1:{port} \\(transfer.host/transfer.port\\)"):
+            asyncio.run(engine.start())
