@@ -139,3 +139,22 @@ def test_token_file_rules(tmp_path):
     assert authorized({"Authorization": f"Bearer {token}"}, token, "peer", "x")
     assert not authorized({"Authorization": f"Bearer {token[:-1]}x"}, token, "peer", "x")
     assert not authorized({}, token, "peer", "x")
+
+
+def test_repeated_warnings_are_rate_limited(caplog):
+    import logging
+
+    from mooncaked.log import get_logger
+    from mooncaked.lograte import RateLimitedLog
+
+    limited = RateLimitedLog(get_logger("mooncaked.test.rate"), window_s=3600)
+    with caplog.at_level(logging.WARNING, logger="mooncaked.test.rate"):
+        for _ in range(300):                  # an outage failing every call
+            limited.warning("heartbeat", "coord_heartbeat_failed", error="unreachable")
+        limited.warning("other", "campaign_failed", error="unreachable")
+    assert [r.getMessage() for r in caplog.records] == ["coord_heartbeat_failed",
+                                                        "campaign_failed"]
+    limited.window_s = 0.0                    # the window has passed: the next line counts
+    with caplog.at_level(logging.WARNING, logger="mooncaked.test.rate"):
+        limited.warning("heartbeat", "coord_heartbeat_failed", error="unreachable")
+    assert caplog.records[-1].fields["repeats"] == 299
