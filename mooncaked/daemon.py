@@ -187,6 +187,9 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         except ShutdownRequested:
             log.info("shutting_down", node=node.node_id, during="cluster join")
             return 0
+        except ConfigError as e:          # e.g. an etcd certificate file that cannot be read
+            log.error("config_error", error=str(e))
+            return 2
         except (ClusterError, OSError) as e:
             log.error("cluster_join_failed", backend=cs.backend, error=str(e))
             return 1
