@@ -22,8 +22,9 @@ model geometry, its store's transfer-engine segment descriptor), campaigns in
 the conductor election (the winner runs `ConductorService`), and reports its
 load and store events to the leader every `cluster.report_interval_s`.
 
-Control methods (ControlServer, JSON): node.prefill, node.kv_reserve, node.release,
-node.status, node.drain; conductor.place, conductor.report, conductor.status (answered by the
+Control methods (ControlServer, JSON; every call carries the cluster token, auth.py):
+node.prefill, node.kv_reserve, node.release, node.status, node.drain, node.undrain;
+conductor.place, conductor.report, conductor.status (answered by the
 leader, `NotLeader` elsewhere); store.* (StoreNode).
 """
 
