@@ -218,7 +218,8 @@ def run_daemon(settings: Settings) -> int:
 
     0 after a graceful shutdown; 70 when the graceful stop overran its bound (the
     watchdog ended it); 128+N after a second signal N; 2 for a configuration error the
-    node finds at start (a missing cluster token); 1 if the model cannot be loaded, the API cannot listen
+    node finds at start (a missing cluster token);
+    1 if the model cannot be loaded, the API cannot listen
     (port in use, bad address) or a cluster node cannot reach its coordinator. Logs one
     `ready` event with the API's URL once it accepts requests.
     """

@@ -36,9 +36,9 @@ def from_record(rec: Any) -> CostModel:
     if not isinstance(rec, dict) or "model" not in rec:
         raise ValueError("malformed cost_model record")
     model = CostModel.from_dict(rec["model"])
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(rec.get("at", 0)))
     model.meta["origin"] = (f"coordinator key {COST_KEY} (profiled on {rec.get('host')}, "
-                            f"file {rec.get('path')}, "
-                            f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(rec.get('at', 0)))})")
+                            f"file {rec.get('path')}, {when})")
     return model
 
 
