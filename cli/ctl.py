@@ -1,5 +1,5 @@
 """`mooncake ctl`: inspect and operate a running cluster (status, nodes, cache, requests,
-drain) over either coordination backend; rich tables, or --json for scripts."""
+drain, undrain) over either coordination backend; rich tables, or --json for scripts."""
 
 from __future__ import annotations
 
@@ -14,8 +14,23 @@ import typer
 
 from .main import app
 
-ctl_app = typer.Typer(help="Inspect and operate a running cluster.", no_args_is_help=True)
+ctl_app = typer.Typer(help="Inspect and operate a running cluster (calls carry the cluster "
+                           "token from cluster.token_file).", no_args_is_help=True)
 app.add_typer(ctl_app, name="ctl")
+
+_GLOBAL: dict[str, Any] = {}   # the ctl group's own options (--prefix, --token-file)
+
+
+@ctl_app.callback()
+def _group(prefix: Optional[str] = typer.Option(None, "--prefix", help="The cluster to talk to: "
+                                                "its cluster.key_prefix (its name), e.g. "
+                                                "/mooncaked/prod/; overrides the file."),
+           token_file: Optional[Path] = typer.Option(None, "--token-file", help="The cluster's "
+                                                     "token file (cluster.token_file); "
+                                                     "overrides the file.")) -> None:
+    """Inspect and operate a running cluster."""
+    _GLOBAL.update(prefix=prefix, token_file=str(token_file) if token_file else None)
+
 
 _CONFIG = typer.Option(None, "--config", "-c", help="TOML settings of the cluster (its \\[cluster] "
                        "section tells where the coordinator is); default: the running "
@@ -36,7 +51,9 @@ def _cluster(config: Optional[Path], backend: Optional[str], state_dir: Optional
         config = default_ctl_config_path()
     try:
         s = load_settings(config, {"cluster.backend": backend, "cluster.state_dir": state_dir,
-                                   "cluster.etcd_endpoints": etcd or None})
+                                   "cluster.etcd_endpoints": etcd or None,
+                                   "cluster.key_prefix": _GLOBAL.get("prefix"),
+                                   "cluster.token_file": _GLOBAL.get("token_file")})
     except ConfigError as e:
         typer.echo(f"mooncake ctl: configuration error: {e}", err=True)
         raise typer.Exit(2) from None
@@ -46,12 +63,25 @@ def _cluster(config: Optional[Path], backend: Optional[str], state_dir: Optional
 def _view(config, backend, state_dir, etcd, timeout) -> dict:
     from mooncaked.cluster import ClusterError  # noqa: PLC0415
     from mooncaked.cluster.admin import cluster_view  # noqa: PLC0415
+    from mooncaked.config import ConfigError  # noqa: PLC0415
 
+    cs = _cluster(config, backend, state_dir, etcd)
     try:
-        return asyncio.run(cluster_view(_cluster(config, backend, state_dir, etcd), timeout))
+        v = asyncio.run(cluster_view(cs, timeout))
     except ClusterError as e:
         typer.echo(f"mooncake ctl: cannot reach the coordinator: {e}", err=True)
         raise typer.Exit(1) from None
+    except ConfigError as e:
+        typer.echo(f"mooncake ctl: configuration error: {e}", err=True)
+        raise typer.Exit(2) from None
+    if not v["nodes"]:
+        where = (cs.state_dir or "the default state directory") if cs.backend == "local" \
+            else ", ".join(cs.etcd_endpoints)
+        typer.echo(f"mooncake ctl: no cluster found: no node is registered under "
+                   f"{cs.key_prefix} ({cs.backend} backend, {where}); give -c FILE with the "
+                   f"cluster's [cluster] settings", err=True)
+        raise typer.Exit(1)
+    return v
 
 
 def _print_json(obj: Any) -> None:
@@ -113,15 +143,18 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     med = err.get("median_abs_rel_error")
     derr = c.get("decode_step_prediction") or {}
     dmed = derr.get("median_abs_rel_error")
-    rejected = f"rejected {sum(c['rejected'].values())}" + (f" {c['rejected']}"
-                                                             if c['rejected'] else "")
+    rejected = f"rejected {sum(c['rejected'].values())}"
     rep = c.get("replication") or {}
     typer.echo(f"conductor on {c['leader']}: policy {c['policy']}, placed {c['placed']}, "
                f"{rejected}, indexed blocks {c['indexed_keys']}, hot-block copies "
                f"{rep.get('started', 0)} ({rep.get('blocks', 0)} blocks, "
                f"{rep.get('failed', 0)} failed)")
-    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}], refits: "
+    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}] from "
+               f"{(cm.get('meta') or {}).get('origin', '-')}, refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
+    if c["rejected"]:
+        _table("rejections", ["reason", "count"],
+               [[r, n] for r, n in sorted(c["rejected"].items(), key=lambda x: -x[1])])
     typer.echo(f"prediction error (median |rel|): TTFT "
                f"{'-' if med is None else f'{med:.1%}'} over {err.get('samples', 0)} requests, "
                f"decode step {'-' if dmed is None else f'{dmed:.1%}'} over "
@@ -171,8 +204,9 @@ def cache(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
             "ssd_blocks": s.get("ssd_blocks"), "ssd_bytes": s.get("ssd_used_bytes"),
             "store_hit_rate": hits / (hits + s.get("misses", 0)) if hits + s.get("misses", 0)
             else None,
+            # decode nodes admit prefilled prompts: they take no prefix lookups
             "prefix_hit_rate": (e["prefix_hit_tokens_total"] / e["prompt_tokens_total"])
-            if e.get("prompt_tokens_total") else None,
+            if e.get("prompt_tokens_total") and n["info"].get("role") != "decode" else None,
             "indexed_blocks": (cnodes.get(nid) or {}).get("indexed_blocks"),
             "error": n.get("error")}
     if json_out:
@@ -217,25 +251,47 @@ def requests(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND
                         "engine running", "engine waiting", "predicted queue"], rows)
 
 
+def _drain(node: str, config, backend, state_dir, etcd, json_out, timeout,
+           method: str) -> dict:
+    from mooncaked.cluster import ClusterError  # noqa: PLC0415
+    from mooncaked.cluster.admin import drain_node  # noqa: PLC0415
+    from mooncaked.config import ConfigError  # noqa: PLC0415
+
+    try:
+        r = asyncio.run(drain_node(_cluster(config, backend, state_dir, etcd), node, timeout,
+                                   method))
+    except KeyError as e:
+        typer.echo(f"mooncake ctl: {e.args[0]}", err=True)
+        raise typer.Exit(1) from None
+    except ConfigError as e:
+        typer.echo(f"mooncake ctl: configuration error: {e}", err=True)
+        raise typer.Exit(2) from None
+    except ClusterError as e:
+        typer.echo(f"mooncake ctl: {e}", err=True)
+        raise typer.Exit(1) from None
+    if json_out:
+        _print_json(r)
+    return r
+
+
 @ctl_app.command()
 def drain(node: str = typer.Argument(..., help="Node id to drain."),
           config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
           state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
           json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
     """Take no new requests on NODE and let its running ones finish."""
-    from mooncaked.cluster import ClusterError  # noqa: PLC0415
-    from mooncaked.cluster.admin import drain_node  # noqa: PLC0415
-
-    try:
-        r = asyncio.run(drain_node(_cluster(config, backend, state_dir, etcd), node, timeout))
-    except KeyError as e:
-        typer.echo(f"mooncake ctl: {e.args[0]}", err=True)
-        raise typer.Exit(1) from None
-    except ClusterError as e:
-        typer.echo(f"mooncake ctl: {e}", err=True)
-        raise typer.Exit(1) from None
-    if json_out:
-        _print_json(r)
-    else:
+    r = _drain(node, config, backend, state_dir, etcd, json_out, timeout, "node.drain")
+    if not json_out:
         typer.echo(f"{node}: draining ({r['prefill']} prefill and {r['decode']} decode "
                    f"requests still running)")
+
+
+@ctl_app.command()
+def undrain(node: str = typer.Argument(..., help="Node id to take requests again."),
+            config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
+            state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
+            json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
+    """Let a drained NODE take requests (and stand for conductor) again."""
+    _drain(node, config, backend, state_dir, etcd, json_out, timeout, "node.undrain")
+    if not json_out:
+        typer.echo(f"{node}: serving")

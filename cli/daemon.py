@@ -63,6 +63,10 @@ def profile(
     tiny: bool = typer.Option(False, help="The smallest grid that fits every term (seconds; "
                               "for smoke tests, too noisy for a real cost model)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Any setting as KEY=VALUE."),
+    publish: Optional[bool] = typer.Option(None, "--publish/--no-publish", help="Store the model "
+                                           "in the cluster's coordination backend, where every "
+                                           "conductor reads it (default: when node.role is "
+                                           "prefill, decode or cache)."),
 ) -> None:
     """Fit the conductor's cost models on this hardware (prefill, decode step, transfer)."""
     settings = _settings(config, {}, set_)
@@ -77,6 +81,21 @@ def profile(
     model, path = run_profile(settings, grid, out)
     pf, df = model.meta.get("prefill_fit", {}), model.meta.get("decode_fit", {})
     typer.echo(f"cost model written to {path}")
+    if publish if publish is not None else settings.node.role != "all":
+        import asyncio  # noqa: PLC0415
+
+        from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
+        from mooncaked.conductor.cost_store import COST_KEY  # noqa: PLC0415
+        from mooncaked.conductor.cost_store import publish as publish_model  # noqa: PLC0415
+
+        try:
+            asyncio.run(publish_model(settings.cluster, model, str(path)))
+        except ClusterError as e:
+            typer.echo(f"mooncaked profile: not published (the coordinator is unreachable: "
+                       f"{e}); the file is written", err=True)
+            raise typer.Exit(1) from None
+        typer.echo(f"  published as {settings.cluster.key_prefix}{COST_KEY} "
+                   f"({settings.cluster.backend} backend): every conductor of the cluster uses it")
     typer.echo(f"  prefill: {pf.get('samples')} samples, max relative error "
                f"{pf.get('max_rel_error', float('nan')):.1%}")
     typer.echo(f"  decode:  {df.get('samples')} samples, max relative error "
@@ -87,7 +106,9 @@ def profile(
 
 @app.command("config")
 def config_cmd(example: bool = typer.Option(False, "--example", help="Print config.example.toml."),
-               check: Optional[Path] = typer.Option(None, "--check", help="Validate a file.")) -> None:
+               check: Optional[Path] = typer.Option(None, "--check", help="Validate a file: "
+                                                    "every check `serve` runs on it (types, "
+                                                    "ranges, cross-field rules).")) -> None:
     """Print the example configuration, or validate a file."""
     from mooncaked.config import ConfigError, example_toml, load_settings  # noqa: PLC0415
 
@@ -100,6 +121,23 @@ def config_cmd(example: bool = typer.Option(False, "--example", help="Print conf
         typer.echo(f"{check}: ok")
         return
     typer.echo(example_toml(), nl=False)   # byte for byte config.example.toml (ends in \n)
+
+
+@app.command()
+def token(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write it to this file "
+                                             "(created with mode 0600; never overwritten) "
+                                             "instead of printing it.")) -> None:
+    """Make a new cluster token (the shared secret of cluster.token_file)."""
+    from mooncaked.cluster.auth import new_token, write_token_file  # noqa: PLC0415
+
+    if out is None:
+        typer.echo(new_token())
+        return
+    if out.exists():
+        typer.echo(f"mooncaked token: {out} exists; not overwriting it", err=True)
+        raise typer.Exit(1)
+    write_token_file(out)
+    typer.echo(f"cluster token written to {out} (mode 0600)")
 
 
 def main() -> None:

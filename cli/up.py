@@ -53,8 +53,10 @@ def up(
     nodes += [NodeSpec("decode", f"decode{i}") for i in range(decode)]
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="mooncake-up-")) if own else workdir
+    # die_with_parent: if `mooncake up` is killed (even kill -9), its nodes and etcd get
+    # SIGTERM from the kernel and drain and exit on their own.
     cluster = LocalCluster(work, nodes, backend=backend, settings=extra, base_config=config,
-                           log_level=log_level)
+                           log_level=log_level, die_with_parent=True)
 
     def _terminate(signum, frame):  # SIGTERM: the same clean stop as Ctrl-C
         raise KeyboardInterrupt

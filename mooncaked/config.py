@@ -111,6 +111,9 @@ class LogSettings:
     level: str = opt("info", "Lowest level logged.",
                      choices=("debug", "info", "warning", "error"))
     format: str = opt("json", "json (one object a line) or text.", choices=("json", "text"))
+    stats_interval_s: float = opt(10.0, "Seconds between a model node's throughput lines (prompt "
+                                        "and generation tokens/s, running, waiting, KV usage; "
+                                        "none while idle); 0 turns them off.", min=0.0)
 
 
 @dataclass
@@ -137,10 +140,21 @@ class ClusterSettings:
                               min=0.1, max=600.0)
     rpc_timeout_s: float = opt(5.0, "Default timeout of one node-to-node control call, seconds.",
                                min=0.01, max=3600.0)
-    rpc_host: str = opt("127.0.0.1", "Address the control RPC listens on when it has its own port "
-                                     "(loopback by default).")
-    rpc_port: int = opt(0, "Control RPC port; 0 means mounted on the API server's port under "
-                           "/control/.", min=0, max=65535)
+    rpc_host: str = opt("127.0.0.1", "Address the control plane (control RPC, internal decode "
+                                     "streams) listens on, apart from the public API; other "
+                                     "nodes must reach it (loopback by default).")
+    rpc_port: int = opt(0, "Control plane port; 0 means one the OS picks (peers learn it from "
+                           "the coordinator). Never served on the public API port.",
+                        min=0, max=65535)
+    token_file: str = opt("", "File holding the cluster's shared secret (one line; mode 0600), "
+                              "required on every control call. Empty: with the local backend "
+                              "<cluster state dir>/token, created by the first node; the etcd "
+                              "backend requires it.")
+    etcd_ca_file: str = opt("", "CA bundle (PEM) that verifies etcd's server certificate; set it "
+                                "for https:// etcd endpoints (empty: the system roots).")
+    etcd_cert_file: str = opt("", "Client certificate (PEM) this node presents to etcd "
+                                  "(--client-cert-auth); needs etcd_key_file.")
+    etcd_key_file: str = opt("", "Private key (PEM) of etcd_cert_file.")
     rpc_max_body_bytes: int = opt(64 * 1024 * 1024, "Largest control request or reply body, "
                                                     "bytes.", min=1024)
     report_interval_s: float = opt(0.25, "Seconds between a node's reports to the conductor "
@@ -398,6 +412,8 @@ def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | No
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = value
         _apply("<flags>", settings, nested, "")
+    from mooncaked.config_checks import check_settings  # noqa: PLC0415 - uses this module
+    check_settings(settings, str(path) if path is not None else "<flags>")
     return settings
 
 

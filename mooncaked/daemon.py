@@ -9,11 +9,16 @@ frees their KV blocks), stops the engine and exits 0.
 
 Roles `prefill`, `decode` and `cache` form a cluster (mooncaked/cluster/node.py):
 the node registers with the coordinator, campaigns for the conductor, serves the
-OpenAI API through the cluster front end and its internal routes (control RPC
-under /control/, the decode stream under /internal/) on the API port, or the
-control plane on cluster.rpc_port when set. On a signal it drains (no new
-requests are placed on it; running ones finish within cluster.drain_timeout_s),
-leaves the cluster and exits 0.
+OpenAI API through the cluster front end on the API port, and its control plane
+(control RPC under /control/, the decode stream under /internal/, both requiring
+the cluster token) on a separate listener, cluster.rpc_host:rpc_port; the public
+port serves no control route. On a signal it drains (no new requests are placed
+on it; it stops campaigning and resigns if it leads; running ones finish within
+cluster.drain_timeout_s), leaves the cluster and exits 0.
+
+Shutdown always ends (shutdown.py): from the first SIGTERM/SIGINT, in any state
+(start-up included), the process exits within the drain timeout plus
+SHUTDOWN_SLACK_S; a second SIGTERM/SIGINT exits at once.
 
 Under systemd (Type=notify) the daemon sends READY=1 once it serves and
 STOPPING=1 when it begins to drain (sd_notify through the `sdnotify` package;
@@ -23,18 +28,21 @@ a no-op without $NOTIFY_SOCKET).
 from __future__ import annotations
 
 import asyncio
-import signal
 import socket
 
 import uvloop
 from aiohttp import web
 
-from mooncaked.config import Settings
+from mooncaked.config import ConfigError, Settings
 from mooncaked.log import get_logger, setup_logging
+from mooncaked.shutdown import Shutdown, ShutdownRequested
 
 log = get_logger(__name__)
 
 SHUTDOWN_GRACE_S = 5.0   # in-flight requests may finish within this; then they are aborted
+# Beyond the drain: resign, leave (lease revoke), close listeners, store and engine. Each of
+# those steps is bounded by a few seconds; past this the watchdog ends the process.
+SHUTDOWN_SLACK_S = 15.0
 
 
 def _url(host: str, port: int) -> str:
@@ -61,14 +69,6 @@ def _notify(state: str) -> None:
     sdnotify.SystemdNotifier().notify(state)
 
 
-def _stop_event() -> asyncio.Event:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
 async def _listen(app: web.Application, host: str, port: int) -> web.AppRunner | None:
     """Starts serving app on host:port; None (logged) when it cannot listen."""
     # handler_cancellation: a client that disconnects cancels its handler, which
@@ -85,12 +85,12 @@ async def _listen(app: web.Application, host: str, port: int) -> web.AppRunner |
     return runner
 
 
-async def _serve(settings: Settings) -> int:
+async def _serve(settings: Settings, stop: Shutdown) -> int:
     from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
     from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
     from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
-    stop = _stop_event()
+    stop.bind()
     if settings.store != type(settings.store)():
         # The single-process role keeps KV in its device pages only (no store yet).
         log.warning("store_settings_unused", role="all",
@@ -104,7 +104,7 @@ async def _serve(settings: Settings) -> int:
     await engine.start()
     runner: web.AppRunner | None = None
     try:
-        if stop.is_set():
+        if stop.requested:
             return 0
         app = build_app(engine, request_timeout_s=settings.server.request_timeout_s)
         runner = await _listen(app, settings.server.host, settings.server.port)
@@ -126,14 +126,16 @@ async def _serve(settings: Settings) -> int:
     return 0
 
 
-async def _serve_cluster(settings: Settings) -> int:
+async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     """A prefill, decode or cache node (see the module doc)."""
     from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
     from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
+    from mooncaked.cluster.health import node_health  # noqa: PLC0415
     from mooncaked.cluster.node import ClusterNode  # noqa: PLC0415
+    from mooncaked.cluster.node_metrics import label_registry  # noqa: PLC0415
     from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
-    stop = _stop_event()
+    stop.bind()
     role = settings.node.role
     engine = None
     try:
@@ -150,32 +152,44 @@ async def _serve_cluster(settings: Settings) -> int:
         return 1
     if engine is not None:
         await engine.start()
-    node = ClusterNode(settings, engine, tokenizer)
+    try:
+        node = ClusterNode(settings, engine, tokenizer)
+    except ConfigError as e:
+        log.error("config_error", error=str(e))
+        if engine is not None:
+            await engine.stop()
+        return 2
     runners: list[web.AppRunner] = []
     app = None
     try:
-        if stop.is_set():
+        if stop.requested:
             return 0
         cs = settings.cluster
         app = build_app(node.frontend, request_timeout_s=settings.server.request_timeout_s)
-        if cs.rpc_port == 0:
-            app.add_routes(node.routes())
+        app[SERVER_KEY].health_check = lambda: node_health(node)
+        label_registry(app[SERVER_KEY].metrics, node)   # node/role on every series
         runner = await _listen(app, settings.server.host, settings.server.port)
         if runner is None:
             return 1
         runners.append(runner)
         host, port = runner.addresses[0][:2]
-        control = _addr(settings.server.host, port)
-        if cs.rpc_port:
-            capp = web.Application(client_max_size=cs.rpc_max_body_bytes)
-            capp.add_routes(node.routes())
-            crunner = await _listen(capp, cs.rpc_host, cs.rpc_port)
-            if crunner is None:
-                return 1
-            runners.append(crunner)
-            control = _addr(cs.rpc_host, crunner.addresses[0][1])
+        # The control plane listens apart from the public API (never on its port).
+        capp = web.Application(client_max_size=cs.rpc_max_body_bytes)
+        capp.add_routes(node.routes())
+        crunner = await _listen(capp, cs.rpc_host, cs.rpc_port)
+        if crunner is None:
+            return 1
+        runners.append(crunner)
+        control = _addr(cs.rpc_host, crunner.addresses[0][1])
         try:
-            await node.start(_url(_advertise(settings.server.host), port), control)
+            await stop.race(node.start(_url(_advertise(settings.server.host), port), control),
+                            "cluster join")
+        except ShutdownRequested:
+            log.info("shutting_down", node=node.node_id, during="cluster join")
+            return 0
+        except ConfigError as e:          # e.g. an etcd certificate file that cannot be read
+            log.error("config_error", error=str(e))
+            return 2
         except (ClusterError, OSError) as e:
             log.error("cluster_join_failed", backend=cs.backend, error=str(e))
             return 1
@@ -185,6 +199,7 @@ async def _serve_cluster(settings: Settings) -> int:
         await stop.wait()
         _notify("STOPPING=1")
         log.info("shutting_down", node=node.node_id, drain_timeout_s=cs.drain_timeout_s)
+        node.stopping = True
         app[SERVER_KEY].begin_drain()
         await node.drain(cs.drain_timeout_s)
     finally:
@@ -201,11 +216,19 @@ async def _serve_cluster(settings: Settings) -> int:
 def run_daemon(settings: Settings) -> int:
     """Runs one node until SIGTERM/SIGINT; returns the process exit code.
 
-    0 after a graceful shutdown; 1 if the model cannot be loaded, the API cannot listen
+    0 after a graceful shutdown; 70 when the graceful stop overran its bound (the
+    watchdog ended it); 128+N after a second signal N; 2 for a configuration error the
+    node finds at start (a missing cluster token);
+    1 if the model cannot be loaded, the API cannot listen
     (port in use, bad address) or a cluster node cannot reach its coordinator. Logs one
     `ready` event with the API's URL once it accepts requests.
     """
+    cluster = settings.node.role != "all"
+    bound = (settings.cluster.drain_timeout_s if cluster else SHUTDOWN_GRACE_S) \
+        + SHUTDOWN_SLACK_S
+    # Installed before anything is logged or loaded, so a signal during start-up counts.
+    stop = Shutdown(bound).install()
     setup_logging(settings.log.level, settings.log.format)
-    main = _serve(settings) if settings.node.role == "all" else _serve_cluster(settings)
+    main = _serve_cluster(settings, stop) if cluster else _serve(settings, stop)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)

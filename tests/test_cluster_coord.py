@@ -243,7 +243,9 @@ def test_settings_are_validated():
     with pytest.raises(ConfigError, match="heartbeat_interval_s"):
         make_coordinator(ClusterSettings(lease_ttl_s=2, heartbeat_interval_s=1.5))
     with pytest.raises(ConfigError, match="etcd_endpoints"):
-        make_coordinator(ClusterSettings(backend="etcd", etcd_endpoints=["https://h:1"]))
+        make_coordinator(ClusterSettings(backend="etcd", etcd_endpoints=["ftp://h:1"]))
+    with pytest.raises(ConfigError, match="etcd_endpoints"):
+        make_coordinator(ClusterSettings(backend="etcd", etcd_endpoints=["https://h"]))
 
 
 def test_etcd_endpoints_are_tried_in_order(etcd):

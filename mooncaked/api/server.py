@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import orjson
@@ -227,6 +227,8 @@ class ApiServer:
         self.metrics = ApiMetrics(engine.stats)
         self.draining = False
         self.created = int(time.time())
+        # A cluster node's health decision (cluster/health.py): () -> (status, body).
+        self.health_check: Callable[[], tuple[int, dict]] | None = None
 
     def begin_drain(self) -> None:
         """Refuses new generation requests (503) and reports /health as 503."""
@@ -236,6 +238,9 @@ class ApiServer:
 
     async def health(self, request: web.Request) -> web.Response:
         """GET /health: 200 {"status": "ok"} while serving, 503 while shutting down."""
+        if self.health_check is not None:
+            status, body = self.health_check()
+            return json_response(body, status=status)
         if self.draining:
             return json_response({"status": "draining"}, status=503)
         return json_response({"status": "ok"})

@@ -1,7 +1,8 @@
 """What `mooncake ctl` asks a running cluster: membership and leader from the coordinator
 (either backend), then each node's `node.status` and the leader's `conductor.status`
-over the control RPC, every call bounded by a timeout. A node that does not answer is
-reported as unreachable, never waited for."""
+over the control RPC, every call bounded by a timeout and carrying the cluster token
+(auth.py; ctl reads cluster.token_file, so its user must be able to read that file). A
+node that does not answer is reported as unreachable, never waited for."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Any
 
 from mooncaked.config import ClusterSettings
 
+from .auth import load_token
 from .coordinator import make_coordinator
 from .errors import ClusterError
 from .rpc import ControlClient
@@ -19,7 +21,8 @@ async def cluster_view(settings: ClusterSettings, timeout_s: float = 3.0) -> dic
     """Snapshot of the cluster: {"backend", "leader", "nodes": {id: {"info", "incarnation",
     "registered_at", "status" | "error"}}, "conductor": conductor.status or {"error"}}.
 
-    Raises: CoordinationError when the coordination store cannot be reached.
+    Raises: CoordinationError when the coordination store cannot be reached; ConfigError
+    when the cluster token cannot be read.
     """
     coord = make_coordinator(settings)
     await coord.start()
@@ -31,7 +34,11 @@ async def cluster_view(settings: ClusterSettings, timeout_s: float = 3.0) -> dic
     nodes: dict[str, dict] = {nid: {"info": m.info, "incarnation": m.incarnation,
                                     "registered_at": m.registered_at}
                               for nid, m in members.items()}
-    async with ControlClient(timeout_s) as client:
+    if not nodes:
+        return {"backend": settings.backend, "leader": leader, "nodes": {},
+                "conductor": {"error": "no node is registered"}}
+    token = load_token(settings)
+    async with ControlClient(timeout_s, token=token) as client:
         async def status(nid: str) -> None:
             try:
                 nodes[nid]["status"] = await client.call(nodes[nid]["info"].get("control", ""),
@@ -50,11 +57,15 @@ async def cluster_view(settings: ClusterSettings, timeout_s: float = 3.0) -> dic
             "conductor": conductor}
 
 
-async def drain_node(settings: ClusterSettings, node_id: str, timeout_s: float = 5.0) -> dict:
-    """Asks node_id to drain (no new requests; running ones finish).
+async def drain_node(settings: ClusterSettings, node_id: str, timeout_s: float = 5.0,
+                     method: str = "node.drain") -> dict:
+    """Asks node_id to drain (no new requests; running ones finish), or with
+    method="node.undrain" to take requests again.
 
-    Raises: KeyError for an unknown node; ClusterError when it cannot be reached.
+    Raises: KeyError for an unknown node; ClusterError when it cannot be reached;
+    ConfigError when the cluster token cannot be read.
     """
+    token = load_token(settings)
     coord = make_coordinator(settings)
     await coord.start()
     try:
@@ -63,8 +74,8 @@ async def drain_node(settings: ClusterSettings, node_id: str, timeout_s: float =
         await coord.close()
     if node_id not in members:
         raise KeyError(f"no node {node_id!r} in the cluster (nodes: {', '.join(members) or '-'})")
-    async with ControlClient(timeout_s) as client:
-        return await client.call(members[node_id].info["control"], "node.drain")
+    async with ControlClient(timeout_s, token=token) as client:
+        return await client.call(members[node_id].info["control"], method)
 
 
 __all__ = ["cluster_view", "drain_node"]

@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 from ..log import get_logger
-from .coord_records import Member, MemberEvent, _check_name, _dumps, _member_from
+from .coord_records import _loads, Member, MemberEvent, _check_name, _dumps, _member_from
 
 log = get_logger("mooncaked.cluster.coordinator")
 
@@ -41,6 +41,22 @@ class MembershipMixin:
         await self._put_member(node_id, info, registered_at)
         log.info("coord_registered", node=node_id, session=self._session_id)
         return Member(node_id, info, self._session_id, registered_at)
+
+    async def claim_id(self, node_id: str, holder: dict) -> dict | None:
+        """Claims node_id for this session (create-if-absent of `ids/<node_id>`, bound to
+        the lease): None when claimed (or already ours), else the holder's record of the
+        process that holds it. Two processes can never hold one id at once.
+        Raises: CoordinationError, SessionLost."""
+        _check_name("node_id", node_id)
+        key = self._key(f"ids/{node_id}")
+        raw = _dumps({**holder, "session": self._session_id})
+        lease = self._require_session()
+        if key in self._ephemeral or await self._op(self._create(key, raw, lease),
+                                                    f"claim {node_id}"):
+            self._ephemeral[key] = raw
+            return None
+        got = await self._op(self._get(key), f"get {key}")
+        return _loads(got) if got is not None else {}
 
     async def unregister(self, node_id: str) -> None:
         """Leaves the membership view now (instead of at lease expiry)."""

@@ -36,12 +36,15 @@ from typing import Any, AsyncIterator
 
 from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
+from ..lograte import RateLimitedLog
 from .coord_election import ElectionMixin
 from .coord_membership import MembershipMixin
 from .coord_records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
 from .errors import CoordinationError, SessionLost
 
 log = get_logger(__name__)
+# An outage fails these every heartbeat / poll: one line per kind per window, with a count.
+_limited = RateLimitedLog(log)
 
 class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
     """Cluster coordination: metadata, leased membership (coord_membership.py), leader
@@ -133,7 +136,8 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
             try:
                 snap = await self._list(prefix)
             except CoordinationError as e:
-                log.warning("coord_watch_poll_failed", prefix=prefix, error=str(e))
+                _limited.warning(f"poll:{prefix}", "coord_watch_poll_failed", prefix=prefix,
+                                  error=str(e))
                 snap = None
             if snap is not None and snap != last:
                 last = snap
@@ -271,7 +275,8 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
             try:
                 ok = await self._op(self._refresh(self._lease), "lease keep-alive")
             except CoordinationError as e:
-                log.warning("coord_heartbeat_failed", error=str(e))
+                _limited.warning("heartbeat", "coord_heartbeat_failed", error=str(e),
+                                 lease_left_s=round(self._deadline - time.monotonic(), 1))
                 ok = None                     # unknown: retry until the deadline
         if ok:
             self._deadline = t0 + self.ttl_s
@@ -288,7 +293,9 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
             log.info("coord_session_renewed", session=self._session_id,
                      nodes=list(self._registered))
         except CoordinationError as e:
-            log.warning("coord_session_renew_failed", error=str(e))
+            _limited.warning("renew", "coord_session_renew_failed", error=str(e),
+                             meaning="the coordination store is unreachable: this node cannot "
+                                     "be placed and no conductor can be elected until it is back")
 
     async def _check_leaderships(self) -> None:
         # The leader key may vanish without our lease ending (an operator deleted it).

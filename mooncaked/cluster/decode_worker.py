@@ -68,6 +68,7 @@ class DecodeWorker:
         # a prefill node that gave up on a request while its node.kv_reserve was still in
         # flight releases first; the late reservation must not then hold memory until its TTL.
         self._released_early: dict[tuple[str, str], float] = {}
+        self.tokens_out = 0        # output tokens streamed (the throughput line)
 
     # ------------------------------------------------------------------ receive buffers
 
@@ -222,6 +223,7 @@ class DecodeWorker:
                     await resp.write(orjson.dumps(failure.to_json()) + b"\n")
                     break
                 self.requests[rid] = self.requests.get(rid, 0) + len(item.new_token_ids)
+                self.tokens_out += len(item.new_token_ids)    # throughput.py
                 await resp.write(orjson.dumps(OutputDelta.of(item).to_json()) + b"\n")
                 if item.finished:
                     break

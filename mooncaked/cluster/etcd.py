@@ -10,6 +10,12 @@ the Coordinator primitives onto etcd v3 calls:
 
 Endpoints are tried in order: a call that cannot reach one endpoint moves the client
 to the next for the following calls.
+
+TLS: https:// endpoints use a gRPC secure channel (grpc.ssl_channel_credentials) with
+cluster.etcd_ca_file (the CA that signed etcd's server certificate; empty: the system
+roots) and, for etcd's --client-cert-auth, cluster.etcd_cert_file/etcd_key_file.
+aetcd opens plain channels only, so `_TlsClient` overrides its connect() to open a
+secure one; everything else is aetcd's.
 """
 
 from __future__ import annotations
@@ -20,29 +26,87 @@ from urllib.parse import urlsplit
 
 import aetcd
 import aetcd.exceptions
+import aetcd.rpc
 import aetcd.rtypes
+import aetcd.watcher
+import grpc
 
 from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
+from ..lograte import RateLimitedLog
 from .coordinator import Coordinator
 from .errors import CoordinationError
 
 log = get_logger(__name__)
+_limited = RateLimitedLog(log)   # an outage restarts every watch every few seconds
 
 
-def parse_endpoint(url: str) -> tuple[str, int]:
-    """("host", port) of an etcd client URL such as "http://127.0.0.1:2379".
+def parse_endpoint(url: str) -> tuple[str, int, bool]:
+    """("host", port, tls) of an etcd client URL such as "http://127.0.0.1:2379" or
+    "https://etcd1:2379".
 
-    Raises: ConfigError for https (TLS is not wired yet) or a URL without host/port.
+    Raises: ConfigError for another scheme or a URL without host/port.
     """
     parts = urlsplit(url if "://" in url else f"http://{url}")
-    if parts.scheme != "http":
+    if parts.scheme not in ("http", "https"):
         raise ConfigError("<settings>", "cluster.etcd_endpoints",
-                          f"{url!r}: only http:// endpoints are supported")
+                          f"{url!r}: only http:// and https:// endpoints are supported")
     if not parts.hostname or not parts.port:
         raise ConfigError("<settings>", "cluster.etcd_endpoints",
-                          f"{url!r}: expected http://HOST:PORT")
-    return parts.hostname, parts.port
+                          f"{url!r}: expected http(s)://HOST:PORT")
+    return parts.hostname, parts.port, parts.scheme == "https"
+
+
+def _read_pem(settings: ClusterSettings, key: str) -> bytes | None:
+    path = getattr(settings, key)
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise ConfigError("<settings>", f"cluster.{key}",
+                          f"cannot read {path}: {e.strerror or e}") from e
+
+
+def channel_credentials(settings: ClusterSettings) -> grpc.ChannelCredentials:
+    """TLS credentials from cluster.etcd_ca_file / etcd_cert_file / etcd_key_file.
+    Raises: ConfigError when a file cannot be read."""
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read_pem(settings, "etcd_ca_file"),
+        private_key=_read_pem(settings, "etcd_key_file"),
+        certificate_chain=_read_pem(settings, "etcd_cert_file"))
+
+
+class _TlsClient(aetcd.Client):
+    """aetcd's client over a TLS channel (aetcd itself opens plain channels only)."""
+
+    def __init__(self, *args, credentials: grpc.ChannelCredentials, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._credentials = credentials
+
+    async def connect(self) -> None:
+        """As aetcd.Client.connect, with grpc.aio.secure_channel (no user/password auth:
+        the client certificate is the credential)."""
+        if self._connected.is_set():
+            return
+        if self._is_connecting:
+            await asyncio.wait_for(self._connected.wait(), self._connect_wait_timeout)
+            return
+        try:
+            self._is_connecting = True
+            self.channel = grpc.aio.secure_channel(f"{self._host}:{self._port}",
+                                                   self._credentials,
+                                                   options=list(self._options.items()))
+            self.kvstub = aetcd.rpc.KVStub(self.channel)
+            self.clusterstub = aetcd.rpc.ClusterStub(self.channel)
+            self.leasestub = aetcd.rpc.LeaseStub(self.channel)
+            self.maintenancestub = aetcd.rpc.MaintenanceStub(self.channel)
+            self._watcher = aetcd.watcher.Watcher(aetcd.rpc.WatchStub(self.channel),
+                                                  timeout=self._timeout, metadata=self.metadata)
+            self._connected.set()
+        finally:
+            self._is_connecting = False
 
 
 class EtcdCoordinator(Coordinator):
@@ -59,17 +123,25 @@ class EtcdCoordinator(Coordinator):
         if not settings.etcd_endpoints:
             raise ConfigError("<settings>", "cluster.etcd_endpoints", "empty list")
         self.endpoints = [parse_endpoint(u) for u in settings.etcd_endpoints]
+        self._credentials = channel_credentials(settings) \
+            if any(tls for _, _, tls in self.endpoints) else None
         self._ep = 0
         self._client: aetcd.Client | None = None
 
     def _describe(self) -> str:
-        host, port = self.endpoints[self._ep]
-        return f"etcd:{host}:{port}"
+        host, port, tls = self.endpoints[self._ep]
+        return f"etcd:{'https://' if tls else ''}{host}:{port}"
 
     def _c(self) -> aetcd.Client:
         if self._client is None:
-            host, port = self.endpoints[self._ep]
-            self._client = aetcd.Client(host=host, port=port, timeout=self.settings.op_timeout_s)
+            host, port, tls = self.endpoints[self._ep]
+            if tls:
+                self._client = _TlsClient(host=host, port=port,
+                                          timeout=self.settings.op_timeout_s,
+                                          credentials=self._credentials)
+            else:
+                self._client = aetcd.Client(host=host, port=port,
+                                            timeout=self.settings.op_timeout_s)
         return self._client
 
     async def _failover(self) -> None:
@@ -94,7 +166,8 @@ class EtcdCoordinator(Coordinator):
                 unreachable = isinstance(e, (aetcd.exceptions.ConnectionFailedError,
                                              aetcd.exceptions.ConnectionTimeoutError))
                 if unreachable and len(self.endpoints) > 1:
-                    log.warning("etcd_endpoint_unreachable", endpoint=where, error=str(e))
+                    _limited.warning(f"unreachable:{where}", "etcd_endpoint_unreachable",
+                                     endpoint=where, error=str(e))
                     await self._failover()
                     if attempt + 1 < len(self.endpoints):
                         continue
@@ -184,8 +257,8 @@ class EtcdCoordinator(Coordinator):
                         yield dict(snap)
                 raise CoordinationError("watch stream ended")
             except (CoordinationError, aetcd.exceptions.ClientError) as e:
-                log.warning("coord_watch_restart", prefix=prefix, error=str(e),
-                            retry_in_s=backoff)
+                _limited.warning(f"watch:{prefix}", "coord_watch_restart", prefix=prefix,
+                                 error=str(e), retry_in_s=backoff)
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:

@@ -54,8 +54,10 @@ class EtcdServer:
     """
 
     def __init__(self, data_dir: str | Path, client_port: int = 0, peer_port: int = 0,
-                 binary: str | None = None, host: str = "127.0.0.1"):
+                 binary: str | None = None, host: str = "127.0.0.1",
+                 die_with_parent: bool = False):
         self.data_dir = Path(data_dir)
+        self.die_with_parent = die_with_parent   # pdeathsig.py: ends with its starter
         self.host = host
         self.client_port, self.peer_port = client_port, peer_port
         self.binary = binary or etcd_binary()
@@ -101,8 +103,11 @@ class EtcdServer:
                "--initial-cluster", f"mooncaked={peer}", "--logger", "zap",
                "--log-level", "warn"]
         with open(self.log_path, "ab") as logf:
+            from .pdeathsig import die_with_parent  # noqa: PLC0415
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL,
+                                         preexec_fn=die_with_parent() if self.die_with_parent
+                                         else None)
         deadline = time.monotonic() + timeout_s
         delay = 0.02
         while time.monotonic() < deadline:

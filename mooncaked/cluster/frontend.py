@@ -51,6 +51,7 @@ from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, S
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
 
+from .auth import auth_headers
 from .errors import PeerUnavailable, RpcError, RpcTimeout
 from .messages import (DecodeFailure, DecodeRequest, NodeRef, OutputDelta, PlaceRejected,
                        PlaceReply, PlaceRequest, PrefillReply, PrefillRequest, Release)
@@ -87,9 +88,10 @@ class Overloaded(ApiError):
     node is available at all. The message gives the prediction that broke the SLO."""
 
     def __init__(self, reason: str, retry_after_s: float, predicted_ttft_s: float | None = None,
-                 predicted_tbt_s: float | None = None):
+                 predicted_tbt_s: float | None = None, detail: str | None = None):
         if reason.startswith("no_"):
-            super().__init__(503, f"no node can serve this request now ({reason})",
+            why = f"{detail} ({reason})" if detail else reason
+            super().__init__(503, f"no node can serve this request now: {why}",
                              type="server_error", code="no_capacity")
         else:
             msg = f"the cluster cannot serve this request within its SLO now ({reason})"
@@ -165,6 +167,12 @@ class ClusterFrontend:
             await self._http.close()
             self._http = None
 
+    @property
+    def _headers(self) -> dict[str, str]:
+        """Headers of a decode stream request: JSON and the cluster token."""
+        return {"Content-Type": "application/json",
+                **auth_headers(getattr(self.port, "token", None))}
+
     def _session(self) -> aiohttp.ClientSession:
         if self._http is None or self._http.closed:
             self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
@@ -204,7 +212,7 @@ class ClusterFrontend:
             else:
                 if isinstance(r, PlaceRejected):
                     raise Overloaded(r.reason, r.retry_after_s, r.predicted_ttft_s,
-                                     r.predicted_tbt_s)
+                                     r.predicted_tbt_s, r.detail)
                 return r
             log.info("place_retry", reason=last)
             # The leader died or moved: wait (bounded) for the election to settle.
@@ -223,6 +231,7 @@ class ClusterFrontend:
         # at shutdown the API server itself refuses new requests.
         staged: tuple[str, Release] | None = None    # the prefill node's stage, to release
         pushed: tuple[str, Release] | None = None    # the decode node's receive buffer
+        done = _RequestLine(request_id, len(prompt_token_ids))    # one info line at the end
         with port.serving():
             try:
                 deadline = time.monotonic() + self.request_timeout_s
@@ -235,6 +244,7 @@ class ClusterFrontend:
                 pre = pl = None
                 for _ in range(MAX_PLACEMENTS):
                     pl = await self._place(place_req, deadline)
+                    done.placed(pl)
                     try:
                         pre = await self._prefill(pl, prompt_token_ids, params, request_id,
                                                   cache_salt, can_continue, deadline)
@@ -261,6 +271,7 @@ class ClusterFrontend:
                 if not finished:
                     out.finished, out.finish_reason, out.stop_reason = False, None, None
                 out.num_prompt_tokens, out.num_output_tokens = n, 1
+                done.token(cached, 1, finished)
                 yield out
                 if finished:
                     return
@@ -271,8 +282,10 @@ class ClusterFrontend:
                     async for out in dec:
                         staged = pushed = None       # the decode node admitted it: all released
                         out.num_prompt_tokens, out.num_cached_tokens = n, cached
+                        done.token(cached, len(out.new_token_ids), out.finished)
                         yield out
             finally:
+                done.log()
                 for held in (staged, pushed):
                     if held is not None:
                         port.spawn(port.release(*held))
@@ -319,7 +332,7 @@ class ClusterFrontend:
             produced = False
             try:
                 async with self._session().post(url, data=body, timeout=timeout,
-                                                headers={"Content-Type": "application/json"}) as r:
+                                                headers=self._headers) as r:
                     if r.status != 200:
                         text = (await r.read())[:500].decode(errors="replace")
                         if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
@@ -376,6 +389,40 @@ class ClusterFrontend:
                 raise ApiError(502, f"decode node {d.node} failed mid-stream: "
                                     f"{type(e).__name__}: {e}", type="server_error",
                                code="decode_failed") from e
+
+
+class _RequestLine:
+    """The `request_done` info line of one request (issue: one line per finished request):
+    id, chosen prefill and decode nodes, prompt, cached and output tokens, TTFT and TBT
+    (mean gap between output tokens after the first, seconds), as this API node saw them."""
+
+    def __init__(self, rid: str, prompt_tokens: int):
+        self.rid, self.prompt_tokens = rid, prompt_tokens
+        self.t0 = time.monotonic()
+        self.first: float | None = None
+        self.last = self.t0
+        self.cached = self.output = 0
+        self.prefill = self.decode = None
+        self.finished = False
+
+    def placed(self, pl: PlaceReply) -> None:
+        self.prefill, self.decode = pl.prefill.node, pl.decode.node
+
+    def token(self, cached: int, n: int, finished: bool) -> None:
+        now = time.monotonic()
+        if self.first is None and n:
+            self.first = now
+        self.last, self.cached, self.finished = now, cached, finished
+        self.output += n
+
+    def log(self) -> None:
+        ttft = None if self.first is None else round(self.first - self.t0, 4)
+        tbt = round((self.last - self.first) / (self.output - 1), 4) \
+            if self.first is not None and self.output > 1 else None
+        log.info("request_done", request_id=self.rid, prefill=self.prefill, decode=self.decode,
+                 prompt_tokens=self.prompt_tokens, cached_tokens=self.cached,
+                 output_tokens=self.output, ttft_s=ttft, tbt_s=tbt,
+                 status="finished" if self.finished else "aborted")
 
 
 class _Replace(Exception):

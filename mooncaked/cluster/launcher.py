@@ -33,6 +33,8 @@ import orjson
 
 from mooncaked.log import get_logger
 
+from .pdeathsig import die_with_parent
+
 log = get_logger(__name__)
 
 
@@ -99,13 +101,24 @@ def _daemon_cmd() -> list[str]:
     return [sys.executable, "-c", "from mooncaked.cli.daemon import main; main()"]
 
 
-def control_call(addr: str, method: str, payload: Any = None, timeout_s: float = 5.0) -> Any:
-    """One control RPC (POST /control/<method>) from synchronous code.
+# Control address -> cluster token of the nodes this process's LocalClusters started, so
+# that control_call (tests, tools) reaches them without passing the token around.
+_TOKENS: dict[str, str] = {}
+
+
+def control_call(addr: str, method: str, payload: Any = None, timeout_s: float = 5.0,
+                 token: str | None = None) -> Any:
+    """One control RPC (POST /control/<method>) from synchronous code, carrying the
+    cluster token (given, or the one of the LocalCluster that started the node at addr).
 
     Raises: OSError when the peer cannot be reached; RuntimeError with the remote error.
     """
+    from .auth import auth_headers  # noqa: PLC0415
+
+    token = token if token is not None else _TOKENS.get(addr)
     req = urllib.request.Request(f"http://{addr}/control/{method}", data=orjson.dumps(payload),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+                                 headers={"Content-Type": "application/json",
+                                          **auth_headers(token)}, method="POST")
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             body = orjson.loads(r.read())
@@ -126,11 +139,15 @@ class LocalCluster:
         settings: dotted settings for every node (e.g. {"cluster.lease_ttl_s": 2.0}).
         base_config: a TOML file every node starts from (the dotted settings override it).
         log_level: of the nodes.
+        die_with_parent: the nodes and etcd get SIGTERM when the thread that started them
+            ends (pdeathsig.py; `mooncake up` sets it, so that killing it leaves no orphans).
+    The cluster's token is <workdir>/token (created once, mode 0600); each node's control
+    plane listens on its own loopback port (`control(node_id)`).
     """
 
     def __init__(self, workdir: str | Path, nodes: list[NodeSpec], *, backend: str = "local",
                  settings: dict[str, Any] | None = None, base_config: str | Path | None = None,
-                 log_level: str = "info"):
+                 log_level: str = "info", die_with_parent: bool = False):
         self.workdir = Path(workdir)
         self.nodes = {n.node_id: n for n in nodes}
         if len(self.nodes) != len(nodes):
@@ -141,7 +158,10 @@ class LocalCluster:
         self.log_level = log_level
         self.procs: dict[str, subprocess.Popen] = {}
         self.ports: dict[str, int] = {}
+        self.rpc_ports: dict[str, int] = {}
         self.etcd: Any = None
+        self.die_with_parent = die_with_parent
+        self.token = ""
 
     # ------------------------------------------------------------------ addresses
 
@@ -150,8 +170,13 @@ class LocalCluster:
         return f"http://127.0.0.1:{self.ports[node_id]}"
 
     def control(self, node_id: str) -> str:
-        """host:port of a node's control RPC (mounted on its API port)."""
-        return f"127.0.0.1:{self.ports[node_id]}"
+        """host:port of a node's control plane (its own port, apart from the API)."""
+        return f"127.0.0.1:{self.rpc_ports[node_id]}"
+
+    @property
+    def token_path(self) -> Path:
+        """The cluster's token file."""
+        return self.workdir / "token"
 
     def log_path(self, node_id: str) -> Path:
         return self.workdir / f"{node_id}.log"
@@ -162,7 +187,8 @@ class LocalCluster:
 
     def coordination(self) -> dict[str, Any]:
         """The dotted [cluster] settings every node (and `mooncake ctl`) uses."""
-        out: dict[str, Any] = {"cluster.backend": self.backend}
+        out: dict[str, Any] = {"cluster.backend": self.backend,
+                               "cluster.token_file": str(self.token_path)}
         if self.backend == "local":
             out["cluster.state_dir"] = str(self.workdir / "coord")
         else:
@@ -202,19 +228,28 @@ class LocalCluster:
     def start_backend(self) -> None:
         """Creates the work dir and, for the etcd backend, starts etcd (idempotent).
         Raises: CoordinationError when etcd cannot start."""
+        from .auth import write_token_file  # noqa: PLC0415
+
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.token = write_token_file(self.token_path)
         if self.backend == "etcd" and self.etcd is None:
             from .etcd_server import EtcdServer  # noqa: PLC0415
-            self.etcd = EtcdServer(self.workdir / "etcd").start()
+            self.etcd = EtcdServer(self.workdir / "etcd",
+                                   die_with_parent=self.die_with_parent).start()
 
     def start_node(self, node_id: str) -> subprocess.Popen:
         """(Re)starts one node's process (same id, same port if it had one)."""
         spec = self.nodes[node_id]
         port = self.ports.get(node_id) or spec.port or free_port()
         self.ports[node_id] = port
-        data = _merge(self.base, {**self.coordination(), **self.settings, **spec.settings,
+        rpc_port = self.rpc_ports.get(node_id) or free_port()
+        data = _merge(self.base, {**self.coordination(), "cluster.rpc_port": rpc_port,
+                                  **self.settings, **spec.settings,
                                   "node.state_dir": str(self.workdir / "state" / node_id),
                                   "log.level": self.log_level})
+        rpc_port = int(data["cluster"]["rpc_port"])
+        self.rpc_ports[node_id] = rpc_port
+        _TOKENS[self.control(node_id)] = self.token
         cfg = self.workdir / f"{node_id}.toml"
         write_toml(cfg, data)
         cmd = [*_daemon_cmd(), "serve", "--config", str(cfg), "--role", spec.role,
@@ -222,7 +257,9 @@ class LocalCluster:
         with self.log_path(node_id).open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
-                                    env={**os.environ, **spec.env} if spec.env else None)
+                                    env={**os.environ, **spec.env} if spec.env else None,
+                                    preexec_fn=die_with_parent() if self.die_with_parent
+                                    else None)
         self.procs[node_id] = proc
         log.info("node_spawned", node=node_id, role=spec.role, port=port, pid=proc.pid)
         return proc

@@ -18,6 +18,7 @@ from typing import Any
 from mooncaked.conductor.service import ConductorService, NotLeader
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
+from mooncaked.lograte import RateLimitedLog
 
 from .coordinator import Coordinator, Member
 from .errors import ClusterError, CoordinationError
@@ -25,6 +26,18 @@ from .messages import NodeReport
 from .node_state import Activity
 
 log = get_logger(__name__)
+
+_limited = RateLimitedLog(log)   # an outage fails these every second
+STEP_DOWN_TIMEOUT_S = 3.0   # bound on each step of standing down (conductor stop, resign)
+
+
+async def _bounded_stop(service: ConductorService) -> None:
+    """Stops a conductor, waiting at most STEP_DOWN_TIMEOUT_S (a shutdown must end)."""
+    task = asyncio.ensure_future(service.stop())
+    done, _ = await asyncio.wait({task}, timeout=STEP_DOWN_TIMEOUT_S)
+    if not done:
+        task.cancel()
+        log.warning("conductor_stop_timeout", timeout_s=STEP_DOWN_TIMEOUT_S)
 
 
 class ClusterView:
@@ -53,6 +66,9 @@ class ClusterView:
         self.conductor: ConductorService | None = None
         self._leader_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
+        # A draining or stopping node does not stand for election (and resigns if it leads).
+        self.standing = True
+        self._campaign: asyncio.Task | None = None
 
     async def start(self) -> None:
         """Takes the current members and leader, then watches, campaigns and reports in
@@ -60,18 +76,44 @@ class ClusterView:
         self.members = await self.coord.members()
         self.leader_id = await self.coord.leader()
         for coro, name in ((self._watch_members(), "members"), (self._watch_leader(), "leader"),
-                           (self._campaign_loop(), "campaign"), (self._report_loop(), "report")):
+                           (self._report_loop(), "report")):
             self._tasks.append(asyncio.create_task(coro, name=f"node-{name}"))
+        if self.standing:
+            self._campaign = asyncio.create_task(self._campaign_loop(), name="node-campaign")
+
+    async def stand_down(self, timeout_s: float = STEP_DOWN_TIMEOUT_S) -> None:
+        """Stops campaigning and, if this node leads, stops its conductor and resigns, so
+        another node takes over at once (not after lease_ttl_s). Bounded by timeout_s per
+        step; never raises."""
+        self.standing = False
+        task, self._campaign = self._campaign, None
+        if task is not None:
+            task.cancel()      # its finally stops the conductor (bounded)
+            await asyncio.wait({task}, timeout=timeout_s)
+        try:
+            if await asyncio.wait_for(self.coord.resign(), timeout_s):
+                log.info("conductor_resigned", node=self.node_id, reason="draining")
+        except (ClusterError, TimeoutError) as e:
+            log.warning("conductor_resign_failed", node=self.node_id, error=str(e) or repr(e))
+        if self.leader_id == self.node_id:
+            self.leader_id = None
+
+    def stand_up(self) -> None:
+        """Campaigns again (after an undrain)."""
+        self.standing = True
+        if self._campaign is None or self._campaign.done():
+            self._campaign = asyncio.create_task(self._campaign_loop(), name="node-campaign")
 
     async def stop(self) -> None:
-        """Stops the loops and, if this node leads, its conductor. Never raises."""
+        """Stands down (resigns if leading), stops the loops. Never raises."""
+        await self.stand_down()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         if self.conductor is not None:
-            await self.conductor.stop()
+            await _bounded_stop(self.conductor)
             self.conductor = None
 
     def leader_control(self) -> str | None:
@@ -106,7 +148,7 @@ class ClusterView:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - keep watching
-                log.warning("node_members_watch_failed", error=repr(e))
+                _limited.warning("members", "node_members_watch_failed", error=repr(e))
                 await asyncio.sleep(1.0)
 
     async def _watch_leader(self) -> None:
@@ -121,19 +163,22 @@ class ClusterView:
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001
-                log.warning("node_leader_watch_failed", error=repr(e))
+                _limited.warning("leader", "node_leader_watch_failed", error=repr(e))
                 await asyncio.sleep(1.0)
 
     async def _campaign_loop(self) -> None:
-        while True:
+        while self.standing:
             try:
                 lead = await self.coord.campaign(self.node_id)
             except asyncio.CancelledError:
                 raise
             except CoordinationError as e:
-                log.warning("campaign_failed", error=str(e))
+                _limited.warning("campaign", "campaign_failed", error=str(e))
                 await asyncio.sleep(self.settings.cluster.heartbeat_interval_s)
                 continue
+            if not self.standing:      # stood down while the campaign call returned
+                await self.coord.resign()
+                return
             service = ConductorService(self.node_id, self.coord, self.client, self.settings)
             try:
                 await service.start()
@@ -143,7 +188,7 @@ class ClusterView:
                 log.warning("conductor_leadership_lost", node=self.node_id)
             finally:
                 self.conductor = None
-                await service.stop()
+                await _bounded_stop(service)
 
     # ------------------------------------------------------------------ reports
 

@@ -186,10 +186,12 @@ class PlaceRejected:
     retry_after_s: float
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
+    detail: str | None = None       # e.g. "prefill0 is draining" for a no_... reason
 
     def to_json(self) -> dict:
         return {"ok": False, "reason": self.reason, "retry_after_s": self.retry_after_s,
-                "predicted_ttft_s": self.predicted_ttft_s, "predicted_tbt_s": self.predicted_tbt_s}
+                "predicted_ttft_s": self.predicted_ttft_s, "predicted_tbt_s": self.predicted_tbt_s,
+                "detail": self.detail}
 
 
 def place_result_from_json(d: Any) -> PlaceReply | PlaceRejected:
@@ -197,7 +199,8 @@ def place_result_from_json(d: Any) -> PlaceReply | PlaceRejected:
     if not _get(d, "ok", bool):
         return PlaceRejected(_get(d, "reason", str), _get(d, "retry_after_s", float),
                              _get(d, "predicted_ttft_s", float, None),
-                             _get(d, "predicted_tbt_s", float, None))
+                             _get(d, "predicted_tbt_s", float, None),
+                             _get(d, "detail", str, None))
     fetch = d.get("fetch")
     return PlaceReply(NodeRef.from_json(_get(d, "prefill", dict)),
                       NodeRef.from_json(_get(d, "decode", dict)),

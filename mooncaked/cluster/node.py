@@ -22,8 +22,9 @@ model geometry, its store's transfer-engine segment descriptor), campaigns in
 the conductor election (the winner runs `ConductorService`), and reports its
 load and store events to the leader every `cluster.report_interval_s`.
 
-Control methods (ControlServer, JSON): node.prefill, node.kv_reserve, node.release,
-node.status, node.drain; conductor.place, conductor.report, conductor.status (answered by the
+Control methods (ControlServer, JSON; every call carries the cluster token, auth.py):
+node.prefill, node.kv_reserve, node.release, node.status, node.drain, node.undrain;
+conductor.place, conductor.report, conductor.status (answered by the
 leader, `NotLeader` elsewhere); store.* (StoreNode).
 """
 
@@ -45,6 +46,7 @@ from mooncaked.config import Settings
 from mooncaked.conductor.service import ConductorService, NotLeader
 from mooncaked.log import get_logger
 
+from .auth import authorized, load_token
 from .coordinator import Coordinator, Member, make_coordinator
 from .decode_worker import DecodeWorker
 from .errors import ClusterError, RpcError
@@ -57,6 +59,16 @@ from .prefill_worker import PrefillWorker
 from .rpc import ControlClient, ControlServer
 
 log = get_logger(__name__)
+
+DRAIN_STEP_S = 3.0   # bound on each coordinator/leader call of a drain (a shutdown must end)
+
+
+async def _bounded(coro, what: str) -> None:
+    """Awaits coro for at most DRAIN_STEP_S; logs and moves on when it takes longer."""
+    try:
+        await asyncio.wait_for(coro, DRAIN_STEP_S)
+    except TimeoutError:
+        log.warning("drain_step_timeout", step=what, timeout_s=DRAIN_STEP_S)
 
 
 class ClusterNode:
@@ -76,18 +88,22 @@ class ClusterNode:
         self.engine = engine
         self.tokenizer = tokenizer
         self.node_id = settings.node.id
-        self.control = ControlServer(settings.cluster.rpc_max_body_bytes)
+        # The cluster secret (auth.py): required on every control call and decode stream.
+        self.token = load_token(settings.cluster, create=True)
+        self.control = ControlServer(settings.cluster.rpc_max_body_bytes, token=self.token)
         self.client = ControlClient(settings.cluster.rpc_timeout_s,
-                                    settings.cluster.rpc_max_body_bytes)
+                                    settings.cluster.rpc_max_body_bytes, token=self.token)
         # Prefill calls and decode streams last as long as a request: a separate pool.
         self.data_client = ControlClient(settings.cluster.rpc_timeout_s,
-                                         settings.cluster.rpc_max_body_bytes, limit_per_host=0)
+                                         settings.cluster.rpc_max_body_bytes, limit_per_host=0,
+                                         token=self.token)
         self.coord: Coordinator | None = None
         self.view: ClusterView | None = None       # members, leader, election, reports
         self.transfer: Any = None
         self.store: Any = None
         self.store_node: Any = None
         self.draining = False
+        self.stopping = False          # a SIGTERM drain: final, never undrained
         self.api_url = ""
         self.control_addr = ""
         self.started = time.time()
@@ -110,6 +126,8 @@ class ClusterNode:
         return [*self.control.routes(), web.post("/internal/decode", self._decode_route)]
 
     async def _decode_route(self, request: web.Request) -> web.StreamResponse:
+        if not authorized(request.headers, self.token, request.remote, "internal/decode"):
+            return web.json_response({"error": "this call needs the cluster token"}, status=401)
         if self.decode is None:
             return web.json_response({"error": f"{self.node_id} is not a decode node"},
                                      status=400)
@@ -246,6 +264,7 @@ class ClusterNode:
                                        self.activity)
         for name, h in (("node.prefill", self._h_prefill), ("node.release", self._h_release),
                         ("node.status", self._h_status), ("node.drain", self._h_drain),
+                        ("node.undrain", self._h_undrain),
                         ("node.kv_reserve", self._h_kv_reserve),
                         ("conductor.place", self._h_place), ("conductor.report", self._h_report),
                         ("conductor.status", self._h_conductor_status)):
@@ -256,13 +275,38 @@ class ClusterNode:
             log.warning("failpoints_enabled", node=self.node_id)
         self.coord = make_coordinator(self.settings.cluster)
         await self.coord.start()
+        await self._claim_id()
         self.info = self._info()
         await self.coord.register(self.node_id, self.info)
         self.view = ClusterView(self.node_id, control_addr, self.coord, self.client,
                                 self.settings, self._on_member, self._report, self.activity)
         await self.view.start()
+        if self.engine is not None and self.settings.log.stats_interval_s > 0:
+            from .throughput import log_throughput  # noqa: PLC0415
+            self.spawn(log_throughput(self, self.settings.log.stats_interval_s))
         log.info("node_started", node=self.node_id, role=self.role, api=api_url,
                  control=control_addr, backend=self.settings.cluster.backend)
+
+    async def _claim_id(self) -> None:
+        """Takes node.id for this process. A process that died without leaving (kill -9)
+        holds it until its lease ends, so wait up to one lease TTL; a live holder keeps
+        it, and this node refuses to join (ClusterError naming the holder)."""
+        cs = self.settings.cluster
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "api": self.api_url}
+        deadline = time.monotonic() + self.coord.ttl_s + 2 * cs.heartbeat_interval_s
+        logged = False
+        while (holder := await self.coord.claim_id(self.node_id, me)) is not None:
+            if time.monotonic() > deadline:
+                raise ClusterError(
+                    f"node id {self.node_id!r} is in use by pid {holder.get('pid')} on "
+                    f"{holder.get('host')} (API {holder.get('api')}), which holds its lease: "
+                    f"give this process another node.id, or stop that one first")
+            if not logged:
+                log.info("node_id_busy", node=self.node_id, holder_pid=holder.get("pid"),
+                         holder_host=holder.get("host"), wait_s=round(deadline
+                                                                     - time.monotonic(), 1))
+                logged = True
+            await asyncio.sleep(min(1.0, cs.heartbeat_interval_s))
 
     async def _start_store(self, block_bytes: int) -> None:
         from mooncaked.store import BlockStore  # noqa: PLC0415
@@ -297,20 +341,35 @@ class ClusterNode:
             log.warning("node_register_failed", error=str(e))
 
     async def drain(self, timeout_s: float) -> None:
-        """Takes no new requests (the conductor stops placing here), then waits up to
-        timeout_s for running ones (prefill, decode and this node's API requests)."""
+        """Takes no new requests (the conductor stops placing here), stops campaigning and
+        resigns if it leads, then waits up to timeout_s for running ones (prefill, decode
+        and this node's API requests). Each step that talks to the coordinator or the
+        leader is bounded (DRAIN_STEP_S), so a drain ends during an outage too."""
+        deadline = time.monotonic() + timeout_s
         if not self.draining:
             self.draining = True
             log.info("node_draining", node=self.node_id, prefill=self._running("prefill"),
                      decode=self._running("decode"), frontend=self.frontend_runs)
             if self.coord is not None:
-                await self._reregister()
+                await _bounded(self._reregister(), "reregister")
             if self.view is not None:
-                await self.view.report_once()
-        deadline = time.monotonic() + timeout_s
+                await _bounded(self.view.report_once(), "report")
+                await self.view.stand_down()
         while (self._running("prefill") or self._running("decode") or self.frontend_runs) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)   # poll: requests finish on their own schedule
+
+    async def undrain(self) -> None:
+        """Takes requests again and stands for election again (`mooncake ctl undrain`)."""
+        if not self.draining:
+            return
+        self.draining = False
+        log.info("node_undrained", node=self.node_id)
+        if self.coord is not None:
+            await _bounded(self._reregister(), "reregister")
+        if self.view is not None:
+            self.view.stand_up()
+            await _bounded(self.view.report_once(), "report")
 
     async def stop(self) -> None:
         """Resigns, leaves the membership (lease revoked), stops store and transfer engine."""
@@ -375,7 +434,12 @@ class ClusterNode:
 
     def _leader(self) -> ConductorService:
         if self.conductor is None:
-            raise NotLeader(f"{self.node_id} is not the conductor (leader: {self.leader_id})")
+            if self.leader_id == self.node_id:   # our leader key outlived our conductor
+                raise NotLeader(f"{self.node_id} lost the conductor's seat (its lease ended, "
+                                f"e.g. the coordination store is unreachable); an election is "
+                                f"pending")
+            raise NotLeader(f"{self.node_id} is not the conductor (leader: "
+                            f"{self.leader_id or 'none elected'})")
         return self.conductor
 
     async def _h_place(self, payload: Any) -> dict:
@@ -411,6 +475,13 @@ class ClusterNode:
         self.spawn(self.drain(self.settings.cluster.drain_timeout_s))
         return {"node": self.node_id, "draining": True, "prefill": len(self._running("prefill")),
                 "decode": len(self._running("decode"))}
+
+    async def _h_undrain(self, payload: Any) -> dict:
+        """`mooncake ctl undrain`: take requests again (a node stopping on SIGTERM refuses)."""
+        if self.stopping:
+            raise ValueError(f"{self.node_id} is shutting down; it cannot be undrained")
+        await self.undrain()
+        return {"node": self.node_id, "draining": self.draining}
 
     async def _h_release(self, payload: Any) -> dict:
         """`node.release` (messages.Release): rid's staged KV, or the receive buffer its

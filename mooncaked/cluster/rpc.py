@@ -29,9 +29,12 @@ import orjson
 from aiohttp import web
 
 from ..log import get_logger
+from ..lograte import RateLimitedLog
+from .auth import auth_headers, authorized
 from .errors import PeerUnavailable, RpcError, RpcTimeout
 
 log = get_logger(__name__)
+_limited = RateLimitedLog(log)
 
 Handler = Callable[[Any], Awaitable[Any]]
 
@@ -53,11 +56,13 @@ class ControlServer:
     A handler is `async def handler(payload) -> result`, payload and result being JSON
     values. A handler that raises answers HTTP 500 with the exception's class and
     message (the client raises RpcError with `remote_type` set); ValueError and
-    TypeError answer 400 (bad input). Unknown names answer 404.
+    TypeError answer 400 (bad input). Unknown names answer 404. With a token, a call
+    without it (Authorization: Bearer <token>) answers 401 and is logged (auth.py).
     """
 
-    def __init__(self, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):
+    def __init__(self, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, token: str | None = None):
         self._handlers: dict[str, Handler] = {}
+        self.token = token     # the cluster secret every call must carry (auth.py); None: none
         self.max_body_bytes = max_body_bytes
         self._runner: web.AppRunner | None = None
         self.address: tuple[str, int] | None = None
@@ -82,6 +87,9 @@ class ControlServer:
 
     async def _dispatch(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
+        if not authorized(request.headers, self.token, request.remote, name):
+            return _error(401, "Unauthorized", "this call needs the cluster token "
+                                               "(cluster.token_file)")
         handler = self._handlers.get(name)
         if handler is None:
             return _error(404, "UnknownMethod", f"no control method {name!r} "
@@ -99,7 +107,9 @@ class ControlServer:
         except (ValueError, TypeError) as e:
             return _error(400, type(e).__name__, str(e), getattr(e, "param", None))
         except Exception as e:
-            log.warning("control_handler_failed", method=name, error=repr(e))
+            # NotLeader answers every report while there is no conductor: one line a window.
+            _limited.warning(f"{name}:{type(e).__name__}", "control_handler_failed",
+                             method=name, error=repr(e))
             return _error(500, type(e).__name__, str(e), getattr(e, "param", None))
         try:
             return _json_response({"ok": True, "result": result})
@@ -165,12 +175,14 @@ class ControlClient:
     """Calls peers' control methods. One per process; reuses pooled connections.
 
     `await client.call("127.0.0.1:9100", "drain", {"node": "p0"}, timeout_s=2.0)`.
+    With a token, every call carries it (the cluster secret, auth.py).
     Close it with `await client.close()` (or `async with ControlClient() as client`).
     """
 
     def __init__(self, timeout_s: float = 5.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 limit_per_host: int = 16):
+                 limit_per_host: int = 16, token: str | None = None):
         self.timeout_s = timeout_s
+        self._headers = {"Content-Type": "application/json", **auth_headers(token)}
         self.max_body_bytes = max_body_bytes
         self._limit_per_host = limit_per_host
         self._session: aiohttp.ClientSession | None = None
@@ -210,8 +222,7 @@ class ControlClient:
         where = dict(peer=addr, method=method)
         try:
             async with asyncio.timeout(timeout):
-                async with self._s().post(url, data=body,
-                                          headers={"Content-Type": "application/json"}) as resp:
+                async with self._s().post(url, data=body, headers=self._headers) as resp:
                     raw = await resp.content.read(self.max_body_bytes + 1)
                     status = resp.status
         except TimeoutError as e:

@@ -75,6 +75,10 @@ class CostModelRefitter:
         self.decode_refits = 0
         self.refits = 0
         self._predicted: dict[str, tuple[float, float]] = {}      # rid -> (ttft_s, monotonic)
+        # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
+        self.ttft_pairs = 0
+        self.predicted_ttft_sum_s = 0.0
+        self.observed_ttft_sum_s = 0.0
 
     def predicted(self, rid: str, ttft_s: float, now: float) -> None:
         """Remembers the TTFT predicted for rid (seconds) until its prefill reports back."""
@@ -89,6 +93,9 @@ class CostModelRefitter:
         seconds = d.seconds
         if pred is not None and seconds > 0:
             self.errors.append((pred[0] - seconds) / seconds)
+            self.ttft_pairs += 1
+            self.predicted_ttft_sum_s += pred[0]
+            self.observed_ttft_sum_s += seconds
         if d.alone and seconds > 0 and self.settings.conductor.refit_cost_model:
             self.samples.append((d.new, d.cached, seconds))
             self._new_samples += 1

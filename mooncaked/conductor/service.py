@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import math
 import random
 import time
@@ -42,6 +43,7 @@ from mooncaked.cluster.messages import (FetchPlan, NodeRef, NodeReport, PlaceRej
 from mooncaked.config import Settings, state_dir
 from mooncaked.log import get_logger
 
+from . import cost_store
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
 from .load import INFLIGHT_TTL_S, InflightDecode, InflightPrefill, NodeView, apply_load, queue_s
@@ -125,6 +127,7 @@ class ConductorService:
         self.rejected: dict[str, int] = {}
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
+        self._cost_task: asyncio.Task | None = None
 
     # the parts tests and `ctl` read
     @property
@@ -160,13 +163,16 @@ class ConductorService:
         if pulls:
             await asyncio.gather(*pulls, return_exceptions=True)
         self._task = asyncio.create_task(self._watch(), name="conductor-members")
+        self._cost_task = asyncio.create_task(cost_store.follow(self.coord, self._set_cost),
+                                              name="conductor-cost-model")
         log.info("conductor_started", node=self.node_id, nodes=sorted(self.nodes),
                  indexed_keys=len(self.index))
 
     async def stop(self) -> None:
         """Stops following membership; the index is dropped with the object."""
         await self.replicator.stop()
-        tasks = [t for t in [self._task, *self._pulls.values()] if t is not None]
+        tasks = [t for t in [self._task, self._cost_task, *self._pulls.values()]
+                 if t is not None]
         for t in tasks:
             t.cancel()
         for t in tasks:
@@ -261,6 +267,11 @@ class ConductorService:
 
     # ------------------------------------------------------------------ placement
 
+    def _set_cost(self, model: CostModel) -> None:
+        """The cluster-wide cost model (cost_store.py) replaces the one in use."""
+        log.info("cost_model_loaded", origin=model.meta.get("origin"), name=model.name)
+        self.model.cost = model
+
     def _cost(self) -> CostModel:
         if self.model.cost is None:
             kvb = 0
@@ -270,6 +281,9 @@ class ConductorService:
                     kvb = int(m["block_bytes"]) // int(m["block_size"])
                     break
             self.model.cost = load_cost_model(self.settings, kvb)
+            self.model.cost.meta.setdefault(
+                "origin", f"file {cost_model_path(self.settings)}"
+                if self.model.cost.meta.get("source") != "default" else "built-in default")
         return self.model.cost
 
     def _eligible(self, role: str, exclude: set[str], now: float) -> list[NodeView]:
@@ -297,7 +311,12 @@ class ConductorService:
         retry = cs.min_retry_after_s
         if (not pre and not decode_only) or not dec:
             reason = "no_decode_node" if pre or decode_only else "no_prefill_node"
-            return self._reject(Rejection(reason, retry))
+            role = "decode" if pre or decode_only else "prefill"
+            drained = sorted(v.node_id for v in self.nodes.values()
+                             if v.role == role and v.draining)
+            detail = (f"{', '.join(drained)} {'is' if len(drained) == 1 else 'are'} draining"
+                      if drained else f"no {role} node has joined or reported")
+            return dataclasses.replace(self._reject(Rejection(reason, retry)), detail=detail)
         bs = self._block_size(pre[0] if pre else dec[0])
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,

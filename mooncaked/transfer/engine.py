@@ -185,7 +185,7 @@ class TransferEngine:
         for t in self._transports:
             t.register(seg)
         self._segments[name] = seg
-        log.info("segment_registered", segment=name, bytes=seg.length, location=location)
+        log.debug("segment_registered", segment=name, bytes=seg.length, location=location)
         return self.segment_descriptor(name)
 
     def unregister_segment(self, name: str) -> None:
@@ -198,7 +198,7 @@ class TransferEngine:
             raise UnknownSegmentError(f"no local segment {name!r}")
         for t in self._transports:
             t.unregister(seg)
-        log.info("segment_unregistered", segment=name)
+        log.debug("segment_unregistered", segment=name)
 
     def segment_descriptor(self, name: str) -> dict:
         """The publishable descriptor (plain, JSON-safe dict) of local segment `name`:

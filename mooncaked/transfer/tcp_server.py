@@ -84,6 +84,12 @@ class DataServer:
             sock.setblocking(True)
             sock.bind((self.host, self.port))
             sock.listen(512)
+        except OSError as e:
+            sock.close()
+            # name the setting: "[Errno 98] Address already in use" alone does not say which
+            raise OSError(e.errno, f"transfer engine data server cannot listen on "
+                                   f"{self.host}:{self.port} (transfer.host/transfer.port): "
+                                   f"{e.strerror}") from e
         except BaseException:
             sock.close()
             raise

@@ -1,0 +1,47 @@
+"""Cross-field checks of a whole Settings: what one key alone cannot say (a heartbeat
+slower than half the lease, an etcd cluster without a shared token, half a TLS key
+pair). `load_settings` runs them, so `mooncaked serve` and `mooncaked config --check`
+refuse the same files with the same one-line ConfigError (file, key, reason)."""
+
+from __future__ import annotations
+
+from urllib.parse import urlsplit
+
+from mooncaked.config import ConfigError, Settings
+
+CLUSTER_ROLES = ("prefill", "decode", "cache")
+
+
+def check_settings(settings: Settings, where: str) -> None:
+    """Raises ConfigError(where, key, reason) for the first cross-field problem."""
+    cs = settings.cluster
+    if cs.heartbeat_interval_s * 2 > cs.lease_ttl_s:
+        raise ConfigError(where, "cluster.heartbeat_interval_s",
+                          f"{cs.heartbeat_interval_s} s must be at most half of "
+                          f"cluster.lease_ttl_s ({cs.lease_ttl_s} s)")
+    if cs.backend == "etcd":
+        if not cs.etcd_endpoints:
+            raise ConfigError(where, "cluster.etcd_endpoints", "empty list")
+        for url in cs.etcd_endpoints:
+            parts = urlsplit(url if "://" in url else f"http://{url}")
+            if parts.scheme not in ("http", "https"):
+                raise ConfigError(where, "cluster.etcd_endpoints",
+                                  f"{url!r}: expected http:// or https://HOST:PORT")
+            if not parts.hostname or not parts.port:
+                raise ConfigError(where, "cluster.etcd_endpoints",
+                                  f"{url!r}: expected http(s)://HOST:PORT")
+        if settings.node.role in CLUSTER_ROLES and not cs.token_file:
+            raise ConfigError(where, "cluster.token_file",
+                              "required with the etcd backend (the cluster's shared secret, "
+                              "the same file content on every node; `mooncaked token --out FILE`)")
+    if bool(cs.etcd_cert_file) != bool(cs.etcd_key_file):
+        key = "cluster.etcd_key_file" if cs.etcd_cert_file else "cluster.etcd_cert_file"
+        raise ConfigError(where, key, "etcd_cert_file and etcd_key_file go together")
+    if settings.server.port and cs.rpc_port and settings.server.port == cs.rpc_port \
+            and settings.server.host == cs.rpc_host:
+        raise ConfigError(where, "cluster.rpc_port",
+                          f"{cs.rpc_port} is also server.port: the control plane listens apart "
+                          f"from the public API")
+
+
+__all__ = ["check_settings", "CLUSTER_ROLES"]

@@ -1,0 +1,258 @@
+"""Operating a cluster (issue 19): the control plane is apart from the public API and needs
+the cluster token; drain / undrain and what /health and a 503 say about it; duplicate node
+ids; a request's `request_done` log line; config checks and ctl's exit codes.
+
+One cluster for the module (cache c1, prefill p1, decode d1; local backend). Tests that
+change a node's state put it back before they return.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+
+BIN = Path(sys.executable).parent
+READY_TIMEOUT_S = 300.0
+WAIT_S = 90.0     # generous: the suite shares two cores with other work
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+
+
+def wait_until(pred, timeout_s: float, what: str):
+    """pred() once truthy, polled for at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.1)   # poll interval
+
+
+def http(method: str, url: str, body: dict | None = None, headers: dict | None = None
+         ) -> tuple[int, dict]:
+    """(status, JSON body) of one request; HTTP errors are answers too."""
+    req = urllib.request.Request(url, method=method, headers={"Content-Type": "application/json",
+                                                              **(headers or {})},
+                                 data=orjson.dumps(body) if body is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, orjson.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            return e.code, orjson.loads(raw or b"{}")
+        except orjson.JSONDecodeError:
+            return e.code, {"raw": raw.decode(errors="replace")}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ops")
+    settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
+                "cluster.poll_interval_s": 0.1, "cluster.drain_timeout_s": 5.0,
+                "engine.kv_cache_bytes": 32 << 20, "store.dram_bytes": 32 << 20}
+    cl = LocalCluster(tmp / "c", [NodeSpec("cache", "c1"), NodeSpec("prefill", "p1"),
+                                  NodeSpec("decode", "d1")], settings=settings)
+    with cl:
+        yield cl
+
+
+@pytest.fixture(autouse=True)
+def healthy(request):
+    """Before each cluster test: every node answers /health 200 (a previous test's drain or
+    leader change has settled)."""
+    if "cluster" in request.fixturenames:
+        cl = request.getfixturevalue("cluster")
+        wait_until(lambda: all(http("GET", f"{cl.api_url(n)}/health")[0] == 200
+                               for n in ("c1", "p1", "d1")), WAIT_S, "every node healthy")
+    yield
+
+
+def complete(cl: LocalCluster, prompt: str = "Hello", max_tokens: int = 4) -> tuple[int, dict]:
+    return http("POST", f"{cl.api_url('c1')}/v1/completions",
+                {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_public_port_serves_no_control_route(cluster):
+    for nid in ("c1", "p1", "d1"):
+        status, _ = http("POST", f"{cluster.api_url(nid)}/control/node.status", {})
+        assert status == 404, nid
+        status, _ = http("POST", f"{cluster.api_url(nid)}/internal/decode", {})
+        assert status == 404, nid
+    # ...while the control plane, on its own port, answers with the token
+    assert control_call(cluster.control("p1"), "node.status")["node"] == "p1"
+    assert cluster.control("p1") != f"127.0.0.1:{cluster.ports['p1']}"
+
+
+def test_control_call_without_token_is_refused_and_logged(cluster):
+    addr = cluster.control("d1")
+    status, body = http("POST", f"http://{addr}/control/node.drain", {})
+    assert status == 401 and body["error"]["type"] == "Unauthorized"
+    status, _ = http("POST", f"http://{addr}/control/node.status", {},
+                     headers={"Authorization": "Bearer " + "x" * 43})
+    assert status == 401
+    status, _ = http("POST", f"http://{addr}/internal/decode", {})
+    assert status == 401
+    with pytest.raises(RuntimeError, match="Unauthorized"):
+        control_call(addr, "node.status", token="not-the-cluster-token")
+    st = control_call(addr, "node.status")
+    assert st["draining"] is False               # the refused drain did nothing
+    wait_until(lambda: "control_call_refused" in cluster.log_tail("d1", 200_000), WAIT_S,
+               "d1 to log the refused call")
+    line = next(ln for ln in cluster.log_tail("d1", 200_000).splitlines()
+                if "control_call_refused" in ln)
+    assert orjson.loads(line)["reason"] == "no cluster token"
+
+
+def test_request_done_line_names_nodes_and_tokens(cluster):
+    status, body = complete(cluster, "Tell me about the moon", 5)
+    assert status == 200, body
+    rid = body["id"]
+
+    def line():
+        for ln in cluster.log_tail("c1", 400_000).splitlines():
+            if '"request_done"' in ln and rid.split("-", 1)[-1] in ln:
+                return orjson.loads(ln)
+        return None
+    ev = wait_until(line, WAIT_S, "c1's request_done line")
+    assert (ev["prefill"], ev["decode"]) == ("p1", "d1")
+    assert ev["output_tokens"] == body["usage"]["completion_tokens"]
+    assert ev["prompt_tokens"] == body["usage"]["prompt_tokens"]
+    assert ev["ttft_s"] > 0 and ev["status"] == "finished"
+
+
+def test_drain_names_the_node_and_undrain_restores_it(cluster):
+    r = control_call(cluster.control("p1"), "node.drain")
+    assert r["draining"] is True
+    try:
+        status, body = http("GET", f"{cluster.api_url('p1')}/health")
+        assert status == 503 and body["status"] == "draining"
+        assert body["reason"] == "p1 is draining"
+        # The only prefill node drains: a request's 503 says so (once the conductor knows).
+        def refused():
+            s, b = complete(cluster)
+            return (s, b) if s == 503 else None
+        s, b = wait_until(refused, WAIT_S, "a 503 while p1 drains")
+        assert "p1 is draining" in b["error"]["message"], b
+        assert control_call(cluster.control("p1"), "node.status")["conductor"] is False
+    finally:
+        r = control_call(cluster.control("p1"), "node.undrain")
+    assert r["draining"] is False
+    wait_until(lambda: http("GET", f"{cluster.api_url('p1')}/health")[0] == 200, WAIT_S,
+               "p1 healthy again")
+    wait_until(lambda: complete(cluster)[0] == 200, WAIT_S, "requests served again")
+
+
+def test_duplicate_node_id_is_refused_while_the_first_holds_it(cluster):
+    pid = cluster.procs["c1"].pid
+    cmd = [str(BIN / "mooncaked"), "serve", "--config", str(cluster.workdir / "c1.toml"),
+           "--role", "cache", "--node-id", "c1", "--port", str(free_port()),
+           "--set", f"cluster.rpc_port={free_port()}"]
+    t0 = time.monotonic()
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "node id 'c1' is in use by pid" in out.stderr
+    # it waited about one lease TTL (2 s) for a dead holder, not forever
+    assert time.monotonic() - t0 < 60
+    st = control_call(cluster.control("c1"), "node.status")
+    assert st["pid"] == pid and http("GET", f"{cluster.api_url('c1')}/health")[0] == 200
+
+
+def test_config_check_runs_cross_field_checks_and_serve_prints_one_line(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[cluster]\nlease_ttl_s = 5.0\nheartbeat_interval_s = 3.0\n")
+    out = subprocess.run([str(BIN / "mooncaked"), "config", "--check", str(bad)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert f"{bad}: cluster.heartbeat_interval_s:" in out.stderr
+    out = subprocess.run([str(BIN / "mooncaked"), "serve", "--config", str(bad), "--role",
+                          "cache"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0 and "Traceback" not in out.stderr
+    assert "cluster.heartbeat_interval_s" in out.stderr
+    etcd = tmp_path / "etcd.toml"
+    etcd.write_text('[node]\nrole = "decode"\n[cluster]\nbackend = "etcd"\n')
+    out = subprocess.run([str(BIN / "mooncaked"), "config", "--check", str(etcd)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "cluster.token_file" in out.stderr
+
+
+def test_ctl_without_a_cluster_exits_nonzero(tmp_path):
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "--backend", "local",
+                          "--state-dir", str(tmp_path / "none")],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1
+    assert "no cluster found" in out.stderr
+
+
+def test_metrics_label_every_series_with_node_and_role(cluster):
+    assert complete(cluster)[0] == 200
+    leader = control_call(cluster.control("c1"), "node.status")["leader"]
+    for nid, role in (("c1", "cache"), ("p1", "prefill"), ("d1", "decode")):
+        with urllib.request.urlopen(f"{cluster.api_url(nid)}/metrics", timeout=30) as r:
+            text = r.read().decode()
+        samples = [ln for ln in text.splitlines() if ln and not ln.startswith("#")]
+        assert samples
+        unlabelled = [ln for ln in samples
+                      if f'node="{nid}"' not in ln or f'role="{role}"' not in ln]
+        assert not unlabelled, unlabelled[:5]
+        assert f'mooncaked_node_draining{{node="{nid}",role="{role}"}} 0.0' in text
+        assert f'mooncaked_node_healthy{{node="{nid}",role="{role}"}} 1.0' in text
+        assert "mooncaked_kv_transfer_bytes_total" in text
+        assert ("mooncaked_conductor_placed_total" in text) == (nid == leader), nid
+    with urllib.request.urlopen(f"{cluster.api_url('p1')}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    assert 'mooncaked_store_blocks{node="p1",role="prefill",tier="dram"}' in text
+    pushed = [ln for ln in text.splitlines()
+              if ln.startswith("mooncaked_kv_transfer_total") and 'kind="pushed"' in ln]
+    assert pushed and float(pushed[0].rsplit(" ", 1)[1]) >= 1
+
+
+def test_published_cost_model_is_used_by_the_leader_without_a_leader_change(cluster):
+    import asyncio
+
+    from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
+    from mooncaked.config import load_settings
+
+    model = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.2, 0.003)),
+                      decode=PolyModel(((0, 0),), (0.05,)), transfer=TransferModel(1e9),
+                      kv_bytes_per_token=46080, name="published-by-test", meta={"source": "fit"})
+    from mooncaked.conductor.cost_store import publish
+    settings = load_settings(cluster.write_ctl_config())
+    leader = control_call(cluster.control("c1"), "node.status")["leader"]
+    asyncio.run(publish(settings.cluster, model, "/elsewhere/cost_model.json"))
+
+    def in_use():
+        st = control_call(cluster.control(leader), "conductor.status")
+        cm = st.get("cost_model") or {}
+        return cm if cm.get("name") == "published-by-test" else None
+    cm = wait_until(in_use, WAIT_S, "the leader to take the published cost model")
+    assert "coordinator key cost_model" in cm["meta"]["origin"]
+    assert "/elsewhere/cost_model.json" in cm["meta"]["origin"]
+    assert control_call(cluster.control("c1"), "node.status")["leader"] == leader
+
+
+def test_transfer_port_in_use_names_the_port():
+    import asyncio
+    import socket
+
+    from mooncaked.config import TransferSettings
+    from mooncaked.transfer import TransferEngine
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        engine = TransferEngine(TransferSettings(host="127.0.0.1", port=port, backend="tcp"),
+                                node_id="t")
+        with pytest.raises(OSError, match=f"127.0.0.1:{port} \\(transfer.host/transfer.port\\)"):
+            asyncio.run(engine.start())
