@@ -7,7 +7,8 @@ coordinator: on a signal it stops accepting connections, reports /health 503,
 gives in-flight requests a short grace period, aborts what is left (the engine
 frees their KV blocks), stops the engine and exits 0.
 
-Roles `prefill`, `decode` and `cache` form a cluster (mooncaked/cluster/node.py):
+Roles `prefill`, `decode` and `cache` (and `all` with `cluster.coupled`: a coupled
+node that prefills and decodes in one engine) form a cluster (mooncaked/cluster/node.py):
 the node registers with the coordinator, campaigns for the conductor, serves the
 OpenAI API through the cluster front end and its internal routes (control RPC
 under /control/, the decode stream under /internal/) on the API port, or the
@@ -137,7 +138,7 @@ async def _serve_cluster(settings: Settings) -> int:
     role = settings.node.role
     engine = None
     try:
-        if role in ("prefill", "decode"):
+        if role in ("prefill", "decode", "all"):    # all: a coupled node (cluster.coupled)
             from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
             engine = AsyncLLM.from_settings(settings)
             tokenizer = engine.tokenizer
@@ -206,6 +207,7 @@ def run_daemon(settings: Settings) -> int:
     `ready` event with the API's URL once it accepts requests.
     """
     setup_logging(settings.log.level, settings.log.format)
-    main = _serve(settings) if settings.node.role == "all" else _serve_cluster(settings)
+    alone = settings.node.role == "all" and not settings.cluster.coupled
+    main = _serve(settings) if alone else _serve_cluster(settings)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)
