@@ -261,22 +261,33 @@ class DecodeWorker:
         keepalive = self.settings.cluster.stream_idle_timeout_s / 3
         try:
             await resp.prepare(request)
-            while True:
+            done = False
+            while not done:
                 try:
                     item = await asyncio.wait_for(q.get(), keepalive)
                 except TimeoutError:
                     await resp.write(b"{}\n")
                     continue
-                if isinstance(item, Exception):
-                    status = 400 if isinstance(item, InvalidRequest) else 500
-                    failure = DecodeFailure(str(item), status, getattr(item, "param", None))
-                    await resp.write(orjson.dumps(failure.to_json()) + b"\n")
-                    break
-                self.requests[rid] = self.requests.get(rid, 0) + len(item.new_token_ids)
-                self.prompts.pop(rid, None)
-                await resp.write(orjson.dumps(OutputDelta.of(item).to_json()) + b"\n")
-                if item.finished:
-                    break
+                # Every delta queued meanwhile goes out in one write (one syscall, one
+                # wake-up of the API node) rather than one write per token.
+                items = [item]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                lines = []
+                for item in items:
+                    if isinstance(item, Exception):
+                        status = 400 if isinstance(item, InvalidRequest) else 500
+                        failure = DecodeFailure(str(item), status, getattr(item, "param", None))
+                        lines.append(orjson.dumps(failure.to_json()))
+                        done = True
+                        break
+                    self.requests[rid] = self.requests.get(rid, 0) + len(item.new_token_ids)
+                    self.prompts.pop(rid, None)
+                    lines.append(orjson.dumps(OutputDelta.of(item).to_json()))
+                    if item.finished:
+                        done = True
+                        break
+                await resp.write(b"\n".join(lines) + b"\n")
         except ConnectionResetError:
             log.info("decode_client_gone", request_id=rid)
         finally:
