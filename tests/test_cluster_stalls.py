@@ -91,7 +91,7 @@ def _greedy(url: str, prompt: str) -> str:
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.M)
+    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.MULTILINE)
     assert m, f"{name}{labels} not in /metrics"
     return float(m.group(1))
 
