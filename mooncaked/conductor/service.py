@@ -297,7 +297,9 @@ class ConductorService:
         dec = self._eligible("decode", exclude, now)
         retry = cs.min_retry_after_s
         if not pre and not dec and not decode_only:
-            coupled = self._eligible("all", exclude, now)
+            # v.control: a node known only from a report (its member record gone, e.g. its
+            # lease expired while it stalled) cannot be reached until it registers again.
+            coupled = [v for v in self._eligible("all", exclude, now) if v.control]
             if coupled:
                 return self._place_coupled(req, coupled, cost, now)
         if (not pre and not decode_only) or not dec:
