@@ -179,7 +179,7 @@ class DecodeWorker:
         except (orjson.JSONDecodeError, MessageError) as e:
             return web.json_response({"error": f"bad decode request: {e}"}, status=400)
         rid = req.rid
-        refused = self._refuse(rid, len(req.prompt) + 1)
+        refused = self._refuse(rid, len(req.prompt))     # as the conductor predicts it
         if refused is not None:
             return refused
         t0 = time.monotonic()
