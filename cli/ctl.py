@@ -116,6 +116,28 @@ def _bytes(n: float | None) -> str:
     return str(n)
 
 
+def _ms(s: dict | None, key: str) -> str | None:
+    v = (s or {}).get(key)
+    return None if v is None else f"{v * 1e3:.1f}"
+
+
+def _stall_table(v: dict) -> None:
+    """Per node: engine step time by kind, event-loop lag and relay delay (p50 / p99 / max
+    in ms, from node.status "stalls")."""
+    rows = []
+    for nid, n in sorted(v["nodes"].items()):
+        st = (n.get("status") or {}).get("stalls")
+        if not st:
+            continue
+        for name, s in [*((f"step {k}", x) for k, x in st["step"].items()),
+                        ("loop lag", st["loop_lag"]), ("relay delay", st["relay_delay"])]:
+            if s.get("count"):
+                rows.append([nid, name, s["count"], _ms(s, "p50_s"), _ms(s, "p99_s"),
+                             _ms(s, "max_s")])
+    if rows:
+        _table("stalls (ms)", ["node", "measure", "count", "p50", "p99", "max"], rows)
+
+
 @ctl_app.command()
 def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
            state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
@@ -134,6 +156,7 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
                      (info.get("model") or {}).get("name")])
     _table(f"cluster ({v['backend']} backend), leader: {v['leader'] or 'none'}",
            ["node", "role", "health", "version", "api", "pid", "uptime", "model"], rows)
+    _stall_table(v)
     c = v["conductor"]
     if "error" in c:
         typer.echo(f"conductor: {c['error']}")

@@ -24,6 +24,9 @@ def up(
     prefill: int = typer.Option(1, min=1, help="Prefill nodes."),
     decode: int = typer.Option(1, min=1, help="Decode nodes."),
     cache: int = typer.Option(1, min=0, help="Cache nodes (store + API front end, no model)."),
+    coupled: int = typer.Option(0, min=0, help="Instead of prefill and decode nodes, N coupled "
+                                "nodes of role all (prefill and decode in one engine, "
+                                "vLLM-style) under the same conductor and front end."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML settings every node "
                                           "starts from."),
     workdir: Optional[Path] = typer.Option(None, help="Configs, logs and state (default: a "
@@ -35,7 +38,7 @@ def up(
                                   "in the work directory)."),
 ) -> None:
     """Start a local cluster and serve until Ctrl-C / SIGTERM."""
-    from mooncaked.cluster.launcher import ClusterStartError, LocalCluster, NodeSpec  # noqa
+    from mooncaked.cluster.launcher import ClusterStartError, LocalCluster, cluster_specs  # noqa
 
     if backend not in ("local", "etcd"):
         typer.echo("mooncake up: --backend must be local or etcd", err=True)
@@ -47,10 +50,7 @@ def up(
     except ValueError as e:
         typer.echo(f"mooncake up: {e}", err=True)
         raise typer.Exit(2) from None
-    nodes = [NodeSpec("cache", f"cache{i}", port=port if i == 0 else 0) for i in range(cache)]
-    nodes += [NodeSpec("prefill", f"prefill{i}", port=port if i == 0 and not cache else 0)
-              for i in range(prefill)]
-    nodes += [NodeSpec("decode", f"decode{i}") for i in range(decode)]
+    nodes = cluster_specs(cache, prefill, decode, coupled, port)
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="mooncake-up-")) if own else workdir
     # die_with_parent: if `mooncake up` is killed (even kill -9), its nodes and etcd get

@@ -171,6 +171,9 @@ class ClusterSettings:
                                         "all of it after the prefill.")
     drain_timeout_s: float = opt(30.0, "On SIGTERM a node takes no new requests and waits this "
                                        "long for running ones before exiting, seconds.", min=0.0)
+    coupled: bool = opt(False, "Role all only: join the cluster as a coupled node (prefill and "
+                               "decode in one engine, vLLM-style), placed on the node with the "
+                               "least queued prefill work (`mooncake up --coupled N`).")
 
 
 @dataclass
@@ -245,11 +248,13 @@ class ConductorSettings:
     cache_balance_threshold: float = opt(1.5, "A prefill node fetches a longer prefix held "
                                               "elsewhere when best/own prefix length exceeds this "
                                               "and the transfer beats recomputing.", min=1.0)
-    ttft_slo_s: float = opt(30.0, "Reject (429) a request whose predicted TTFT exceeds this, "
-                                  "seconds (the paper's TTFT threshold).", min=0.001)
-    tbt_slo_s: float = opt(1.0, "Reject (429) a request whose predicted TBT exceeds this, seconds "
-                                "(the paper uses 0.1-0.3 on GPUs; CPU decode steps are slower).",
-                           min=0.001)
+    ttft_slo_s: float = opt(float("inf"), "Reject (429) a request whose predicted TTFT exceeds "
+                                          "this, seconds (the paper's TTFT threshold); inf (the "
+                                          "default) never rejects.", min=0.001)
+    tbt_slo_s: float = opt(float("inf"), "Reject (429) a request whose predicted TBT (decode step "
+                                         "time with it) exceeds this, seconds; decode nodes refuse "
+                                         "such a request too (the paper uses 0.1-0.3 on GPUs); "
+                                         "inf (the default) never rejects.", min=0.001)
     min_retry_after_s: float = opt(1.0, "Smallest Retry-After of a rejection, seconds.", min=0.0)
     cost_model: str = opt("", "Cost model JSON written by `mooncaked profile`; empty means "
                               "<node.state_dir>/cost_model.json.")

@@ -7,7 +7,8 @@ coordinator: on a signal it stops accepting connections, reports /health 503,
 gives in-flight requests a short grace period, aborts what is left (the engine
 frees their KV blocks), stops the engine and exits 0.
 
-Roles `prefill`, `decode` and `cache` form a cluster (mooncaked/cluster/node.py):
+Roles `prefill`, `decode` and `cache` (and `all` with `cluster.coupled`: a coupled
+node that prefills and decodes in one engine) form a cluster (mooncaked/cluster/node.py):
 the node registers with the coordinator, campaigns for the conductor, serves the
 OpenAI API through the cluster front end on the API port, and its control plane
 (control RPC under /control/, the decode stream under /internal/, both requiring
@@ -139,7 +140,7 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     role = settings.node.role
     engine = None
     try:
-        if role in ("prefill", "decode"):
+        if role in ("prefill", "decode", "all"):    # all: a coupled node (cluster.coupled)
             from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
             engine = AsyncLLM.from_settings(settings)
             tokenizer = engine.tokenizer
@@ -223,7 +224,7 @@ def run_daemon(settings: Settings) -> int:
     (port in use, bad address) or a cluster node cannot reach its coordinator. Logs one
     `ready` event with the API's URL once it accepts requests.
     """
-    cluster = settings.node.role != "all"
+    cluster = settings.node.role != "all" or settings.cluster.coupled
     bound = (settings.cluster.drain_timeout_s if cluster else SHUTDOWN_GRACE_S) \
         + SHUTDOWN_SLACK_S
     # Installed before anything is logged or loaded, so a signal during start-up counts.

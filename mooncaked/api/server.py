@@ -35,6 +35,7 @@ from mooncaked.log import get_logger
 from . import sse
 from .engine_client import ApiTokenizer, EngineClient
 from .metrics import ApiMetrics
+from .node_metrics import attach as attach_node_metrics, node_metrics
 from .protocol import (ApiError, GenerationRequest, Prompt, check_model, error_body, parse_chat,
                        parse_completion, parse_json, token_ids)
 
@@ -363,6 +364,7 @@ class ApiServer:
             base["usage"] = None        # OpenAI: every chunk has usage null but the last
         tok = self.engine.tokenizer
         offsets = {c.index: 0 for c in run.choices}
+        relayed = node_metrics().observe_relay
         echo_pending = {c.index: req.echo for c in run.choices}
 
         def chunk(c: _Choice, out: RequestOutput) -> bytes | None:
@@ -402,10 +404,12 @@ class ApiServer:
                 frame = chunk(*first)
                 if frame:
                     await resp.write(frame)
+                    relayed(first[1].emitted_s)
                 async for c, out in outputs:
                     frame = chunk(c, out)
                     if frame:
                         await resp.write(frame)
+                        relayed(out.emitted_s)
                 if req.include_usage:
                     await resp.write(sse.event({**base, "choices": [], "usage": run.usage()}))
                 await resp.write(sse.DONE)
@@ -504,6 +508,7 @@ def build_app(engine: EngineClient, *, request_timeout_s: float = 600.0,
     server = ApiServer(engine, request_timeout_s, client_max_size)
     app = web.Application(client_max_size=client_max_size, middlewares=[_errors])
     app[SERVER_KEY] = server
+    attach_node_metrics(app, server.metrics.registry)
     app.router.add_post("/v1/completions", server.completions)
     app.router.add_post("/v1/chat/completions", server.chat_completions)
     app.router.add_get("/v1/models", server.models)

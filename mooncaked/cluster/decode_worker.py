@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ from mooncaked import failpoints
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
-from .messages import (DecodeFailure, DecodeRequest, KVReservation, KVReserved, MessageError,
-                       OutputDelta, Release)
+from .admission import DecodeAdmission
+from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation, KVReserved,
+                       MessageError, OutputDelta, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
 
 log = get_logger(__name__)
@@ -69,6 +71,9 @@ class DecodeWorker:
         # flight releases first; the late reservation must not then hold memory until its TTL.
         self._released_early: dict[tuple[str, str], float] = {}
         self.tokens_out = 0        # output tokens streamed (the throughput line)
+        g = engine.kv_geometry()
+        self.admission = DecodeAdmission(settings, g.block_bytes // max(1, g.block_size))
+        self.prompts: dict[str, tuple[int, int]] = {}   # coupled: rid -> (new, cached) queued
 
     # ------------------------------------------------------------------ receive buffers
 
@@ -166,7 +171,7 @@ class DecodeWorker:
         DecodeFailure line. Answers 503 while draining, 400 for a malformed body, 502 when
         the KV cannot be read.
         """
-        from mooncaked.engine.types import InvalidRequest, KVImport  # noqa: PLC0415
+        from mooncaked.engine.types import KVImport  # noqa: PLC0415
 
         if self._draining():
             return web.json_response({"error": f"{self.node_id} is draining"}, status=503)
@@ -175,6 +180,9 @@ class DecodeWorker:
         except (orjson.JSONDecodeError, MessageError) as e:
             return web.json_response({"error": f"bad decode request: {e}"}, status=400)
         rid = req.rid
+        refused = self._refuse(rid, len(req.prompt))     # as the conductor predicts it
+        if refused is not None:
+            return refused
         t0 = time.monotonic()
         try:
             buf = await self._kv_for(req)
@@ -188,13 +196,56 @@ class DecodeWorker:
         self.activity.arrived.append(rid)
         log.debug("decode_admit", request_id=rid, kv_bytes=buf.numel() * buf.element_size(),
                   read_s=round(time.monotonic() - t0, 4))
+        gen = self.engine.generate(prompt, req.params, rid, cache_salt=req.cache_salt,
+                                   kv_import=KVImport(buf.permute(1, 0, 2, 3, 4, 5),
+                                                      req.kv.num_tokens),
+                                   first_token=req.first_token)
+        return await self._stream(request, rid, gen)
+
+    def _refuse(self, rid: str, tokens: int) -> web.Response | None:
+        """The TBT admission check (cluster/admission.py): a 429 with Retry-After and the
+        reason when this node's predicted step time with the request breaks the SLO."""
+        _, batch, context = self.load()
+        refusal = self.admission.check(batch, context, tokens)
+        if refusal is None:
+            return None
+        log.info("decode_refused", request_id=rid, reason=refusal["reason"],
+                 predicted_tbt_s=round(refusal["predicted_tbt_s"], 4), batch=batch)
+        return web.json_response(refusal, status=429, headers={
+            "Retry-After": str(max(1, math.ceil(refusal["retry_after_s"])))})
+
+    async def generate_route(self, request: web.Request) -> web.StreamResponse:
+        """POST /internal/generate on a coupled node: GenerateRequest -> the stream of
+        `route` (OutputDelta lines, keep-alives, a DecodeFailure line); 429 when the TBT
+        admission check refuses, 503 while draining, 400 for a malformed body."""
+        if self._draining():
+            return web.json_response({"error": f"{self.node_id} is draining"}, status=503)
+        try:
+            req = GenerateRequest.from_json(orjson.loads(await request.read()))
+        except (orjson.JSONDecodeError, MessageError) as e:
+            return web.json_response({"error": f"bad generate request: {e}"}, status=400)
+        rid, prompt = req.rid, list(req.prompt)
+        refused = self._refuse(rid, len(prompt))
+        if refused is not None:
+            return refused
+        self.requests[rid] = len(prompt)
+        self.prompts[rid] = (len(prompt), 0)
+        self.activity.arrived.append(rid)
+        gen = self.engine.generate(prompt, req.params, rid, cache_salt=req.cache_salt)
+        return await self._stream(request, rid, gen)
+
+    def pending(self) -> dict[str, tuple[int, int]]:
+        """Coupled node: rid -> (new, cached) tokens of prompts not yet prefilled (the
+        report's prefill queue)."""
+        return dict(self.prompts)
+
+    async def _stream(self, request: web.Request, rid: str, gen: Any) -> web.StreamResponse:
+        """Streams the engine generator's deltas as JSON lines (see `route`)."""
+        from mooncaked.engine.types import InvalidRequest  # noqa: PLC0415
+
         q: asyncio.Queue = asyncio.Queue()
 
         async def pump() -> None:
-            gen = self.engine.generate(prompt, req.params, rid, cache_salt=req.cache_salt,
-                                       kv_import=KVImport(buf.permute(1, 0, 2, 3, 4, 5),
-                                                          req.kv.num_tokens),
-                                       first_token=req.first_token)
             try:
                 async with contextlib.aclosing(gen):
                     async for out in gen:
@@ -211,22 +262,34 @@ class DecodeWorker:
         keepalive = self.settings.cluster.stream_idle_timeout_s / 3
         try:
             await resp.prepare(request)
-            while True:
+            done = False
+            while not done:
                 try:
                     item = await asyncio.wait_for(q.get(), keepalive)
                 except TimeoutError:
                     await resp.write(b"{}\n")
                     continue
-                if isinstance(item, Exception):
-                    status = 400 if isinstance(item, InvalidRequest) else 500
-                    failure = DecodeFailure(str(item), status, getattr(item, "param", None))
-                    await resp.write(orjson.dumps(failure.to_json()) + b"\n")
-                    break
-                self.requests[rid] = self.requests.get(rid, 0) + len(item.new_token_ids)
-                self.tokens_out += len(item.new_token_ids)    # throughput.py
-                await resp.write(orjson.dumps(OutputDelta.of(item).to_json()) + b"\n")
-                if item.finished:
-                    break
+                # Every delta queued meanwhile goes out in one write (one syscall, one
+                # wake-up of the API node) rather than one write per token.
+                items = [item]
+                while not q.empty():
+                    items.append(q.get_nowait())
+                lines = []
+                for item in items:
+                    if isinstance(item, Exception):
+                        status = 400 if isinstance(item, InvalidRequest) else 500
+                        failure = DecodeFailure(str(item), status, getattr(item, "param", None))
+                        lines.append(orjson.dumps(failure.to_json()))
+                        done = True
+                        break
+                    self.requests[rid] = self.requests.get(rid, 0) + len(item.new_token_ids)
+                    self.tokens_out += len(item.new_token_ids)    # throughput.py
+                    self.prompts.pop(rid, None)
+                    lines.append(orjson.dumps(OutputDelta.of(item).to_json()))
+                    if item.finished:
+                        done = True
+                        break
+                await resp.write(b"\n".join(lines) + b"\n")
         except ConnectionResetError:
             log.info("decode_client_gone", request_id=rid)
         finally:
@@ -234,6 +297,7 @@ class DecodeWorker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
             self.requests.pop(rid, None)
+            self.prompts.pop(rid, None)
         return resp
 
     def load(self) -> tuple[list[str], int, int]:

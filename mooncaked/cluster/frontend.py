@@ -53,8 +53,9 @@ from mooncaked.store.keys import block_keys, make_salt
 
 from .auth import auth_headers
 from .errors import PeerUnavailable, RpcError, RpcTimeout
-from .messages import (DecodeFailure, DecodeRequest, NodeRef, OutputDelta, PlaceRejected,
-                       PlaceReply, PlaceRequest, PrefillReply, PrefillRequest, Release)
+from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef, OutputDelta,
+                       PlaceRejected, PlaceReply, PlaceRequest, PrefillReply, PrefillRequest,
+                       Release)
 
 log = get_logger(__name__)
 
@@ -245,6 +246,16 @@ class ClusterFrontend:
                 for _ in range(MAX_PLACEMENTS):
                     pl = await self._place(place_req, deadline)
                     done.placed(pl)
+                    if pl.prefill.node == pl.decode.node:      # a coupled node: all of it there
+                        gen = self._coupled(pl, prompt_token_ids, params, request_id, cache_salt,
+                                            deadline)
+                        async with contextlib.aclosing(gen):
+                            async for out in gen:
+                                out.num_prompt_tokens = n
+                                done.token(out.num_cached_tokens, len(out.new_token_ids),
+                                           out.finished)
+                                yield out
+                        return
                     try:
                         pre = await self._prefill(pl, prompt_token_ids, params, request_id,
                                                   cache_salt, can_continue, deadline)
@@ -314,6 +325,57 @@ class ClusterFrontend:
             raise ApiError(502, f"prefill on node {p.node} failed: {e}",
                            type="server_error", code="prefill_failed") from e
 
+    async def _coupled(self, pl: PlaceReply, prompt: list[int], params: SamplingParams,
+                       rid: str, cache_salt: str | None, deadline: float
+                       ) -> AsyncIterator[RequestOutput]:
+        """The whole request on one coupled node (POST /internal/generate): its deltas.
+        Raises: Overloaded when the node refuses (429); InvalidRequest; ApiError 502/504."""
+        cs = self.port.settings.cluster
+        node = pl.prefill
+        body = orjson.dumps(GenerateRequest(rid, tuple(prompt), params, cache_salt).to_json())
+        timeout = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()),
+                                        sock_connect=cs.rpc_timeout_s,
+                                        sock_read=cs.stream_idle_timeout_s)
+        try:
+            async with self._session().post(f"http://{node.control}/internal/generate",
+                                            data=body, timeout=timeout,
+                                            headers=self._headers) as r:
+                if r.status == 429:
+                    raise await _refused(r, node.node)
+                if r.status != 200:
+                    text = (await r.read())[:500].decode(errors="replace")
+                    raise ApiError(502 if r.status != 503 else 503, f"coupled node {node.node} "
+                                   f"refused the request (HTTP {r.status}): {text}",
+                                   type="server_error", code="decode_failed")
+                async for line in r.content:
+                    line = line.strip()
+                    if not line or line == b"{}":
+                        continue                       # keep-alive
+                    raw = orjson.loads(line)
+                    failure = DecodeFailure.from_line(raw)
+                    if failure is not None:
+                        if failure.status == 400:
+                            raise InvalidRequest(failure.error, failure.param)
+                        raise ApiError(502, f"generation on node {node.node} failed: "
+                                            f"{failure.error}", type="server_error",
+                                       code="decode_failed")
+                    o = OutputDelta.from_json(raw)
+                    if o.error:
+                        raise ApiError(500, f"engine error on node {node.node}: {o.error}",
+                                       type="server_error")
+                    yield o.to_output(rid)
+                    if o.finished:
+                        return
+                raise ApiError(502, f"coupled node {node.node} ended the stream before the "
+                                    f"request finished", type="server_error", code="decode_failed")
+        except (aiohttp.ServerTimeoutError, TimeoutError) as e:
+            raise ApiError(504, f"coupled node {node.node} sent nothing for "
+                                f"{cs.stream_idle_timeout_s} s", type="server_error",
+                           code="timeout") from e
+        except (aiohttp.ClientError, ConnectionError) as e:
+            raise ApiError(502, f"coupled node {node.node} failed: {type(e).__name__}: {e}",
+                           type="server_error", code="decode_failed") from e
+
     async def _decode(self, pl: PlaceReply, pre: PrefillReply, prompt: list[int],
                       params: SamplingParams, rid: str, cache_salt: str | None,
                       place_req: PlaceRequest, sent_text: str, deadline: float
@@ -333,6 +395,8 @@ class ClusterFrontend:
             try:
                 async with self._session().post(url, data=body, timeout=timeout,
                                                 headers=self._headers) as r:
+                    if r.status == 429:
+                        raise await _refused(r, d.node)
                     if r.status != 200:
                         text = (await r.read())[:500].decode(errors="replace")
                         if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
@@ -423,6 +487,18 @@ class _RequestLine:
                  prompt_tokens=self.prompt_tokens, cached_tokens=self.cached,
                  output_tokens=self.output, ttft_s=ttft, tbt_s=tbt,
                  status="finished" if self.finished else "aborted")
+
+
+async def _refused(r: aiohttp.ClientResponse, node: str) -> Overloaded:
+    """A node's 429 (its TBT admission check, cluster/admission.py) as the API's 429."""
+    try:
+        body = orjson.loads(await r.read())
+    except (orjson.JSONDecodeError, aiohttp.ClientError):
+        body = {}
+    log.info("node_refused", node=node, reason=body.get("reason"),
+             predicted_tbt_s=body.get("predicted_tbt_s"))
+    return Overloaded(str(body.get("reason") or "tbt_slo"), float(body.get("retry_after_s") or 1.0),
+                      predicted_tbt_s=body.get("predicted_tbt_s"))
 
 
 class _Replace(Exception):

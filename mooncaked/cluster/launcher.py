@@ -55,6 +55,24 @@ class NodeSpec:
     env: dict[str, str] = field(default_factory=dict)
 
 
+def cluster_specs(cache: int = 1, prefill: int = 1, decode: int = 1, coupled: int = 0,
+                  port: int = 0) -> list[NodeSpec]:
+    """The nodes `mooncake up` starts: cache nodes (the first serves the public API on
+    `port`, 0: a free one), then either prefill and decode nodes or, with coupled > 0,
+    that many coupled nodes (role all, cluster.coupled) instead. Without cache nodes the
+    first model node serves the API on `port`."""
+    nodes = [NodeSpec("cache", f"cache{i}", port=port if i == 0 else 0) for i in range(cache)]
+    if coupled:
+        model = [NodeSpec("all", f"coupled{i}", settings={"cluster.coupled": True})
+                 for i in range(coupled)]
+    else:
+        model = [NodeSpec("prefill", f"prefill{i}") for i in range(prefill)]
+        model += [NodeSpec("decode", f"decode{i}") for i in range(decode)]
+    if not cache and model:
+        model[0].port = port
+    return nodes + model
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A TCP port the OS reports free right now (bind port 0, read it, close)."""
     with socket.socket() as s:
@@ -379,8 +397,8 @@ class LocalCluster:
         self.stop()
 
 
-__all__ = ["ClusterStartError", "LocalCluster", "NodeSpec", "control_call", "free_port",
-           "write_toml"]
+__all__ = ["ClusterStartError", "LocalCluster", "NodeSpec", "cluster_specs", "control_call",
+           "free_port", "write_toml"]
 
 
 def default_ctl_config_path() -> Path:

@@ -226,6 +226,7 @@ class OutputDelta:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    emitted_s: float | None = None    # time.time() when the engine emitted it (relay delay)
 
     @classmethod
     def of(cls, out: RequestOutput) -> OutputDelta:
@@ -233,7 +234,7 @@ class OutputDelta:
         return cls(tuple(out.new_token_ids), out.new_text,
                    tuple(out.logprobs) if out.logprobs else None, out.finished,
                    out.finish_reason, out.stop_reason, out.num_output_tokens,
-                   out.num_cached_tokens, out.error)
+                   out.num_cached_tokens, out.error, out.emitted_s)
 
     def to_json(self) -> dict:
         lps = None if not self.logprobs else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
@@ -241,7 +242,8 @@ class OutputDelta:
         return {"ids": list(self.ids), "text": self.text, "logprobs": lps,
                 "finished": self.finished, "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason, "num_output_tokens": self.num_output_tokens,
-                "num_cached_tokens": self.num_cached_tokens, "error": self.error}
+                "num_cached_tokens": self.num_cached_tokens, "error": self.error,
+                "emitted_s": self.emitted_s}
 
     @classmethod
     def from_json(cls, d: Any) -> OutputDelta:
@@ -258,7 +260,7 @@ class OutputDelta:
         return cls(_ints(_get(d, "ids", list), "ids"), _get(d, "text", str), lps,
                    _get(d, "finished", bool), _get(d, "finish_reason", str, None), stop,
                    _get(d, "num_output_tokens", int, 0), _get(d, "num_cached_tokens", int, 0),
-                   _get(d, "error", str, None))
+                   _get(d, "error", str, None), _get(d, "emitted_s", float, None))
 
     def to_output(self, rid: str, ids: Sequence[int] | None = None, text: str | None = None
                   ) -> RequestOutput:
@@ -268,7 +270,8 @@ class OutputDelta:
                              self.finish_reason, self.stop_reason,
                              list(self.logprobs) if self.logprobs else None,
                              num_cached_tokens=self.num_cached_tokens,
-                             num_output_tokens=self.num_output_tokens, error=self.error)
+                             num_output_tokens=self.num_output_tokens, error=self.error,
+                             emitted_s=self.emitted_s)
 
 
 @dataclass(frozen=True)
@@ -450,6 +453,26 @@ class DecodeRequest:
                    _get(d, "first_token", int), params_from_json(_get(d, "params", dict)),
                    KVHandle.from_json(_get(d, "kv", dict)), _get(d, "prefill", str, ""),
                    _get(d, "cache_salt", str, None))
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """POST /internal/generate on a coupled node (role all, cluster.coupled): run the whole
+    request (prefill and decode in one engine) and stream OutputDelta lines back."""
+
+    rid: str
+    prompt: tuple[int, ...]
+    params: SamplingParams
+    cache_salt: str | None = None
+
+    def to_json(self) -> dict:
+        return {"rid": self.rid, "prompt": list(self.prompt),
+                "params": params_to_json(self.params), "cache_salt": self.cache_salt}
+
+    @classmethod
+    def from_json(cls, d: Any) -> GenerateRequest:
+        return cls(_get(d, "rid", str), _ints(_get(d, "prompt", list), "prompt"),
+                   params_from_json(_get(d, "params", dict)), _get(d, "cache_salt", str, None))
 
 
 # ---------------------------------------------------------------------------- reports

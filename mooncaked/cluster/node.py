@@ -42,6 +42,7 @@ from aiohttp import web
 
 import mooncaked
 from mooncaked import failpoints
+from mooncaked.api.node_metrics import node_metrics
 from mooncaked.config import Settings
 from mooncaked.conductor.service import ConductorService, NotLeader
 from mooncaked.log import get_logger
@@ -123,7 +124,16 @@ class ClusterNode:
 
     def routes(self) -> list[web.RouteDef]:
         """The node's HTTP routes: the control RPC and the internal decode stream."""
-        return [*self.control.routes(), web.post("/internal/decode", self._decode_route)]
+        return [*self.control.routes(), web.post("/internal/decode", self._decode_route),
+                web.post("/internal/generate", self._generate_route)]
+
+    async def _generate_route(self, request: web.Request) -> web.StreamResponse:
+        if not authorized(request.headers, self.token, request.remote, "internal/generate"):
+            return web.json_response({"error": "this call needs the cluster token"}, status=401)
+        if self.decode is None or self.role != "all":
+            return web.json_response({"error": f"{self.node_id} is not a coupled node"},
+                                     status=400)
+        return await self.decode.generate_route(request)
 
     async def _decode_route(self, request: web.Request) -> web.StreamResponse:
         if not authorized(request.headers, self.token, request.remote, "internal/decode"):
@@ -249,7 +259,7 @@ class ClusterNode:
             self.node_id = f"{socket.gethostname()}-{api_url.rsplit(':', 1)[-1]}"
         self.transfer = TransferEngine(self.settings.transfer, node_id=self.node_id)
         await self.transfer.start()
-        if self.engine is not None:
+        if self.engine is not None and self.role != "all":    # a coupled node: no store
             await self._start_store(self.engine.kv_geometry().block_bytes)
             self.engine.attach_store(self.store if self.role == "prefill" else None)
         is_draining = lambda: self.draining  # noqa: E731
@@ -258,7 +268,7 @@ class ClusterNode:
                                          self.transfer, self.store_node, self.client,
                                          is_draining, self.spawn, self.kv_transfer,
                                          self.activity)
-        elif self.role == "decode":
+        elif self.role in ("decode", "all"):    # all: a coupled node runs whole requests
             self.decode = DecodeWorker(self.node_id, self.settings, self.engine, self.transfer,
                                        self.client, is_draining, self.spawn, self.kv_transfer,
                                        self.activity)
@@ -415,13 +425,15 @@ class ClusterNode:
             rids, batch, context = self.decode.load()
             decode = DecodeLoad(tuple(rids), batch, context,
                                 (st.kv_blocks_total - st.kv_blocks_used) * g.block_size)
+        steps = tuple(self.engine.take_decode_steps()) if self.decode is not None else ()
+        if self.decode is not None:
+            self.decode.admission.observe(steps)
         return NodeReport(self.node_id, self.role, self.draining,
-                          self.prefill.pending() if self.prefill is not None else {},
+                          self.prefill.pending() if self.prefill is not None
+                          else self.decode.pending() if self.decode is not None else {},
                           tuple(self.activity.arrived), decode,
                           self.store.events.seq if self.store is not None else -1,
-                          tuple(events), tuple(self.activity.done),
-                          tuple(self.engine.take_decode_steps()) if self.decode is not None
-                          else ())
+                          tuple(events), tuple(self.activity.done), steps)
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""
@@ -467,8 +479,10 @@ class ClusterNode:
                              "decode": self._running("decode"),
                              "frontend": self.frontend_runs,
                              "staged": len(self.prefill.stages) if self.prefill else 0,
-                             "receiving": len(self.decode.buffers) if self.decode else 0},
-                "kv_transfer": self.kv_transfer.as_dict()}
+                             "receiving": len(self.decode.buffers) if self.decode else 0,
+                             "refused": self.decode.admission.refused if self.decode else 0},
+                "kv_transfer": self.kv_transfer.as_dict(),
+                "stalls": node_metrics().summary()}
 
     async def _h_drain(self, payload: Any) -> dict:
         """`mooncake ctl drain`: no new requests; running ones finish (in the background)."""

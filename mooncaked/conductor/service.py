@@ -309,6 +309,12 @@ class ConductorService:
         pre = self._eligible("prefill", exclude, now)
         dec = self._eligible("decode", exclude, now)
         retry = cs.min_retry_after_s
+        if not pre and not dec and not decode_only:
+            # v.control: a node known only from a report (its member record gone, e.g. its
+            # lease expired while it stalled) cannot be reached until it registers again.
+            coupled = [v for v in self._eligible("all", exclude, now) if v.control]
+            if coupled:
+                return self._place_coupled(req, coupled, cost, now)
         if (not pre and not decode_only) or not dec:
             reason = "no_decode_node" if pre or decode_only else "no_prefill_node"
             role = "decode" if pre or decode_only else "prefill"
@@ -352,6 +358,35 @@ class ConductorService:
             self.replicator.note_request(keys, now, self.nodes,
                                          self._eligible("cache", set(), now), cost, bs)
         return self._accept(rid, result, n, max_new, decode_only, now)
+
+    def _place_coupled(self, req: PlaceRequest, nodes: list[NodeView], cost: CostModel,
+                       now: float) -> PlaceReply | PlaceRejected:
+        """Coupled nodes (role all, cluster.coupled: prefill and decode in one engine), as
+        the simulator's coupled baseline places them: the node with the least queued
+        prefill work (policy ``load_balancing``, no decode side), which then decodes too.
+        The same SLO checks: TTFT by `place`, TBT as a decode node's (step time of that
+        node with the request, `step_with_request_s`)."""
+        from mooncaked.cluster.admission import step_with_request_s  # noqa: PLC0415
+
+        keys, n, max_new = list(req.keys), req.prompt_tokens, req.max_new_tokens
+        cs = self.settings.conductor
+        cfg = PolicyConfig(policy="load_balancing", block_size=self._block_size(nodes[0]),
+                           ttft_slo_s=cs.ttft_slo_s, tbt_slo_s=cs.tbt_slo_s,
+                           min_retry_after_s=cs.min_retry_after_s)
+        ids = [v.node_id for v in nodes]
+        snap = Snapshot(ids, [queue_s(v, cost) for v in nodes], self.index.match(keys, ids))
+        result = place(PlacementRequest(keys, n, max_new), snap, cost, cfg, self.rng)
+        if isinstance(result, Rejection):
+            return self._reject(result)
+        v = self.nodes[result.prefill]
+        infl = sum(x.tokens for x in v.inflight_decode.values())
+        tbt = step_with_request_s(cost, v.decode_batch + len(v.inflight_decode),
+                                  v.decode_context_tokens + infl, n)
+        if tbt > cs.tbt_slo_s:
+            return self._reject(Rejection("tbt_slo", cs.min_retry_after_s,
+                                          result.predicted_ttft_s, tbt))
+        result = dataclasses.replace(result, decode=result.prefill, predicted_tbt_s=tbt)
+        return self._accept(req.rid, result, n, max_new, False, now)
 
     def _block_size(self, v: NodeView) -> int:
         m = v.info.get("model") or {}

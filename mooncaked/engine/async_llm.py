@@ -8,6 +8,7 @@ between steps.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -48,6 +49,8 @@ class AsyncLLM:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
+        from mooncaked.api.node_metrics import node_metrics  # noqa: PLC0415 - api imports engine
+        self._metrics = node_metrics()
 
     @classmethod
     def from_settings(cls, settings: Settings) -> "AsyncLLM":
@@ -83,13 +86,19 @@ class AsyncLLM:
             await self._wake.wait()
             self._wake.clear()
             while self.engine.has_work():
+                last = self.engine.last_step
                 try:
                     outputs = await loop.run_in_executor(self._executor, self.engine.step)
                 except Exception as e:  # a bug or OOM in a step: fail the requests, keep serving
                     log.error("engine_step_failed", exc_info=True, error=repr(e))
                     self._fail_all(repr(e))
                     continue
+                st, now = self.engine.last_step, time.time()
+                if st is not None and st is not last:     # a step ran (not only aborts)
+                    self._metrics.observe_step(st.seconds, st.num_decode_seqs,
+                                               st.num_prefill_tokens, st.context_tokens)
                 for out in outputs:
+                    out.emitted_s = now
                     if out.kv_export is not None and self.store is not None:
                         self._offload(out.kv_export)
                     q = self._queues.get(out.request_id)

@@ -138,6 +138,7 @@ class RequestOutput:
     num_output_tokens: int = 0
     error: str | None = None
     kv_export: KVExport | None = None
+    emitted_s: float | None = None      # time.time() when the step that made it ended
 
 
 @dataclass

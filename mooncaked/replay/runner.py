@@ -39,6 +39,8 @@ class ReplayConfig:
     "completions" or "chat", the endpoint for `text_input` prompts. ignore_eos: ask the
     server to generate exactly max_tokens (a vLLM/SGLang extension). max_output_tokens:
     optional cap on each request's max_tokens. api_key: sent as a Bearer token if set.
+    cache_salt: sent with every request when set (its blocks are cached apart from other
+    salts: replays of the same trace do not hit each other's prefixes).
     """
 
     url: str
@@ -53,6 +55,7 @@ class ReplayConfig:
     ignore_eos: bool = True
     max_output_tokens: int | None = None
     api_key: str | None = None
+    cache_salt: str | None = None
 
     def validate(self) -> None:
         """Raises ValueError naming the bad field."""
@@ -279,6 +282,8 @@ def build_payload(cfg: ReplayConfig, builder: PromptBuilder,
     }
     if cfg.ignore_eos:
         body["ignore_eos"] = True
+    if cfg.cache_salt is not None:
+        body["cache_salt"] = cfg.cache_salt
     if req.text_input is not None:
         if cfg.text_api == "chat":
             body["messages"] = [{"role": "user", "content": req.text_input}]

@@ -1,0 +1,451 @@
+"""Effective request capacity: 1 prefill + 1 decode against 2 coupled nodes (issue 13).
+
+`mooncake bench capacity TRACE` (or `python -m mooncaked.benchmarks.capacity TRACE`)
+replays a slice of a Mooncake-format trace (lengths scaled as `bench trace` does) at a
+sweep of arrival rates against
+
+  pd:       a cache node (API front end, conductor) + 1 prefill + 1 decode node;
+  coupled:  a cache node (API front end, conductor) + 2 coupled nodes (role all,
+            cluster.coupled: chunked prefill and decode in one engine, vLLM-style),
+
+one side after the other in the same run, on the same machine, with the same torch
+threads per model node (`--threads`), the same KV cache size and the same SLOs, which
+both conductors and every decode/coupled node enforce (early 429s).
+
+The SLOs are multiples of unloaded times measured first on one `--role all` process
+with the same threads: TTFT <= ttft_mult x (unloaded TTFT of the slice's median
+prompt) and TBT <= tbt_mult x (unloaded decode step time). The paper's TBT of a
+request is the mean of its longest 10% inter-token gaps (section 5).
+
+Arrivals: the slice's requests in trace order at Poisson arrivals (fixed seed) of each
+rate; each rate's requests carry their own cache salt, so a rate never hits another
+rate's prefixes (within a rate the trace's shared prefixes hit as they would). Rates
+are given in requests per second, or by default as fractions of the unloaded prefill
+rate (1 / unloaded TTFT).
+
+Per rate and side: share within both SLOs (effective request capacity; rejected and
+failed requests are misses), rejected and failed counts, TTFT and TBT p50/p90/p99,
+output tokens/s, the longest inter-token gap, the decode nodes' median step time and
+the gaps longer than 5x it. Then the highest rate with >= 90% within both SLOs per side
+and their ratio (pd / coupled). `--json` prints one object (`results`, `capacity`,
+`capacity_ratio`, `slo`, `config`); a PNG plots share-within-SLO against rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import itertools
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.measures import percentile
+from mooncaked.replay.runner import ReplayConfig, RequestRecord, discover_server, replay
+from mooncaked.replay.trace import TraceRequest, load_trace, shared_trace_path
+
+SIDES = ("pd", "coupled")
+PASS_SHARE = 0.9           # "capacity": the highest rate where this share meets both SLOs
+STALL_FACTOR = 5.0         # a gap over this x the decode nodes' median step is a stall
+
+
+def _gaps(r: RequestRecord) -> list[float]:
+    return [b - a for a, b in itertools.pairwise(r.token_times_s)]
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return round(percentile(xs, q), 4) if xs else None
+
+
+def summarize_rate(records: list[RequestRecord], wall_s: float, ttft_slo: float, tbt_slo: float,
+                   median_step_s: float | None) -> dict[str, Any]:
+    """The per-(rate, side) figures from one replay (see the module doc)."""
+    done = [r for r in records if r.ok]
+    ttfts = [r.ttft_s for r in done if r.ttft_s is not None]
+    tbts = [r.tbt_s for r in done if r.tbt_s is not None]
+    within = sum(1 for r in done if r.ttft_s is not None and r.ttft_s <= ttft_slo
+                 and (r.tbt_s is None or r.tbt_s <= tbt_slo))
+    gaps = [g for r in done for g in _gaps(r)]
+    out_tok = sum(r.output_tokens or 0 for r in done)
+    starts = [r.sent_s for r in records if r.sent_s is not None]
+    ends = [r.end_s for r in records if r.end_s is not None]
+    duration = (max(ends) - min(starts)) if starts and ends else wall_s
+    stall = STALL_FACTOR * median_step_s if median_step_s else None
+    return {
+        "requests": len(records), "completed": len(done),
+        "rejected": sum(1 for r in records if r.rejected),
+        "failed": sum(1 for r in records if not r.ok and not r.rejected),
+        "within_slo": within, "share_within_slo": round(within / len(records), 4) if records
+        else None,
+        "ttft_p50_s": _pct(ttfts, 50), "ttft_p90_s": _pct(ttfts, 90), "ttft_p99_s": _pct(ttfts, 99),
+        "tbt_p50_s": _pct(tbts, 50), "tbt_p90_s": _pct(tbts, 90), "tbt_p99_s": _pct(tbts, 99),
+        "output_tok_s": round(out_tok / duration, 3) if duration > 0 else None,
+        "longest_gap_s": round(max(gaps), 4) if gaps else None,
+        "median_step_s": round(median_step_s, 5) if median_step_s else None,
+        "gaps_over_5x_step": sum(1 for g in gaps if g > stall) if stall else None,
+        "duration_s": round(duration, 2),
+        "errors": sorted({(r.error or "")[:160] for r in records if r.error and not r.rejected})[:3],
+    }
+
+
+def capacity(results: list[dict[str, Any]], side: str) -> float | None:
+    """The highest rate (req/s) at which >= PASS_SHARE of `side`'s requests met both SLOs
+    (None when none did)."""
+    ok = [r["rate"] for r in results if r["side"] == side
+          and (r["share_within_slo"] or 0) >= PASS_SHARE]
+    return max(ok) if ok else None
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def _wait_health(url: str, proc: subprocess.Popen, log: Path, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"process exited: {log.read_text()[-2000:]}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{url} not ready in {timeout_s} s")
+        time.sleep(0.25)    # poll interval; readiness is /health
+
+
+def _step_sum_count(url: str, kind: str = "decode") -> tuple[float, float]:
+    """(sum, count) of mooncaked_engine_step_seconds{kind} from a node's /metrics."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    s = c = 0.0
+    for line in text.splitlines():
+        if line.startswith(f'mooncaked_engine_step_seconds_sum{{kind="{kind}"}}'):
+            s = float(line.split()[-1])
+        elif line.startswith(f'mooncaked_engine_step_seconds_count{{kind="{kind}"}}'):
+            c = float(line.split()[-1])
+    return s, c
+
+
+def _one(url: str, model: str, prompt: list[int], max_tokens: int, salt: str) -> float:
+    """Sends one streamed request; returns its TTFT (s)."""
+    body = orjson.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens,
+                         "ignore_eos": True, "stream": True, "temperature": 0,
+                         "cache_salt": salt})
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, method="POST",
+                                 headers={"Content-Type": "application/json"})
+    t0 = time.perf_counter()
+    ttft = None
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for line in r:
+            if ttft is None and line.startswith(b"data: {"):
+                ttft = time.perf_counter() - t0
+    if ttft is None:
+        raise RuntimeError("calibration request returned no token")
+    return ttft
+
+
+def calibrate(args: argparse.Namespace, work: Path, prompt_tokens: int) -> dict[str, float]:
+    """Unloaded TTFT of a prompt of `prompt_tokens` tokens and unloaded decode step time, on
+    one `--role all` process with the benchmark's threads and KV size."""
+    port = free_port()
+    exe = Path(sys.executable).parent / "mooncaked"
+    log = work / "calibrate.log"
+    sets = [x for k, v in _engine_settings(args).items() for x in ("--set", f"{k}={v}")]
+    with log.open("wb") as f:
+        proc = subprocess.Popen([str(exe), "serve", "--role", "all", "--port", str(port),
+                                 "--log-level", "warning", *sets], stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_health(url, proc, log, 300)
+        info = asyncio.run(discover_server(url))
+        rng = random.Random(1)
+        vocab = info["vocab_size"] or 49152
+        ttfts, steps = [], []
+        for i in range(3):            # the first warms up
+            prompt = [rng.randrange(1000, vocab) for _ in range(prompt_tokens)]
+            s0, c0 = _step_sum_count(url)
+            ttfts.append(_one(url, info["model"], prompt, 16, f"calibrate-{i}"))
+            s1, c1 = _step_sum_count(url)
+            if c1 > c0:
+                steps.append((s1 - s0) / (c1 - c0))
+        return {"unloaded_ttft_s": statistics.median(ttfts[1:]),
+                "unloaded_step_s": statistics.median(steps[1:] or steps)}
+    finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def _engine_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {"engine.kv_cache_bytes": args.kv_cache_bytes, "model.num_threads": args.threads,
+            "server.request_timeout_s": args.timeout}
+
+
+def _nodes(side: str) -> list[NodeSpec]:
+    if side == "pd":
+        return [NodeSpec("cache", "c0"), NodeSpec("prefill", "p0"), NodeSpec("decode", "d0")]
+    return [NodeSpec("cache", "c0"), *(NodeSpec("all", f"a{i}", settings={"cluster.coupled": True})
+                                       for i in range(2))]
+
+
+def _median_step(cl: LocalCluster, side: str) -> float | None:
+    """Median recent decode step (s) of the side's decode or coupled nodes (node.status)."""
+    meds = []
+    for nid in (["d0"] if side == "pd" else ["a0", "a1"]):
+        try:
+            st = control_call(cl.control(nid), "node.status", timeout_s=10)
+        except (OSError, RuntimeError):
+            continue
+        p50 = st["stalls"]["step"]["decode"]["p50_s"]
+        if p50:
+            meds.append(p50)
+    return statistics.median(meds) if meds else None
+
+
+def _loop_stats(cl: LocalCluster) -> dict[str, Any]:
+    """Per node: event-loop lag p99 / max and (front end) relay delay p50 / p99, seconds,
+    over each node's recent window (node.status "stalls")."""
+    out = {}
+    for nid in cl.nodes:
+        try:
+            st = control_call(cl.control(nid), "node.status", timeout_s=10)["stalls"]
+        except (OSError, RuntimeError, KeyError):
+            continue
+        lag, rel = st["loop_lag"], st["relay_delay"]
+        out[nid] = {"loop_lag_p99_s": lag["p99_s"], "loop_lag_max_s": lag["max_s"]}
+        if rel["count"]:
+            out[nid].update(relay_p50_s=rel["p50_s"], relay_p99_s=rel["p99_s"])
+    return out
+
+
+def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[TraceRequest],
+             rates: list[float], slo: dict[str, float], log: Any) -> list[dict[str, Any]]:
+    """Starts one side, replays the slice at every rate, stops it; one result per rate."""
+    settings = {**_engine_settings(args), "conductor.ttft_slo_s": slo["ttft_slo_s"],
+                "conductor.tbt_slo_s": slo["tbt_slo_s"], "store.dram_bytes": args.kv_cache_bytes,
+                "cluster.stream_idle_timeout_s": max(15.0, 3 * slo["ttft_slo_s"])}
+    nodes = _nodes(side)
+    cl = LocalCluster(work / side, nodes, settings=settings, log_level="warning")
+    out = []
+    try:
+        cl.start_backend()
+        cl.start_node("c0")                   # first: it leads (runs the conductor)
+        cl.wait_ready(300, nodes=["c0"])
+        for n in nodes[1:]:
+            cl.start_node(n.node_id)
+        cl.wait_ready(600)
+        url = cl.api_url("c0")
+        info = asyncio.run(discover_server(url))
+        vocab = info["vocab_size"] or 49152
+        # warm-up: one request through the whole path (not counted)
+        _one(url, info["model"], [1000 + i for i in range(32)], 4, f"warmup-{side}")
+        for k, rate in enumerate(rates):
+            rng = random.Random(args.seed + k)
+            t, timed = 0.0, []
+            for r in requests:
+                timed.append(dataclasses.replace(r, timestamp_ms=t * 1000.0))
+                t += rng.expovariate(rate)
+            cfg = ReplayConfig(url=url, model=info["model"], vocab_size=vocab,
+                               length_scale=args.length_scale,
+                               max_output_tokens=args.max_output_tokens,
+                               timeout_s=args.timeout, cache_salt=f"rate-{k}")
+            records, wall = asyncio.run(replay(cfg, timed))
+            res = {"rate": round(rate, 4), "side": side,
+                   **summarize_rate(records, wall, slo["ttft_slo_s"], slo["tbt_slo_s"],
+                                    _median_step(cl, side)),
+                   "loop": _loop_stats(cl)}
+            out.append(res)
+            log(f"{side:8s} rate {rate:.3f}/s: {res['share_within_slo']:.0%} within SLO, "
+                f"rejected {res['rejected']}, failed {res['failed']}, TBT p90 "
+                f"{res['tbt_p90_s']}, longest gap {res['longest_gap_s']}")
+            if args.records:
+                with args.records.open("ab") as f:
+                    for r in records:
+                        f.write(orjson.dumps({"side": side, "rate": rate, **r.to_dict()}) + b"\n")
+    finally:
+        cl.stop()
+    return out
+
+
+def write_plot(path: Path, results: list[dict[str, Any]], slo: dict[str, float]) -> None:
+    """share-within-SLO against rate, one line per side (matplotlib, Agg)."""
+    import matplotlib  # noqa: PLC0415  (optional dependency: only the plot needs it)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    labels = {"pd": "1 prefill + 1 decode", "coupled": "2 coupled (role all)"}
+    for side in SIDES:
+        rs = sorted((r for r in results if r["side"] == side), key=lambda r: r["rate"])
+        if rs:
+            ax.plot([r["rate"] for r in rs], [r["share_within_slo"] for r in rs], marker="o",
+                    label=labels[side])
+    ax.axhline(PASS_SHARE, color="grey", linestyle="--", linewidth=0.8)
+    ax.set_xlabel("arrival rate (requests/s)")
+    ax.set_ylabel("share within TTFT and TBT SLOs")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(f"TTFT <= {slo['ttft_slo_s']:.2f} s, TBT <= {slo['tbt_slo_s']:.3f} s")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parser() -> argparse.ArgumentParser:
+    """The benchmark's options (shared by `mooncake bench capacity`)."""
+    ap = argparse.ArgumentParser(prog="mooncake bench capacity",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("trace", type=Path, nargs="?", default=shared_trace_path())
+    ap.add_argument("--offset", type=int, default=0, help="first request of the slice")
+    ap.add_argument("--limit", type=int, default=10, help="requests in the slice")
+    ap.add_argument("--length-scale", type=float, default=32.0,
+                    help="divide block, input and output lengths by this (as bench trace)")
+    ap.add_argument("--max-output-tokens", type=int, default=32)
+    ap.add_argument("--rates", type=float, nargs="*", default=None,
+                    help="arrival rates, requests/s (default: --rate-fractions of 1/unloaded TTFT)")
+    ap.add_argument("--rate-fractions", type=float, nargs="*",
+                    default=[0.25, 0.5, 1.0, 1.5, 2.0])
+    ap.add_argument("--ttft-mult", type=float, default=10.0,
+                    help="TTFT SLO = this x the unloaded TTFT of the slice's median prompt")
+    ap.add_argument("--tbt-mult", type=float, default=5.0,
+                    help="TBT SLO = this x the unloaded decode step time")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (skips calibration "
+                    "with --tbt-slo)")
+    ap.add_argument("--tbt-slo", type=float, default=None, help="seconds")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per model node")
+    ap.add_argument("--kv-cache-bytes", type=int, default=128 << 20)
+    ap.add_argument("--timeout", type=float, default=300.0, help="per request, s")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sides", nargs="*", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--out", type=Path, default=Path("capacity-out"),
+                    help="directory for capacity.json and capacity.png")
+    ap.add_argument("--records", type=Path, default=None,
+                    help="append every request's record here (JSON lines)")
+    ap.add_argument("--json", action="store_true")
+    return ap
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Calibrates, runs both sides, returns the result object (see the module doc)."""
+    t_start = time.monotonic()
+    all_reqs = load_trace(args.trace, args.offset + args.limit)
+    requests = all_reqs[args.offset:args.offset + args.limit]
+    if not requests:
+        raise ValueError("the slice is empty")
+    log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
+    from mooncaked.replay.prompts import scale_length  # noqa: PLC0415
+
+    median_in = int(statistics.median(scale_length(r.input_length, args.length_scale)
+                                      for r in requests))
+    with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
+        work = Path(tmp)
+        if args.ttft_slo and args.tbt_slo:
+            cal: dict[str, Any] = {"unloaded_ttft_s": None, "unloaded_step_s": None}
+        else:
+            cal = calibrate(args, work, median_in)
+            log(f"unloaded: TTFT {cal['unloaded_ttft_s']:.3f} s ({median_in} tokens), decode "
+                f"step {cal['unloaded_step_s'] * 1e3:.1f} ms")
+        slo = {"ttft_slo_s": args.ttft_slo or args.ttft_mult * cal["unloaded_ttft_s"],
+               "tbt_slo_s": args.tbt_slo or args.tbt_mult * cal["unloaded_step_s"], **cal,
+               "median_prompt_tokens": median_in}
+        rates = args.rates or [round(f / (cal["unloaded_ttft_s"] or 1.0), 4)
+                               for f in args.rate_fractions]
+        log(f"SLOs: TTFT <= {slo['ttft_slo_s']:.3f} s, TBT <= {slo['tbt_slo_s']:.4f} s; "
+            f"rates {rates} req/s")
+        results = []
+        for side in args.sides:
+            results += run_side(side, args, work, requests, rates, slo, log)
+    cap = {s: capacity(results, s) for s in args.sides}
+    ratio = (cap["pd"] / cap["coupled"]) if cap.get("pd") and cap.get("coupled") else None
+    both = [r["rate"] for r in results if r["side"] == "pd"
+            and (r["share_within_slo"] or 0) >= PASS_SHARE
+            and any(c["rate"] == r["rate"] and (c["share_within_slo"] or 0) >= PASS_SHARE
+                    for c in results if c["side"] == "coupled")]
+    tbt_ok = all((p["tbt_p90_s"] or 0) <= (c["tbt_p90_s"] or 0)
+                 for p in results if p["side"] == "pd" and p["rate"] in both
+                 for c in results if c["side"] == "coupled" and c["rate"] == p["rate"])
+    upto = cap.get("pd") or 0
+    stalls = sum(r["gaps_over_5x_step"] or 0 for r in results
+                 if r["side"] == "pd" and r["rate"] <= upto)
+    # a side that still passes at the highest rate swept has at least that capacity
+    censored = {s: cap.get(s) is not None and cap[s] >= max(rates) for s in args.sides}
+    out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+           "slo": slo, "rates": rates, "results": results, "capacity": cap,
+           "capacity_at_least": censored,
+           "capacity_ratio": round(ratio, 3) if ratio else None,
+           # coupled met the SLOs at no rate swept: its capacity is below the lowest rate
+           "capacity_ratio_lower_bound": round(cap["pd"] / min(rates), 3)
+           if cap.get("pd") and "coupled" in cap and cap["coupled"] is None else None,
+           "targets": {"capacity_ratio_ge_1_2": bool(ratio and ratio >= 1.2),
+                       "pd_gaps_over_5x_step_up_to_capacity": stalls,
+                       "pd_tbt_p90_le_coupled_where_both_pass": tbt_ok,
+                       "nothing_hangs": all(r["completed"] + r["rejected"] + r["failed"]
+                                            == r["requests"] for r in results)},
+           "wall_s": round(time.monotonic() - t_start, 1)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "capacity.json").write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+    try:
+        write_plot(args.out / "capacity.png", results, slo)
+    except ImportError:
+        log("matplotlib missing: no plot")
+    return out
+
+
+def render(out: dict[str, Any]) -> None:
+    """A table per side (rich)."""
+    from rich.console import Console  # noqa: PLC0415
+    from rich.table import Table  # noqa: PLC0415
+
+    cols = ("rate", "side", "share_within_slo", "rejected", "failed", "ttft_p50_s", "ttft_p90_s",
+            "ttft_p99_s", "tbt_p50_s", "tbt_p90_s", "tbt_p99_s", "output_tok_s",
+            "longest_gap_s", "median_step_s", "gaps_over_5x_step")
+    t = Table(title=f"effective request capacity: TTFT <= {out['slo']['ttft_slo_s']:.2f} s, "
+                    f"TBT <= {out['slo']['tbt_slo_s']:.3f} s")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in sorted(out["results"], key=lambda r: (r["rate"], r["side"])):
+        t.add_row(*("-" if r.get(c) is None else f"{r[c]:.4g}" if isinstance(r[c], float)
+                    else str(r[c]) for c in cols))
+    Console(width=240).print(t)
+    print(f"capacity (req/s at >= 90% within SLO): {out['capacity']} (a lower bound where "
+          f"{out['capacity_at_least']}); ratio pd/coupled "
+          f"{out['capacity_ratio']}; targets {out['targets']}; {out['wall_s']} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; returns the exit code."""
+    args = parser().parse_args(argv)
+    out = run(args)
+    if args.json:
+        sys.stdout.write(orjson.dumps(out).decode() + "\n")
+    else:
+        render(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

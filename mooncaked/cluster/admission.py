@@ -1,0 +1,81 @@
+"""Node-side TBT admission (Mooncake section 6 / Algorithm 1 step 4, at the decode node).
+
+The conductor rejects a request whose predicted TBT breaks `conductor.tbt_slo_s`, but
+it predicts from reports up to `cluster.report_interval_s` old. The decode node (or a
+coupled node) checks again when the request arrives, with its live batch: it refuses
+(HTTP 429 with Retry-After, the reason in the body) when its predicted step time with
+the request exceeds the TBT SLO.
+
+Both sides predict the same way: `step_with_request_s(cost, batch, context, prompt)` =
+`cost.decode_step_s(batch + 1, context + prompt)` over the same cost model (the file
+`mooncaked profile` wrote, or the default), refitted by the same `CostModelRefitter`
+from the same timed decode steps (the node feeds it the steps it reports to the
+conductor). With one decode node the two models are identical; with several, the
+conductor's refit also sees the other nodes' steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+from mooncaked.conductor.cost_model import CostModel
+from mooncaked.conductor.refit import CostModelRefitter
+from mooncaked.config import Settings
+
+
+def step_with_request_s(cost: CostModel, batch: int, context_tokens: float,
+                        prompt_tokens: float) -> float:
+    """Predicted decode step time (seconds) of a node running `batch` requests holding
+    `context_tokens` KV tokens once it admits one more with `prompt_tokens` tokens: the
+    request's predicted TBT (what `policy.place` checks against the SLO)."""
+    return cost.decode_step_s(batch + 1, context_tokens + prompt_tokens)
+
+
+class DecodeAdmission:
+    """The TBT check of one decode (or coupled) node (see the module doc).
+
+    Args:
+        settings: conductor.tbt_slo_s, min_retry_after_s, cost_model, refit_cost_model.
+        kv_bytes_per_token: of this node's engine (for the default cost model).
+    """
+
+    def __init__(self, settings: Settings, kv_bytes_per_token: int):
+        self.slo_s = settings.conductor.tbt_slo_s
+        self.retry_after_s = settings.conductor.min_retry_after_s
+        self._settings, self._kvb = settings, kv_bytes_per_token
+        self.model = CostModelRefitter(settings, None)
+        self.refused = 0
+
+    def _cost(self) -> CostModel:
+        if self.model.cost is None:
+            from mooncaked.conductor.service import load_cost_model  # noqa: PLC0415 - cycle
+            self.model.cost = load_cost_model(self._settings, self._kvb)
+        return self.model.cost
+
+    def observe(self, steps: Iterable[tuple[int, int, float]]) -> None:
+        """Folds in timed decode steps (batch size, context tokens, seconds)."""
+        if not math.isfinite(self.slo_s):
+            return
+        self._cost()
+        for b, c, s in steps:
+            self.model.observe_step(b, c, s)
+
+    def check(self, batch: int, context_tokens: int, prompt_tokens: int) -> dict[str, Any] | None:
+        """None when the request may be admitted; else the refusal: {"error", "reason":
+        "tbt_slo", "predicted_tbt_s", "tbt_slo_s", "retry_after_s"}."""
+        if not math.isfinite(self.slo_s):
+            return None
+        tbt = step_with_request_s(self._cost(), batch, context_tokens, prompt_tokens)
+        if tbt <= self.slo_s:
+            return None
+        self.refused += 1
+        return {"error": f"decode node at its TBT budget: predicted step time {tbt:.3f} s with "
+                         f"this request ({batch + 1} requests, {context_tokens + prompt_tokens} "
+                         f"context tokens) exceeds the TBT SLO {self.slo_s:.3f} s",
+                "reason": "tbt_slo", "predicted_tbt_s": tbt, "tbt_slo_s": self.slo_s,
+                "retry_after_s": self.retry_after_s}
+
+
+__all__ = ["DecodeAdmission", "step_with_request_s"]
