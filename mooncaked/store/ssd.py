@@ -20,7 +20,12 @@ is reused in place. The header table is the persistent index: a restart reads
 it in one sequential read (64 bytes per slot) and serves the blocks again.
 
 Atomicity and integrity without temp files: a block is written payload first,
-header last, and is indexed in memory only after both writes; a slot is reused
+header last, and is indexed in memory only after both writes. A batch writes
+its payloads in parallel, then its headers in batch order from one thread, so
+a crash part-way leaves a head of the batch readable, never only its tail (the
+store passes a prefix's blocks head first). The header table is preallocated
+at open, so a full disk fails payload writes, never the header of a block
+whose payload was written. A slot is reused
 only when no reader pins it, and its old header is zeroed before the new
 payload is written. After a crash (no fsync by default: this is a cache) a
 slot may hold any mix of old and new bytes, so every read checks the payload
@@ -57,7 +62,7 @@ from mooncaked.log import get_logger
 from mooncaked.utils import cdiv
 
 from .slots import SlotIndex, SlotTier
-from .types import StoreError
+from .types import NO_ROOM, StoreError
 
 log = get_logger(__name__)
 
@@ -219,6 +224,11 @@ class SsdTier(SlotTier):
         if self._data_fd < 0 and self._idx_fd >= 0:
             os.close(self._idx_fd)
             self._idx_fd = -1
+        if self._idx_fd >= 0 and not self.error and self.num_slots:
+            try:  # every header has its bytes: a full disk fails payloads, not headers
+                os.posix_fallocate(self._idx_fd, 0, self.num_slots * HEADER_BYTES)
+            except OSError as e:
+                log.warning("ssd_index_preallocate_failed", reason=errno_reason(e))
 
     def _read_index(self) -> list[bytes]:
         raw = b""
@@ -289,20 +299,37 @@ class SsdTier(SlotTier):
 
     # ------------------------------------------------------------------ I/O
 
-    def _write_job(self, slot: int, reused: bool, key: bytes, payload: np.ndarray
-                   ) -> tuple[int, int]:
+    def _write_payload(self, slot: int, reused: bool, payload: np.ndarray) -> tuple[int, int]:
+        """Writes one block's payload into its slot (zeroing a reused slot's old header
+        first); returns its (checksum kind, value). Raises OSError."""
         view = memoryview(payload).cast("B")
         if reused:  # a crash must not leave the old header over new bytes
             os.pwrite(self._idx_fd, _ZERO_HEADER, slot * HEADER_BYTES)
         csum = (CSUM_KIND, checksum(CSUM_KIND, view))
         _pwrite_all(self._data_fd, view, slot * self.slot_bytes)
-        if self.fsync:
-            os.fdatasync(self._data_fd)
-        header = pack_header(key, len(view), csum, time.time_ns())
-        os.pwrite(self._idx_fd, header, slot * HEADER_BYTES)
-        if self.fsync:
-            os.fdatasync(self._idx_fd)
         return csum
+
+    def _write_headers(self, items: list[tuple[int, bytes]]) -> list[OSError | None]:
+        """Runs in one I/O thread: writes (slot, header) in order, after the payloads
+        (fdatasync'd first when `fsync`); per item None or the OSError."""
+        out: list[OSError | None] = []
+        if self.fsync and items:
+            try:
+                os.fdatasync(self._data_fd)
+            except OSError as e:
+                return [e] * len(items)
+        for slot, header in items:
+            try:
+                os.pwrite(self._idx_fd, header, slot * HEADER_BYTES)
+                out.append(None)
+            except OSError as e:
+                out.append(e)
+        if self.fsync and items:
+            try:
+                os.fdatasync(self._idx_fd)
+            except OSError as e:
+                out = [e] * len(items)
+        return out
 
     def _read_job(self, slot: int, csum: tuple[int, int], dst: memoryview) -> tuple[str, str]:
         got, off = 0, slot * self.slot_bytes
@@ -319,11 +346,11 @@ class SsdTier(SlotTier):
         return OK, ""
 
     def _write_chunk(self, items: list[tuple[int, int, bool, bytes, np.ndarray]]) -> list:
-        """Runs in one I/O thread: writes several blocks; per item its checksum or OSError."""
+        """Runs in one I/O thread: writes several payloads; per item its checksum or OSError."""
         out = []
-        for _i, slot, reused, key, payload in items:
+        for _i, slot, reused, _key, payload in items:
             try:
-                out.append(self._write_job(slot, reused, key, payload))
+                out.append(self._write_payload(slot, reused, payload))
             except OSError as e:
                 out.append(e)
         return out
@@ -371,12 +398,19 @@ class SsdTier(SlotTier):
             else:
                 taken = self._take_slot()
                 if taken is None:
-                    reasons[i] = "SSD tier full of pinned blocks" if self.num_slots else \
-                        "SSD tier has no slots"
+                    reasons[i] = f"{NO_ROOM}: SSD tier full ({self.num_slots} slots, none " \
+                        "evictable: pinned, or this batch's)"
                 else:
                     jobs.append((i, taken[0], taken[1], key, payload))
         results = await self._run_chunked(self._write_chunk, jobs)
+        now = time.time_ns()
+        headers = [(slot, pack_header(key, self.block_bytes, res, now))
+                   for (_i, slot, _r, key, _p), res in zip(jobs, results)
+                   if not isinstance(res, OSError)]
+        header_errors = iter(await self._run(self._write_headers, headers) if headers else [])
         for (i, slot, _reused, key, _payload), res in zip(jobs, results):
+            if not isinstance(res, OSError):
+                res = next(header_errors) or res
             if isinstance(res, OSError):
                 self.index.free(slot)
                 reasons[i] = errno_reason(res)
