@@ -147,6 +147,10 @@ class ClusterSettings:
                                         "all of it after the prefill.")
     drain_timeout_s: float = opt(30.0, "On SIGTERM a node takes no new requests and waits this "
                                        "long for running ones before exiting, seconds.", min=0.0)
+    placement_wait_s: float = opt(5.0, "A request that finds no conductor (no leader, or it "
+                                       "does not answer) waits at most this long for one, "
+                                       "then gets 503 with Retry-After, seconds.",
+                                  min=0.0, max=3600.0)
 
 
 @dataclass

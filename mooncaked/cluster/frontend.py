@@ -68,6 +68,7 @@ class FrontendPort(Protocol):
     settings: Any
     tokenizer: Any
     leader_id: str | None
+    members: dict                # node id -> coord_records.Member (its info has "role")
 
     def model_info(self) -> dict | None: ...
     def max_model_len(self) -> int | None: ...
@@ -151,6 +152,21 @@ class ClusterFrontend:
         """Largest top_logprobs a request may ask for."""
         return self.port.settings.engine.max_logprobs
 
+    def not_ready(self) -> str | None:
+        """Why this node cannot serve a request end to end now, or None when it can: it
+        must have joined, see a conductor (leader), and see a prefill and a decode node
+        (api/health.py answers /health with it)."""
+        port = self.port
+        if not port.members:
+            return "this node has not joined the cluster yet"
+        if port.leader_id is None:
+            return "no conductor (leader) has been elected yet"
+        roles = {m.info.get("role") for m in port.members.values()}
+        missing = [r for r in ("prefill", "decode") if r not in roles]
+        if missing:
+            return f"no {' and no '.join(missing)} node has joined the cluster"
+        return None
+
     def abort(self, request_id: str) -> None:
         """No-op: closing the `generate` iterator cancels the remote calls, which aborts the
         request on the prefill and decode nodes."""
@@ -182,17 +198,26 @@ class ClusterFrontend:
         return block_keys(prompt, int(m["block_size"]), salt)
 
     async def _place(self, req: PlaceRequest, deadline: float) -> PlaceReply:
-        """conductor.place on the leader, waiting for a leader while there is none.
-        Raises Overloaded, or ApiError 503."""
+        """conductor.place on the leader, waiting for a leader while there is none, at
+        most cluster.placement_wait_s (and the request's `deadline`).
+        Raises Overloaded, or ApiError 503 (with Retry-After when no conductor placed it)."""
         from mooncaked.conductor.service import NotLeader  # noqa: PLC0415
 
-        timeout = self.port.settings.cluster.rpc_timeout_s
+        cs = self.port.settings.cluster
+        timeout = cs.rpc_timeout_s
+        # Without a conductor, wait a bounded while (an election takes about a lease
+        # time), not the request's whole time: then 503 and Retry-After.
+        wait_s = cs.placement_wait_s
+        deadline = min(deadline, time.monotonic() + wait_s)
         last = "no conductor has been elected"
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ApiError(503, f"no placement within the request's time: {last}",
+                err = ApiError(503, f"no conductor placed the request within {wait_s:g} s "
+                               f"(cluster.placement_wait_s): {last}",
                                type="server_error", code="no_conductor")
+                err.headers = {"Retry-After": str(max(1, math.ceil(cs.lease_ttl_s)))}
+                raise err
             try:
                 r = await self.port.place(req, min(remaining, timeout))
             except NotLeader as e:
