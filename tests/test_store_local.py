@@ -311,7 +311,7 @@ def test_random_concurrent_ops_never_return_wrong_bytes(tmp_path):
                     assert all(st.exists(k) for k in lease.keys)
                 if len(leases) > 3:
                     st.release(leases.pop(0))
-            while st.tiers.background:
+            while st.tiers.background or st.tiers.flushing:  # promotions, write-through
                 await asyncio.sleep(0.01)
             # Slot accounting: every indexed slot distinct, counts match.
             dram_slots = [st.dram.slot_of(k) for k in st.dram.keys()]

@@ -120,6 +120,11 @@ class Tiers:
             self._flusher = asyncio.get_running_loop().create_task(self.flush())
 
     @property
+    def flushing(self) -> bool:
+        """True while the background write-through task runs (its slots are reserved)."""
+        return self._flusher is not None and not self._flusher.done()
+
+    @property
     def dirty(self) -> int:
         """DRAM blocks queued for the SSD tier and not written yet (blocks)."""
         return len(self._dirty)
