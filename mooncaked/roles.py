@@ -4,8 +4,9 @@
 role never reads (the `all` role has no coordinator, transfer engine or
 conductor; a `cache` node runs no engine) would otherwise be silently ignored.
 `unused_settings` lists the keys set away from their defaults in such sections;
-the daemon logs them at start (`settings_unused`). Every role that holds KV
-(`all`, `prefill`, `decode`) lends it to its `[store]` as configured.
+the daemon logs them at start (`settings_unused`). The `all` and `prefill` roles
+offload finished requests' KV into their `[store]` as configured; `decode` does
+with `store.decode_offload`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ UNUSED_SECTIONS: dict[str, tuple[str, ...]] = {
 """Sections of Settings that a role never reads."""
 
 STORE_ROLES = ("all", "prefill", "decode")
-"""Roles whose engine offloads finished requests' KV blocks into the node's store."""
+"""Roles whose engine offloads finished requests' KV blocks into the node's store
+(decode only with store.decode_offload)."""
 
 
 def unused_settings(settings: Settings) -> list[str]:

@@ -233,7 +233,8 @@ class ClusterNode:
         await self.transfer.start()
         if self.engine is not None:
             await self._start_store(self.engine.kv_geometry().block_bytes)
-            self.engine.attach_store(self.store)  # prefill and decode offload (roles.py)
+            offload = self.role == "prefill" or self.settings.store.decode_offload
+            self.engine.attach_store(self.store if offload else None)
         is_draining = lambda: self.draining  # noqa: E731
         if self.role == "prefill":
             self.prefill = PrefillWorker(self.node_id, control_addr, self.settings, self.engine,
