@@ -88,16 +88,22 @@ def _print_json(obj: Any) -> None:
     sys.stdout.write(orjson.dumps(obj, option=orjson.OPT_INDENT_2, default=str).decode() + "\n")
 
 
+PIPED_WIDTH = 100_000  # columns of a piped table: wide enough never to wrap a row
+
+
 def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
+    # On a terminal the table fits its width (long cells fold); piped or redirected it takes
+    # its natural width, one line per row, so URLs and ids are never split mid-word.
+    piped = not sys.stdout.isatty()
     t = Table(title=title, title_justify="left")
     for c in columns:
-        t.add_column(c, overflow="fold")
+        t.add_column(c, overflow="fold", no_wrap=piped)
     for r in rows:
         t.add_row(*["-" if v is None else str(v) for v in r])
-    Console().print(t)
+    Console(width=PIPED_WIDTH if piped else None).print(t)
 
 
 def _health(n: dict) -> str:

@@ -72,6 +72,8 @@ def up(
         for n in nodes:
             typer.echo(f"  {n.node_id:10s} {n.role:8s} {cluster.api_url(n.node_id)}  "
                        f"log {cluster.log_path(n.node_id)}")
+        typer.echo("every node above serves the same API (any one may die; the others "
+                   "keep answering, and a new conductor is elected)")
         typer.echo(f"inspect: mooncake ctl status -c {ctl}")
         typer.echo("Ctrl-C stops the cluster.")
         dead: set[str] = set()

@@ -174,6 +174,10 @@ class ClusterSettings:
     coupled: bool = opt(False, "Role all only: join the cluster as a coupled node (prefill and "
                                "decode in one engine, vLLM-style), placed on the node with the "
                                "least queued prefill work (`mooncake up --coupled N`).")
+    placement_wait_s: float = opt(5.0, "A request that finds no conductor (no leader, or it "
+                                       "does not answer) waits at most this long for one, "
+                                       "then gets 503 with Retry-After, seconds.",
+                                  min=0.0, max=3600.0)
 
 
 @dataclass
@@ -231,6 +235,10 @@ class StoreSettings:
     event_interval_ms: float = opt(50.0, "Longest delay of a stored/evicted event before it is "
                                          "delivered to the global index, milliseconds.", min=0.1)
     event_max_keys: int = opt(1024, "Pending event keys that trigger an immediate delivery.", min=1)
+    decode_offload: bool = opt(False, "A decode node also puts finished requests' blocks "
+                                      "(prompt and output) into its store, for the next turn "
+                                      "of a conversation; they then count as holders for "
+                                      "placement and hot-block replication.")
 
 
 @dataclass

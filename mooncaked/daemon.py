@@ -2,8 +2,8 @@
 
 `run_daemon(settings)` runs a uvloop event loop until SIGTERM or SIGINT.
 
-Role `all` (the single-machine default) is one process with engine and API and no
-coordinator: on a signal it stops accepting connections, reports /health 503,
+Role `all` (the single-machine default) is one process with engine, KV store (as
+`[store]` configures it) and API and no coordinator: on a signal it stops accepting connections, reports /health 503,
 gives in-flight requests a short grace period, aborts what is left (the engine
 frees their KV blocks), stops the engine and exits 0.
 
@@ -90,18 +90,26 @@ async def _serve(settings: Settings, stop: Shutdown) -> int:
     from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
     from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
     from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
+    from mooncaked.store import BlockStore, StoreError  # noqa: PLC0415
 
     stop.bind()
-    if settings.store != type(settings.store)():
-        # The single-process role keeps KV in its device pages only (no store yet).
-        log.warning("store_settings_unused", role="all",
-                    reason="the all role attaches no KV store; [store] applies to cluster roles")
     # Loading takes seconds and blocks the loop; a signal meanwhile is handled right after.
     try:
         engine = AsyncLLM.from_settings(settings)
     except (ModelLoadError, OSError, ValueError) as e:
         log.error("model_load_failed", path=settings.model.path or "<bundled>", error=str(e))
         return 1
+    # The node's KV store, as configured: finished requests' blocks (prompt and output)
+    # go to DRAM and, with store.ssd_bytes, to the SSD tier, which outlives a restart.
+    store = None
+    if settings.store.dram_bytes or settings.store.ssd_bytes:
+        try:
+            store = await BlockStore.from_settings(
+                settings, engine.kv_geometry().block_bytes, "local").start()
+        except (StoreError, OSError, ValueError) as e:
+            log.error("store_start_failed", error=str(e))
+            return 1
+        engine.attach_store(store)
     await engine.start()
     runner: web.AppRunner | None = None
     try:
@@ -123,6 +131,8 @@ async def _serve(settings: Settings, stop: Shutdown) -> int:
         if runner is not None:
             await runner.cleanup()   # closes listeners, waits the grace period, cancels the rest
         await engine.stop()
+        if store is not None:
+            await store.close()      # persists DRAM blocks to the SSD tier (tiering.py)
     log.info("stopped")
     return 0
 
@@ -230,6 +240,11 @@ def run_daemon(settings: Settings) -> int:
     # Installed before anything is logged or loaded, so a signal during start-up counts.
     stop = Shutdown(bound).install()
     setup_logging(settings.log.level, settings.log.format)
+    from mooncaked.roles import unused_settings  # noqa: PLC0415
+    unused = unused_settings(settings)
+    if unused:
+        log.warning("settings_unused", role=settings.node.role, keys=unused,
+                    reason=f"the {settings.node.role} role does not read these settings")
     main = _serve_cluster(settings, stop) if cluster else _serve(settings, stop)
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         return runner.run(main)

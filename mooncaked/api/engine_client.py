@@ -40,6 +40,10 @@ class ApiTokenizer(Protocol):
         """Text of one token on its own (logprobs)."""
         ...
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (logprobs' `bytes`; may be part of a character)."""
+        ...
+
     def apply_chat_template(self, messages: list[dict[str, Any]],
                             add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a chat in the model's template. Raises InvalidRequest for empty

@@ -85,6 +85,7 @@ class GenerationRequest:
     cache_salt: str | None = None
     user: str | None = None
     extra: dict = field(default_factory=dict)
+    tokens_as_ids: bool = False    # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
 
 
 # ---------------------------------------------------------------------------- typed getters
@@ -279,7 +280,8 @@ def _common(body: dict, kind: str, engine: EngineInfo, prompts: list[Prompt],
     return GenerationRequest(
         kind=kind, model=engine.model_name, prompts=prompts, params=params, n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, cache_salt=cache_salt,
-        user=_str(body, "user", None))
+        user=_str(body, "user", None),
+        tokens_as_ids=_bool(body, "return_tokens_as_token_ids", False))
 
 
 def _check_length(p: Prompt, params: SamplingParams, engine: EngineInfo, param: str,

@@ -2,8 +2,8 @@
 an AsyncLLM in one process, a ClusterFrontend on a cluster node).
 
 Routes: POST /v1/completions, POST /v1/chat/completions (both streaming over SSE
-and not), GET /v1/models, GET /v1/models/{model}, GET /health, GET /metrics, and
-vLLM's POST /tokenize and /detokenize.
+and not), GET /v1/models, GET /v1/models/{model}, GET /health (readiness), GET /livez
+(liveness), GET /metrics, and vLLM's POST /tokenize and /detokenize.
 Response and chunk shapes follow the OpenAI API reference; `usage` carries
 `prompt_tokens_details.cached_tokens` (prompt tokens served from the prefix
 cache). Every error, including unknown routes (404), wrong methods (405) and
@@ -33,7 +33,9 @@ from mooncaked.engine.types import InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
 
 from . import sse
-from .engine_client import ApiTokenizer, EngineClient
+from .engine_client import EngineClient
+from .health import health_status, livez_status
+from .logprobs import TextOffset, chat_logprobs, completion_logprobs
 from .metrics import ApiMetrics
 from .node_metrics import attach as attach_node_metrics, node_metrics
 from .protocol import (ApiError, GenerationRequest, Prompt, check_model, error_body, parse_chat,
@@ -179,35 +181,6 @@ class _Run:
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-# ---------------------------------------------------------------------------- logprobs
-
-
-def _completion_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer, offset: int) -> tuple[dict, int]:
-    """OpenAI completions logprobs {tokens, token_logprobs, top_logprobs, text_offset};
-    returns it and the text offset after these tokens."""
-    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for lp in lps:
-        text = tok.token_text(lp.token_id)
-        top = {tok.token_text(t): v for t, v in lp.top}
-        top.setdefault(text, lp.logprob)      # as vLLM: the sampled token is always listed
-        out["tokens"].append(text)
-        out["token_logprobs"].append(lp.logprob)
-        out["top_logprobs"].append(top)
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out, offset
-
-
-def _chat_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer) -> dict:
-    """OpenAI chat logprobs {"content": [{token, logprob, bytes, top_logprobs}]}."""
-    def entry(token_id: int, logprob: float) -> dict:
-        text = tok.token_text(token_id)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(lp.token_id, lp.logprob),
-                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
-
-
 # ---------------------------------------------------------------------------- the server
 
 
@@ -238,13 +211,24 @@ class ApiServer:
     # ------------------------------------------------------------------ small routes
 
     async def health(self, request: web.Request) -> web.Response:
-        """GET /health: 200 {"status": "ok"} while serving, 503 while shutting down."""
+        """GET /health (readiness): 200 {"status": "ok"} when this node can serve a request
+        end to end, else 503 with a JSON reason. A cluster node's own state comes first
+        (cluster/health.py: draining, coordinator outage, no conductor), then whether its
+        engine can serve (api/health.py: the front end needs live prefill and decode nodes)."""
+        node_body: dict | None = None
         if self.health_check is not None:
-            status, body = self.health_check()
-            return json_response(body, status=status)
-        if self.draining:
-            return json_response({"status": "draining"}, status=503)
-        return json_response({"status": "ok"})
+            status, node_body = self.health_check()
+            if status != 200:
+                return json_response(node_body, status=status)
+        status, body = health_status(self.engine, self.draining)
+        if status == 200 and node_body is not None:
+            body = node_body
+        return json_response(body, status=status)
+
+    async def livez(self, request: web.Request) -> web.Response:
+        """GET /livez (liveness): 200 as soon as the process serves HTTP."""
+        status, body = livez_status()
+        return json_response(body, status=status)
 
     def _model_card(self) -> dict:
         return {"id": self.engine.model_name, "object": "model", "created": self.created,
@@ -340,14 +324,15 @@ class ApiServer:
         for c in run.choices:
             text = "".join(c.text)
             if req.kind == "chat":
-                lp = _chat_logprobs(c.logprobs, tok) if req.logprobs is not None else None
+                lp = (chat_logprobs(c.logprobs, tok, req.tokens_as_ids)
+                      if req.logprobs is not None else None)
                 choices.append({"index": c.index,
                                 "message": {"role": "assistant", "content": text},
                                 "logprobs": lp, "finish_reason": c.finish_reason,
                                 "stop_reason": c.stop_reason})
             else:
                 echo = c.prompt.text if req.echo else ""
-                lp = (_completion_logprobs(c.logprobs, tok, 0)[0]
+                lp = (completion_logprobs(c.logprobs, tok, TextOffset(), req.tokens_as_ids)
                       if req.logprobs is not None else None)
                 choices.append({"index": c.index, "text": echo + text, "logprobs": lp,
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
@@ -363,7 +348,7 @@ class ApiServer:
         if req.include_usage:
             base["usage"] = None        # OpenAI: every chunk has usage null but the last
         tok = self.engine.tokenizer
-        offsets = {c.index: 0 for c in run.choices}
+        offsets = {c.index: TextOffset() for c in run.choices}
         relayed = node_metrics().observe_relay
         echo_pending = {c.index: req.echo for c in run.choices}
 
@@ -375,14 +360,14 @@ class ApiServer:
             if req.kind == "chat":
                 delta = {"content": out.new_text} if out.new_text else {}
                 choice = {"index": c.index, "delta": delta,
-                          "logprobs": _chat_logprobs(lps, tok) if lps else None}
+                          "logprobs": chat_logprobs(lps, tok, req.tokens_as_ids) if lps else None}
             else:
                 text = out.new_text
                 if echo_pending[c.index]:
                     text, echo_pending[c.index] = c.prompt.text + text, False
                 lp = None
                 if lps:
-                    lp, offsets[c.index] = _completion_logprobs(lps, tok, offsets[c.index])
+                    lp = completion_logprobs(lps, tok, offsets[c.index], req.tokens_as_ids)
                 choice = {"index": c.index, "text": text, "logprobs": lp}
             choice["finish_reason"] = c.finish_reason if done else None
             if done:
@@ -514,6 +499,7 @@ def build_app(engine: EngineClient, *, request_timeout_s: float = 600.0,
     app.router.add_get("/v1/models", server.models)
     app.router.add_get("/v1/models/{model}", server.model)
     app.router.add_get("/health", server.health)
+    app.router.add_get("/livez", server.livez)
     app.router.add_get("/metrics", server.metrics_route)
     app.router.add_post("/tokenize", server.tokenize)
     app.router.add_post("/detokenize", server.detokenize)

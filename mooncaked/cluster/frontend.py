@@ -30,8 +30,11 @@ HTTP calls, which cancels the handlers on p and d, whose engines then abort the
 request and free its KV; the staged KV is released on p at once (or after
 cluster.stage_ttl_s at the latest).
 
-Not yet done (documented follow-up): re-running a request whose decode node died
-(it ends with an error).
+A stream outlives its decode node (`generate`): a decode node that dies or goes
+silent mid-stream gets the request placed again without it, with the prompt plus
+the tokens already streamed as the new prompt; the client sees no error and no
+repeated or missing token. A prefill node that dies mid-prefill is re-placed too
+(MAX_PLACEMENTS).
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import aiohttp
 import orjson
 
 from mooncaked.api.protocol import ApiError
+from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
@@ -61,6 +65,7 @@ log = get_logger(__name__)
 
 MAX_PLACEMENTS = 3          # prefill attempts per request (dead or draining nodes are skipped)
 MAX_DECODE_DISPATCHES = 2   # decode nodes tried per request before the first decode output
+MAX_RESUMES = 2             # re-placements of a request whose decode node died mid-stream
 DEFAULT_MAX_MODEL_LEN = 2048
 
 
@@ -70,6 +75,7 @@ class FrontendPort(Protocol):
     settings: Any
     tokenizer: Any
     leader_id: str | None
+    members: dict                # node id -> coord_records.Member (its info has "role")
 
     def model_info(self) -> dict | None: ...
     def max_model_len(self) -> int | None: ...
@@ -154,6 +160,21 @@ class ClusterFrontend:
         """Largest top_logprobs a request may ask for."""
         return self.port.settings.engine.max_logprobs
 
+    def not_ready(self) -> str | None:
+        """Why this node cannot serve a request end to end now, or None when it can: it
+        must have joined, see a conductor (leader), and see a prefill and a decode node
+        (api/health.py answers /health with it)."""
+        port = self.port
+        if not port.members:
+            return "this node has not joined the cluster yet"
+        if port.leader_id is None:
+            return "no conductor (leader) has been elected yet"
+        roles = {m.info.get("role") for m in port.members.values()}
+        missing = [r for r in ("prefill", "decode") if r not in roles]
+        if missing:
+            return f"no {' and no '.join(missing)} node has joined the cluster"
+        return None
+
     def abort(self, request_id: str) -> None:
         """No-op: closing the `generate` iterator cancels the remote calls, which aborts the
         request on the prefill and decode nodes."""
@@ -191,17 +212,26 @@ class ClusterFrontend:
         return block_keys(prompt, int(m["block_size"]), salt)
 
     async def _place(self, req: PlaceRequest, deadline: float) -> PlaceReply:
-        """conductor.place on the leader, waiting for a leader while there is none.
-        Raises Overloaded, or ApiError 503."""
+        """conductor.place on the leader, waiting for a leader while there is none, at
+        most cluster.placement_wait_s (and the request's `deadline`).
+        Raises Overloaded, or ApiError 503 (with Retry-After when no conductor placed it)."""
         from mooncaked.conductor.service import NotLeader  # noqa: PLC0415
 
-        timeout = self.port.settings.cluster.rpc_timeout_s
+        cs = self.port.settings.cluster
+        timeout = cs.rpc_timeout_s
+        # Without a conductor, wait a bounded while (an election takes about a lease
+        # time), not the request's whole time: then 503 and Retry-After.
+        wait_s = cs.placement_wait_s
+        deadline = min(deadline, time.monotonic() + wait_s)
         last = "no conductor has been elected"
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise ApiError(503, f"no placement within the request's time: {last}",
+                err = ApiError(503, f"no conductor placed the request within {wait_s:g} s "
+                               f"(cluster.placement_wait_s): {last}",
                                type="server_error", code="no_conductor")
+                err.headers = {"Retry-After": str(max(1, math.ceil(cs.lease_ttl_s)))}
+                raise err
             try:
                 r = await self.port.place(req, min(remaining, timeout))
             except NotLeader as e:
@@ -223,10 +253,72 @@ class ClusterFrontend:
                        cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
         """Runs one request through prefill node and decode node; yields output deltas.
 
+        A stream outlives its decode node: when the decode node dies (its stream breaks
+        or goes silent) the request is placed again without it, with the prompt plus
+        every token already streamed as the new prompt (the prefix cache makes that
+        prefill cheap), and the stream continues from the next token, at most
+        MAX_RESUMES times. The text after a resume is detokenized here over the whole
+        output (stop strings spanning the resume point still stop it). Greedy output
+        equals an undisturbed run's; seeded sampling and penalties restart their
+        output positions at the resume point (not yet continued).
+
         Raises: Overloaded (429) on an early rejection; InvalidRequest for a prompt or
         parameter a node refuses; ApiError 502/503/504 when the nodes fail or time out
         (with the node's id in the message).
         """
+        n = len(prompt_token_ids)
+        produced: list[int] = []       # output token ids the client has
+        sent = 0                       # characters of text the client has
+        exclude: tuple[str, ...] = ()
+        det: IncrementalDetokenizer | None = None
+        cached = 0
+        for resume in range(MAX_RESUMES + 1):
+            p = params
+            if produced:
+                if params.max_tokens is not None:
+                    p = dataclasses.replace(params, max_tokens=params.max_tokens - len(produced))
+                det = IncrementalDetokenizer(self.tokenizer, params.stop,
+                                             params.include_stop_str_in_output)
+                for t in produced:     # the text up to here; the client has `sent` chars
+                    det.add(t)
+                det.sent = min(sent, len(det.text))
+            attempt = self._attempt(prompt_token_ids + produced, p, request_id, cache_salt,
+                                    exclude)
+            try:
+                async with contextlib.aclosing(attempt):
+                    async for out in attempt:
+                        if resume == 0:
+                            cached = out.num_cached_tokens
+                        if det is not None:   # resumed: text over the whole output
+                            out.new_text = "".join(det.add(t) for t in out.new_token_ids)
+                            if det.stopped is not None:
+                                out.finished, out.finish_reason = True, "stop"
+                                out.stop_reason = det.stopped
+                            elif out.finished:
+                                out.new_text += det.flush()
+                        produced.extend(out.new_token_ids)
+                        sent += len(out.new_text)
+                        out.num_prompt_tokens, out.num_cached_tokens = n, cached
+                        out.num_output_tokens = len(produced)
+                        yield out
+                        if out.finished:
+                            return
+                return
+            except _DecodeLost as e:
+                if resume >= MAX_RESUMES:
+                    raise ApiError(502, f"decode node {e.node} failed mid-stream and the "
+                                        f"request was resumed {MAX_RESUMES} times already: "
+                                        f"{e}", type="server_error", code="decode_failed") from e
+                exclude = (*exclude, e.node)
+                log.warning("stream_resumed", request_id=request_id, node=e.node,
+                            tokens=len(produced), reason=str(e))
+
+    async def _attempt(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, cache_salt: str | None, exclude: tuple[str, ...]
+                       ) -> AsyncIterator[RequestOutput]:
+        """One placement, prefill and decode of the request; yields output deltas.
+        Raises _DecodeLost when the decode node dies after the first token (see
+        `generate`), and what `generate` raises."""
         port = self.port
         # A drained node's API keeps serving as a front end (placement avoids its engine);
         # at shutdown the API server itself refuses new requests.
@@ -241,7 +333,7 @@ class ClusterFrontend:
                 max_new = params.max_tokens if params.max_tokens is not None \
                     else max(0, self.max_model_len - n)
                 can_continue = max_new > 1 and n + 1 < self.max_model_len
-                place_req = PlaceRequest(request_id, tuple(keys), n, max_new)
+                place_req = PlaceRequest(request_id, tuple(keys), n, max_new, exclude=exclude)
                 pre = pl = None
                 for _ in range(MAX_PLACEMENTS):
                     pl = await self._place(place_req, deadline)
@@ -295,6 +387,9 @@ class ClusterFrontend:
                         out.num_prompt_tokens, out.num_cached_tokens = n, cached
                         done.token(cached, len(out.new_token_ids), out.finished)
                         yield out
+            except _DecodeLost:
+                staged = pushed = None   # the dead node's buffer; the stage expires (stage_ttl_s)
+                raise
             finally:
                 done.log()
                 for held in (staged, pushed):
@@ -431,8 +526,7 @@ class ClusterFrontend:
                         yield o.to_output(rid, ids, text)
                         if o.finished:
                             return
-                raise ApiError(502, f"decode node {d.node} ended the stream before the "
-                                    f"request finished", type="server_error", code="decode_failed")
+                raise _DecodeLost(d.node, "it ended the stream before the request finished")
             except (_Replace, aiohttp.ClientConnectorError) as e:
                 if produced or attempt + 1 >= MAX_DECODE_DISPATCHES:
                     raise ApiError(502, f"decode node {d.node} unavailable: {e}",
@@ -446,13 +540,14 @@ class ClusterFrontend:
                                                             decode_only=True), deadline)
                 d = pl2.decode
             except (aiohttp.ServerTimeoutError, TimeoutError) as e:
+                if time.monotonic() < deadline:   # silent past the idle timeout: hung or dead
+                    raise _DecodeLost(d.node, f"it sent nothing for "
+                                              f"{cs.stream_idle_timeout_s} s") from e
                 raise ApiError(504, f"decode node {d.node} sent nothing for "
                                     f"{cs.stream_idle_timeout_s} s", type="server_error",
                                code="timeout") from e
             except (aiohttp.ClientError, ConnectionError) as e:
-                raise ApiError(502, f"decode node {d.node} failed mid-stream: "
-                                    f"{type(e).__name__}: {e}", type="server_error",
-                               code="decode_failed") from e
+                raise _DecodeLost(d.node, f"{type(e).__name__}: {e}") from e
 
 
 class _RequestLine:
@@ -503,6 +598,14 @@ async def _refused(r: aiohttp.ClientResponse, node: str) -> Overloaded:
 
 class _Replace(Exception):
     """The chosen node cannot take the request (dead, draining): place it again without it."""
+
+
+class _DecodeLost(Exception):
+    """The decode node died or hung mid-stream: `generate` resumes the request elsewhere."""
+
+    def __init__(self, node: str, reason: str):
+        super().__init__(f"decode node {node} lost: {reason}")
+        self.node = node
 
 
 __all__ = ["ClusterFrontend", "FrontendPort", "Overloaded"]

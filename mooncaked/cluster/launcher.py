@@ -5,7 +5,7 @@ Each node is a separate process with its own role, node id and API port (free
 loopback ports taken from the OS), sharing one coordination backend: the `local`
 backend in a directory of the work dir, or a single-member etcd the launcher
 starts on loopback (`backend="etcd"`). `start()` returns once every node answers
-/health and the elected conductor has heard from every node; `stop()` sends
+/health 200 (ready) and the elected conductor has heard from every node; `stop()` sends
 SIGTERM (graceful drain), then SIGKILL to stragglers. Synchronous (subprocess,
 urllib), so tests and CLIs use it without an event loop.
 
@@ -282,12 +282,20 @@ class LocalCluster:
         log.info("node_spawned", node=node_id, role=spec.role, port=port, pid=proc.pid)
         return proc
 
-    def _health(self, node_id: str) -> bool:
+    def _probe(self, node_id: str, path: str = "/health") -> bool:
+        """True when the node's GET `path` answers 200 (/livez: up; /health: ready)."""
         try:
-            with urllib.request.urlopen(f"{self.api_url(node_id)}/health", timeout=2) as r:
+            with urllib.request.urlopen(f"{self.api_url(node_id)}{path}", timeout=2) as r:
                 return r.status == 200
         except (OSError, ValueError):
             return False
+
+    def _up(self, want: list[str]) -> bool:
+        """Every node in `want` is alive (/livez); ready (/health) too once the running
+        nodes include a prefill and a decode node, without which no node is ready."""
+        roles = {self.nodes[n].role for n, p in self.procs.items() if p.poll() is None}
+        path = "/health" if {"prefill", "decode"} <= roles else "/livez"
+        return all(self._probe(n, path) for n in want)
 
     def status(self) -> dict | None:
         """The conductor's status (via the first live node), or None when unavailable."""
@@ -306,7 +314,8 @@ class LocalCluster:
 
     def wait_ready(self, timeout_s: float = 300.0, nodes: list[str] | None = None,
                    reported_since: float | None = None) -> dict:
-        """Waits until `nodes` (default: every running one) answer /health and the conductor
+        """Waits until `nodes` (default: every running one) answer /health 200 (only /livez
+        while no prefill or decode node runs: no node is ready then) and the conductor
         has a report from each (with `reported_since`, a time.monotonic(): one sent after
         it, so a restarted node's old reports do not count); returns the conductor's status.
 
@@ -325,7 +334,7 @@ class LocalCluster:
                 rc = self.procs[nid].poll()
                 if rc is not None:
                     raise ClusterStartError(f"node {nid} exited with {rc}:\n{self.log_tail(nid)}")
-            if all(self._health(n) for n in want):
+            if self._up(want):
                 asked = time.monotonic()
                 st = self.status()
                 if st is not None and all(reported(st, n, asked) for n in want):

@@ -261,7 +261,8 @@ class ClusterNode:
         await self.transfer.start()
         if self.engine is not None and self.role != "all":    # a coupled node: no store
             await self._start_store(self.engine.kv_geometry().block_bytes)
-            self.engine.attach_store(self.store if self.role == "prefill" else None)
+            offload = self.role == "prefill" or self.settings.store.decode_offload
+            self.engine.attach_store(self.store if offload else None)
         is_draining = lambda: self.draining  # noqa: E731
         if self.role == "prefill":
             self.prefill = PrefillWorker(self.node_id, control_addr, self.settings, self.engine,
@@ -399,6 +400,8 @@ class ClusterNode:
         if self.transfer is not None:
             await self.transfer.close()
         if self.store is not None:
+            if self.engine is not None:
+                await self.engine.wait_offloads()
             await self.store.close()
         log.info("node_stopped", node=self.node_id)
 

@@ -68,7 +68,8 @@ class AsyncLLM:
             self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
-        """Aborts everything, stops the loop and the worker thread."""
+        """Aborts everything, stops the loop and the worker thread, and waits for the
+        offloads into the store already started (the store can then close)."""
         for rid in list(self._queues):
             self.abort(rid)
         if self._task is not None:
@@ -79,6 +80,12 @@ class AsyncLLM:
                 pass
             self._task = None
         self._executor.shutdown(wait=True, cancel_futures=True)
+        await self.wait_offloads()
+
+    async def wait_offloads(self) -> None:
+        """Waits until the offloads into the store started so far have ended."""
+        if self._offloads:
+            await asyncio.gather(*self._offloads, return_exceptions=True)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -3,12 +3,24 @@ safetensors directory), through Hugging Face's tokenizer library."""
 
 from __future__ import annotations
 
+import functools
+import re
 from pathlib import Path
 from typing import Any
 
 from mooncaked.engine.types import InvalidRequest
 
 from .weights import ModelLoadError
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable alphabet -> byte (GPT-2's bytes_to_unicode, inverted)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: PLC0415
+
+    return {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:
@@ -47,6 +59,36 @@ class Tokenizer:
     def token_text(self, token_id: int) -> str:
         """Text of one token on its own (for logprobs)."""
         return self._tok.decode([token_id], skip_special_tokens=False)
+
+    @functools.cached_property
+    def _byte_level(self) -> bool:
+        decoder = getattr(getattr(self._tok, "backend_tokenizer", None), "decoder", None)
+        return "ByteLevel" in repr(decoder)
+
+    @functools.cached_property
+    def _added_ids(self) -> set[int]:
+        return set(getattr(self._tok, "added_tokens_decoder", {}) or {})
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes token `token_id` stands for on its own (logprobs' `bytes`): a
+        byte-level BPE piece mapped back through its byte alphabet, a SentencePiece
+        byte-fallback piece `<0xNN>` as that byte, "▁" as a space; added and special
+        tokens as their text's UTF-8. The bytes of a generated sequence's tokens
+        concatenate to its text's UTF-8 (a token may hold part of a character)."""
+        piece = self._tok.convert_ids_to_tokens([token_id])[0]
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return self.token_text(token_id).encode("utf-8")
+        if self._byte_level:
+            table = _byte_decoder()
+            if all(c in table for c in piece):
+                return bytes(table[c] for c in piece)
+            return self.token_text(token_id).encode("utf-8")
+        m = _BYTE_FALLBACK.fullmatch(piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return piece.replace("\u2581", " ").encode("utf-8")
 
     def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
         """Vocabulary strings (byte-level BPE pieces) of `ids`, for incremental decoding."""

@@ -103,7 +103,8 @@ class BlockStore:
         return self
 
     async def close(self) -> None:
-        """Flushes pending events and stops SSD I/O threads. Leases end."""
+        """Writes DRAM blocks the SSD tier lacks to it (a clean stop persists them),
+        flushes pending events and stops SSD I/O threads. Leases end."""
         await self.tiers.close()
         self.leases.release_all()
         self.events.flush()
@@ -208,9 +209,10 @@ class BlockStore:
         until the put returns).
 
         Returns PutResult: STORED (with the tier), EXISTS (key already held or being
-        stored: nothing written) or FAILED (with the reason: DRAM full of pinned
-        blocks and no SSD, SSD full, ENOSPC, EACCES, ...). Never raises for a full
-        store or an I/O error.
+        stored: nothing written) or FAILED (with the reason: a capacity shortage
+        starts with types.NO_ROOM; else ENOSPC, EACCES, ...). Never raises for a full
+        store or an I/O error. With an SSD tier the block is also written through to
+        it in the background (tiering.py: the durability contract).
         Raises: ValueError for a bad key or a buffer that is not `block_bytes` long.
         """
         return (await self.writer.put_many([key], [src]))[0]
@@ -219,7 +221,9 @@ class BlockStore:
         """Stores blocks (e.g. a finished request's full blocks); one PutResult per key
         (see `put`). Blocks go to free DRAM slots at once; if DRAM is full, the least
         recently used blocks are demoted to SSD in one batch to make room, and what
-        still does not fit goes to SSD directly. Then the keys are touched
+        still does not fit goes to SSD directly. The batch never evicts its own keys:
+        what finds no room fails (NO_ROOM), and each result is true after the call;
+        the blocks that fit are the first ones (a prefix's head). Then the keys are touched
         deepest-first, so eviction takes a prefix's tail before its head (a block is
         useless without its prefix).
         Raises: ValueError (before storing anything) for a bad key, a buffer that is
@@ -235,7 +239,7 @@ class BlockStore:
         [block_bytes] uint8 view per key, and returns one reason per key ("" when
         that view now holds the block). Only then are the blocks indexed; a block
         whose fill failed is not stored. Keys already held are EXISTS; keys that
-        find no DRAM slot (all pinned) are FAILED.
+        find no DRAM slot are FAILED (NO_ROOM).
         Raises: ValueError for a bad key; RuntimeError if `fill` returns a wrong
             number of reasons; whatever `fill` raises (after freeing the slots and
             failing the blocks).

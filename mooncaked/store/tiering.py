@@ -7,6 +7,17 @@ in one batched write (or dropped when there is no SSD tier). On use they move
 up: an SSD hit is copied into a DRAM slot (promotion), at once when a slot
 can be had without writing another block to SSD, else by a background task.
 
+Durability (with an SSD tier): write-through, asynchronously. Every block put
+into DRAM is queued and written to the SSD tier by a background flush, in put
+order, which is a prefix's head before its tail (ssd.py commits a batch's
+headers in order), and before any block of a later put reaches the SSD (a put
+that overflows DRAM or a demotion flushes the queue first). So after a crash
+the SSD holds the blocks of earlier puts and a head of the last ones: the head
+of a prefix is never less durable than its tail. A clean close flushes every
+DRAM block the SSD does not hold yet. The SSD tier thus holds a superset of
+DRAM (capacity permitting) and demotion is a drop; a block whose SSD copy was
+evicted is written again when it is demoted.
+
 Pinned or leased blocks (leases.py) are never chosen; every change of what a
 tier holds is published as an event (events.py) and counted (StoreMetrics).
 Event loop thread only.
@@ -27,9 +38,11 @@ from .dram import DramPool
 from .events import EVICTED, STORED, EventBatcher
 from .leases import Pins
 from .ssd import SsdTier
-from .types import DRAM, SSD, StoreMetrics
+from .types import DRAM, NO_ROOM, SSD, StoreMetrics
 
 log = get_logger(__name__)
+
+FLUSH_BATCH = 64  # blocks per write-through batch: one SSD write_many (amortises the thread hops)
 
 
 class Tiers:
@@ -62,13 +75,97 @@ class Tiers:
                                settings.ssd_io_threads)
         self.max_background = settings.ssd_io_threads
         self.background: set[asyncio.Task] = set()  # promotions that needed a demotion
+        self._dirty: dict[bytes, None] = {}  # DRAM blocks to write through, in put order
+        self._flusher: asyncio.Task | None = None
+        self._flush_lock = asyncio.Lock()
 
     async def close(self) -> None:
-        """Cancels background promotions and waits for them to end."""
+        """Cancels background promotions, then writes every DRAM block the SSD tier does
+        not hold yet (a clean stop loses nothing the SSD could keep)."""
         for task in list(self.background):
             task.cancel()
         if self.background:
             await asyncio.gather(*self.background, return_exceptions=True)
+        if self.ssd is not None and not self.ssd.error:
+            self._dirty.update((k, None) for k in self.dram.keys() if k not in self.ssd)
+            await self.flush()
+        if self._flusher is not None:
+            await asyncio.gather(self._flusher, return_exceptions=True)
+
+    # ------------------------------------------------------------------ write-through
+
+    def shortage(self, own: set[bytes]) -> str:
+        """The reason of a put of the batch `own` (its keys) that found no room: a
+        capacity shortage (types.NO_ROOM), naming the tier and what fills it."""
+        tier = self.dram if self.ssd is None else self.ssd
+        name = "DRAM pool" if self.ssd is None else "SSD tier"
+        if not tier.num_slots:
+            return f"{NO_ROOM}: no DRAM pool and no SSD tier" if self.ssd is None else \
+                f"{NO_ROOM}: the SSD tier has no slots"
+        held = tier.keys()
+        mine = sum(1 for k in held if k in own)
+        readers = sum(1 for k in held if k not in own and k in self.pins)
+        more = " and no SSD tier" if self.ssd is None else ""
+        return (f"{NO_ROOM}: {name} full ({tier.num_slots} slots: {mine} hold this batch's "
+                f"blocks, {readers} are pinned by readers){more}")
+
+    def mark_dirty(self, keys: Sequence[bytes]) -> None:
+        """Queues blocks just put into DRAM (in order) for the SSD tier and starts the
+        background flush. No-op without a writable SSD tier."""
+        if self.ssd is None or self.ssd.error:
+            return
+        for k in keys:
+            self._dirty[k] = None
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.get_running_loop().create_task(self.flush())
+
+    @property
+    def flushing(self) -> bool:
+        """True while the background write-through task runs (its slots are reserved)."""
+        return self._flusher is not None and not self._flusher.done()
+
+    @property
+    def dirty(self) -> int:
+        """DRAM blocks queued for the SSD tier and not written yet (blocks)."""
+        return len(self._dirty)
+
+    async def flush(self) -> int:
+        """Writes the queued DRAM blocks to the SSD tier in queue order, FLUSH_BATCH at a
+        time (each pinned meanwhile); returns how many were written. A block removed or
+        evicted from DRAM meanwhile is skipped; a failed write is counted and logged by
+        the tier (the block stays in DRAM)."""
+        written = 0
+        async with self._flush_lock:
+            while self._dirty and self.ssd is not None:
+                batch: list[bytes] = []
+                while self._dirty and len(batch) < FLUSH_BATCH:
+                    key = next(iter(self._dirty))
+                    del self._dirty[key]
+                    if key in self.dram and key not in self.ssd:
+                        batch.append(key)
+                if not batch:
+                    continue
+                index = self.dram.index
+                for k in batch:
+                    self.pins.pin(k)
+                try:
+                    reasons = await self.ssd.write_many(
+                        batch, [self.dram.view(index.slot_of(k)) for k in batch])
+                finally:
+                    for k in batch:
+                        self.pins.unpin(k)
+                for k, reason in zip(batch, reasons):
+                    if reason:
+                        self.metrics.persist_failed += 1
+                    else:
+                        written += 1
+                        self.metrics.persisted += 1
+                        self.events.emit(STORED, SSD, k)
+                # Newest use last: the head of each prefix is the last the SSD evicts.
+                for k in reversed(batch):
+                    if k in self.ssd:
+                        self.ssd.touch(k)
+        return written
 
     # ------------------------------------------------------------------ queries and uses
 
@@ -97,10 +194,11 @@ class Tiers:
 
     def add_to_dram(self, key: bytes, slot: int) -> None:
         """Indexes the reserved DRAM `slot`, whose bytes now hold block `key` (a put):
-        counted and published."""
+        counted, published and queued for the SSD tier."""
         self.dram.index.insert(key, slot)
         self.metrics.puts[DRAM] += 1
         self.events.emit(STORED, DRAM, key)
+        self.mark_dirty((key,))
 
     async def remove(self, key: bytes) -> bool:
         """Deletes block `key` from every tier, publishing the evictions; True if it was
@@ -141,8 +239,12 @@ class Tiers:
     async def dram_slots(self, n: int) -> list[int]:
         """Up to `n` reserved DRAM slots for new blocks: free ones, then slots of the
         policy's victims, which are first demoted to SSD in one batch (or dropped
-        without an SSD tier). Fewer than `n` when the rest are pinned."""
+        without an SSD tier). Fewer than `n` when the rest are pinned. The
+        write-through queue is flushed first, so no block reaches the SSD tier before
+        the blocks put earlier."""
         index = self.dram.index
+        if self._dirty and index.free_slots < n:
+            await self.flush()
         slots: list[int] = []
         while len(slots) < n:
             slot = index.alloc()

@@ -17,6 +17,8 @@ DRAM = "dram"
 SSD = "ssd"
 """Tier name of the node's SSD directory."""
 TIERS = (DRAM, SSD)
+NO_ROOM = "no room"
+"""How a put's reason begins when the tiers lack capacity (not pinning, not an I/O error)."""
 
 
 class StoreError(Exception):
@@ -99,6 +101,8 @@ class StoreMetrics:
     put_failed: int = 0
     evictions: dict[str, int] = field(default_factory=lambda: {DRAM: 0, SSD: 0})
     demotions: int = 0  # DRAM -> SSD writes made to free DRAM
+    persisted: int = 0  # DRAM blocks written through to SSD (durable copies; tiering.py)
+    persist_failed: int = 0
     demote_failed: int = 0
     promotions: int = 0  # SSD -> DRAM copies on use
     corrupt: int = 0  # SSD blocks that failed their checksum/header check (served as misses)

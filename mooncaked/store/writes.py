@@ -9,6 +9,11 @@ are demoted to SSD in one batch to make room (tiering.py), and what still
 does not fit is written to SSD directly. `put_from` lets the caller fill
 reserved DRAM slots in place (a transfer-engine READ from a peer's pool).
 
+A batch never evicts its own blocks to make room for itself: while it waits
+for room, every key of the batch is pinned, so what does not fit fails with a
+`NO_ROOM` reason and every result says what the store holds after the call.
+The blocks that fit are the batch's first ones (a prefix's head).
+
 Event loop thread only.
 """
 
@@ -23,7 +28,7 @@ import numpy as np
 from .buffers import block_view, check_key
 from .events import STORED
 from .tiering import Tiers
-from .types import DRAM, SSD, PutResult, PutStatus
+from .types import DRAM, NO_ROOM, SSD, PutResult, PutStatus
 
 Fill = Callable[[list[bytes], list[np.ndarray]], Awaitable[list[str]]]
 """`fill(keys, views)`: writes block keys[i] into views[i] ([block_bytes] uint8, writable);
@@ -88,9 +93,14 @@ class BlockWriter:
             loop = asyncio.get_running_loop()
             futs = {keys[i]: loop.create_future() for i in slow}
             self._inflight.update(futs)
+            own = list(seen) + [k for k, r in zip(keys, results) if r is not None and r.ok]
+            for k in own:  # the batch never makes room by evicting itself
+                tiers.pins.pin(k)
             try:
                 await self._put_slow(keys, arrs, slow, results)
             finally:
+                for k in own:
+                    tiers.pins.unpin(k)
                 for i in slow:
                     del self._inflight[keys[i]]
                     if results[i] is None:  # cancelled
@@ -119,15 +129,14 @@ class BlockWriter:
         if not rest:
             return
         if tiers.ssd is None:
-            reason = "DRAM pool full of pinned blocks" if tiers.dram.num_slots else \
-                "no DRAM pool and no SSD tier"
-            reasons = [reason] * len(rest)
+            reasons = [tiers.shortage(set(keys))] * len(rest)
         else:
+            await tiers.flush()  # the blocks put before these reach the SSD first
             reasons = await tiers.ssd.write_many([keys[i] for i in rest], [arrs[i] for i in rest])
         for i, reason in zip(rest, reasons):
             if reason:
                 metrics.put_failed += 1
-                if tiers.ssd is not None:
+                if not reason.startswith(NO_ROOM):
                     metrics.io_errors += 1
                 results[i] = PutResult(PutStatus.FAILED, None, reason)
             else:
@@ -141,7 +150,7 @@ class BlockWriter:
         `fill` gets the keys not yet held or being stored, and one view per key; only
         the blocks it reports filled are indexed (STORED in DRAM). Keys already held
         are EXISTS; keys that find no DRAM slot (all pinned) or whose fill failed are
-        FAILED. Touches the keys deepest-first at the end.
+        FAILED (NO_ROOM). Touches the keys deepest-first at the end.
         Raises: ValueError for a bad key; RuntimeError if `fill` returns a wrong number
             of reasons; whatever `fill` raises (after freeing the slots and failing
             the blocks).
@@ -165,12 +174,18 @@ class BlockWriter:
         futs = {k: loop.create_future() for k in todo}
         self._inflight.update(futs)
         slots: list[int] = []
+        own = list(dict.fromkeys(keys))
         try:
-            slots = await tiers.dram_slots(len(todo))
+            for k in own:  # the batch never makes room by evicting itself
+                tiers.pins.pin(k)
+            try:
+                slots = await tiers.dram_slots(len(todo))
+            finally:
+                for k in own:
+                    tiers.pins.unpin(k)
             for key in todo[len(slots):]:
                 metrics.put_failed += 1
-                results[key] = PutResult(PutStatus.FAILED, None, "DRAM pool full of pinned blocks"
-                                         if index.num_slots else "no DRAM pool")
+                results[key] = PutResult(PutStatus.FAILED, None, tiers.shortage(set(own)))
             filled = todo[:len(slots)]
             reasons = await fill(filled, [tiers.dram.view(s) for s in slots]) if filled else []
             if len(reasons) != len(filled):

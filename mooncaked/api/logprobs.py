@@ -1,0 +1,77 @@
+"""Logprobs in the OpenAI response shapes, keeping each token's identity.
+
+A token of a byte-level vocabulary may hold part of a UTF-8 character (an emoji
+is often 3-4 tokens). Its `bytes` are its real bytes (the tokenizer's
+`token_bytes`), so the bytes of a choice's tokens concatenate to the UTF-8 of
+its text. Its token string is its text when those bytes are valid UTF-8 on
+their own, else `bytes:\\xNN...` as OpenAI writes such tokens; with
+`return_tokens_as_token_ids` (vLLM's option) every token is `token_id:N`. In a
+completions `top_logprobs` dict (keyed by token string) two ids with the same
+string would collide; the later one is keyed `token_id:N` so none is lost.
+"""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass, field
+
+from mooncaked.engine.types import TokenLogprob
+
+from .engine_client import ApiTokenizer
+
+
+def token_string(tok: ApiTokenizer, token_id: int, as_ids: bool = False) -> tuple[str, bytes]:
+    """(token string, token bytes) of one token id (see the module doc)."""
+    raw = tok.token_bytes(token_id)
+    if as_ids:
+        return f"token_id:{token_id}", raw
+    try:
+        return raw.decode("utf-8"), raw
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+
+def chat_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer, as_ids: bool = False) -> dict:
+    """OpenAI chat logprobs {"content": [{token, logprob, bytes, top_logprobs}]}."""
+    def entry(token_id: int, logprob: float) -> dict:
+        text, raw = token_string(tok, token_id, as_ids)
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+    return {"content": [{**entry(lp.token_id, lp.logprob),
+                         "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
+
+
+@dataclass
+class TextOffset:
+    """Character offset into a completion's text, advanced by token bytes (a token that
+    ends mid-character advances it when the character completes). One per choice."""
+
+    chars: int = 0
+    _dec: codecs.IncrementalDecoder = field(
+        default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
+
+    def advance(self, raw: bytes) -> None:
+        self.chars += len(self._dec.decode(raw))
+
+
+def completion_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer, offset: TextOffset,
+                        as_ids: bool = False) -> dict:
+    """OpenAI completions logprobs {tokens, token_logprobs, top_logprobs, text_offset};
+    `offset` (the choice's) is advanced past these tokens."""
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for lp in lps:
+        text, raw = token_string(tok, lp.token_id, as_ids)
+        top: dict[str, float] = {}
+        owner: dict[str, int] = {}
+        for t, v in [*lp.top, (lp.token_id, lp.logprob)]:  # as vLLM: the sampled one is listed
+            key = token_string(tok, t, as_ids)[0]
+            if owner.get(key, t) != t:
+                key = f"token_id:{t}"
+            if key not in top:
+                top[key], owner[key] = v, t
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp.logprob)
+        out["top_logprobs"].append(top)
+        out["text_offset"].append(offset.chars)
+        offset.advance(raw)
+    return out

@@ -1,0 +1,27 @@
+"""`mooncake ctl` tables piped into another program do not wrap at 80 columns (issue 18,
+fault 7): each row is one line and long cells (URLs) stay whole."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+
+def test_piped_table_keeps_one_line_per_row_and_whole_urls():
+    url = "http://very-long-host-name.example.internal.cluster.local:18000/some/long/path/v1"
+    script = textwrap.dedent(f"""
+        from mooncaked.cli.ctl import _table
+        _table("nodes", ["node", "role", "health", "api", "control", "transfer"],
+               [["prefill-0-" + "x" * 30, "prefill", "ok", {url!r}, {url!r} + "/c", "t"],
+                ["decode-0", "decode", "ok", {url!r}, "-", None]])
+    """)
+    # stdout is a pipe, as in `mooncake ctl nodes | grep ...`; COLUMNS as a terminal had it
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=60, env={**os.environ, "COLUMNS": "80"}).stdout
+    lines = out.splitlines()
+    rows = [ln for ln in lines if "prefill-0-" in ln or "decode-0" in ln]
+    assert len(rows) == 2, out
+    assert url in rows[0] and url + "/c" in rows[0] and url in rows[1]
+    assert max(len(ln) for ln in lines) > 80   # it took the width it needed
