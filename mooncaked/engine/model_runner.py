@@ -11,6 +11,7 @@ from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.sampling import SamplingRow, sample
 
 from .scheduler_output import ScheduledSeq, SchedulerOutput
+from .structured import mask_logits
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -123,5 +124,8 @@ class ModelRunner:
         logits = self.model.logits(hidden[[ends[i] for i in want]])
         rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens)
                 for i in want]
+        matchers = [batch[i].seq.grammar for i in want]
+        if any(m is not None for m in matchers):
+            mask_logits(logits, matchers)       # structured outputs: forbidden tokens -> -inf
         tokens, logprobs = sample(logits, rows)
         return {i: (tok, lp) for i, tok, lp in zip(want, tokens, logprobs)}

@@ -1,0 +1,204 @@
+"""Constrained decoding (structured outputs) through xgrammar: the one module that knows it.
+
+A request's `SamplingParams.structured` (a StructuredSpec: JSON schema, any JSON object,
+regex, choice or EBNF grammar) becomes an xgrammar grammar, compiled once per spec against
+the engine's vocabulary and cached. Each constrained request owns a `GrammarMatcher`
+(Sequence.grammar); every step the runner fills one token bitmask row per constrained row of
+the batch and masks the logits before sampling (`mask_logits`), and the engine advances the
+matcher over each accepted token (`accept`). On a decode node the matcher is re-created from
+the spec and advanced over the tokens the prefill node sampled: the spec crosses nodes, the
+matcher state never does.
+
+Why xgrammar (0.2.9), not llguidance (1.9.1): both install as wheels against torch 2.13 CPU
+and both build their vocabulary from our GGUF-loaded tokenizer (byte-level BPE, 49152
+tokens; checked). xgrammar is vLLM's and SGLang's default backend, so the grammars a client
+gets (JSON-schema coverage, strict mode, error cases) match what those servers give it; it
+ships a CPU bitmask kernel for torch logits and a batched matcher that fills a batch's
+masks on its own threads, and its compiler caches compiled grammars.
+
+JSON is generated compact (`any_whitespace=False`, vLLM's `disable_any_whitespace`): a small
+model left free to emit whitespace between tokens tends to loop on it until max_tokens.
+Schemas use xgrammar's strict mode (vLLM's default): additionalProperties defaults to false.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .types import InvalidRequest, StructuredSpec
+
+if TYPE_CHECKING:
+    import xgrammar as xgr
+
+# Compiled grammars kept per engine (each holds a per-token mask cache: tens of KB to MBs).
+CACHE_SIZE = 256
+_ERROR_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")   # "[03:33:42] /project/cpp/x.cc:94: "
+
+
+def _xgr():
+    import xgrammar  # 1.4 s import: only when a constraint is used
+    return xgrammar
+
+
+def _clean(e: Exception) -> str:
+    """xgrammar's C++ error text without its timestamp and source-file prefix."""
+    return _ERROR_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else repr(e))
+
+
+def spec_for_json_schema(schema: Any) -> StructuredSpec:
+    """A "json" StructuredSpec from a schema (dict/bool, or JSON text), re-serialised compactly
+    (key order kept: it is the order the properties are generated in), so the same schema
+    sent as text or as an object shares one cache entry. Raises InvalidRequest for
+    unparsable text or a non-object."""
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except ValueError as e:
+            raise InvalidRequest(f"the JSON schema is not valid JSON: {e}", "json_schema") from None
+    if not isinstance(schema, (dict, bool)):
+        raise InvalidRequest("a JSON schema must be an object", "json_schema")
+    return StructuredSpec("json", json.dumps(schema, separators=(",", ":")))
+
+
+def spec_for_choice(choices: list[str]) -> StructuredSpec:
+    """A "choice" StructuredSpec: the output is exactly one of `choices` (non-empty strings)."""
+    return StructuredSpec("choice", json.dumps(list(choices)))
+
+
+def _choice_ebnf(value: str) -> str:
+    choices = json.loads(value)
+    # EBNF string literals take JSON's escapes; one alternative per choice.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def grammar(spec: StructuredSpec) -> xgr.Grammar:
+    """The xgrammar Grammar of a spec (vocabulary-independent; cached).
+
+    Raises: InvalidRequest naming the problem (an invalid or unsupported schema construct,
+        a regex or EBNF syntax error), param "structured_outputs".
+    """
+    xgr = _xgr()
+    try:
+        if spec.kind == "json":
+            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
+        if spec.kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return xgr.Grammar.from_regex(spec.value)
+        if spec.kind == "choice":
+            return xgr.Grammar.from_ebnf(_choice_ebnf(spec.value))
+        if spec.kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.value)
+    except (RuntimeError, ValueError, TypeError) as e:
+        what = {"json": "JSON schema", "regex": "regex", "choice": "choice",
+                "grammar": "grammar", "json_object": "JSON object"}[spec.kind]
+        raise InvalidRequest(f"invalid or unsupported {what}: {_clean(e)}",
+                             "structured_outputs") from None
+    raise InvalidRequest(f"unknown constraint kind {spec.kind!r}", "structured_outputs")
+
+
+def check_spec(spec: StructuredSpec) -> None:
+    """Checks a spec before a request is admitted (the API's 400), without a tokenizer.
+
+    Raises: InvalidRequest naming the problem.
+    """
+    grammar(spec)
+
+
+class GrammarBackend:
+    """One engine's grammar compiler: its vocabulary, compiled-grammar cache, matchers.
+
+    Args:
+        hf_tokenizer: the transformers tokenizer of the model (byte-level BPE pieces).
+        vocab_size: width of the model's logits (tokens), >= the tokenizer's size.
+        stop_token_ids: the tokens that end a request (EOS); a grammar ends on one of them.
+    The vocabulary is built on first use (about 0.1 s for 49k tokens).
+    """
+
+    def __init__(self, hf_tokenizer: Any, vocab_size: int, stop_token_ids: list[int]):
+        self._hf, self.vocab_size, self.stop_token_ids = hf_tokenizer, vocab_size, stop_token_ids
+        self._compiler: xgr.GrammarCompiler | None = None
+        self._compiled: OrderedDict[StructuredSpec, xgr.CompiledGrammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiles = 0               # grammars compiled (a cache miss each)
+
+    def _get_compiler(self) -> xgr.GrammarCompiler:
+        if self._compiler is None:
+            xgr = _xgr()
+            info = xgr.TokenizerInfo.from_huggingface(self._hf, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids)
+            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compiler
+
+    def compiled(self, spec: StructuredSpec) -> xgr.CompiledGrammar:
+        """The spec's grammar compiled for this vocabulary; LRU-cached per spec.
+
+        Raises: InvalidRequest for an invalid spec (see `grammar`)."""
+        with self._lock:
+            hit = self._compiled.get(spec)
+            if hit is not None:
+                self._compiled.move_to_end(spec)
+                return hit
+            g = self._get_compiler().compile_grammar(grammar(spec))
+            self.compiles += 1
+            self._compiled[spec] = g
+            if len(self._compiled) > CACHE_SIZE:
+                self._compiled.popitem(last=False)
+            return g
+
+    def matcher(self, spec: StructuredSpec, tokens_so_far: list[int] = ()) -> xgr.GrammarMatcher:
+        """A fresh matcher for `spec`, advanced over `tokens_so_far` (output tokens another
+        node already sampled under the same spec).
+
+        Raises: InvalidRequest for an invalid spec, or when a token breaks the constraint.
+        """
+        m = _xgr().GrammarMatcher(self.compiled(spec), override_stop_tokens=self.stop_token_ids)
+        for t in tokens_so_far:
+            if not m.accept_token(int(t)):
+                raise InvalidRequest(f"token {t} does not follow the request's constraint",
+                                     "structured_outputs")
+        return m
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
+    """Masks, in place, every token a row's grammar forbids next (logit -> -inf).
+
+    Args:
+        logits: fp32 [N, vocab] logits of the rows about to be sampled.
+        matchers: N entries, the row's matcher or None for an unconstrained row.
+    The masks of all constrained rows are filled in one batched call (xgrammar's
+    BatchGrammarMatcher, its own threads) into one int32 bitmask [N, ceil(vocab / 32)].
+    """
+    idx = [i for i, m in enumerate(matchers) if m is not None]
+    if not idx:
+        return
+    xgr = _xgr()
+    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    if len(idx) == 1:
+        matchers[idx[0]].fill_next_token_bitmask(bitmask, idx[0])
+    else:
+        _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in idx], bitmask, idx)
+    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=idx)
+
+
+@functools.cache
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    return _xgr().BatchGrammarMatcher()
+
+
+def grammar_accept(matcher: xgr.GrammarMatcher, token: int) -> bool:
+    """Advances a matcher over an accepted token; True when the token was allowed."""
+    return bool(matcher.accept_token(int(token)))
+
+
+def grammar_finished(matcher: xgr.GrammarMatcher) -> bool:
+    """True once the grammar has ended (it accepted a stop token)."""
+    return bool(matcher.is_terminated())
