@@ -4,7 +4,7 @@ Every string has a maxLength and every array a maxItems, so a complete output fi
 the tests' small max_tokens whatever the model picks.
 """
 
-S = {"type": "string", "maxLength": 12}
+S = {"type": "string", "maxLength": 10}
 
 SCHEMAS = [
     ("person", "Describe a person.",

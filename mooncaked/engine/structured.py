@@ -72,6 +72,72 @@ def spec_for_choice(choices: list[str]) -> StructuredSpec:
     return StructuredSpec("choice", json.dumps(list(choices)))
 
 
+# JSON Schema keywords xgrammar 0.2.9 accepts but does not enforce (probed: a grammar built
+# with them accepts instances they forbid). A schema using one is refused, not half-obeyed.
+UNENFORCED = ("not", "allOf", "if", "then", "else", "dependentRequired", "dependentSchemas",
+              "uniqueItems", "contains", "minContains", "maxContains")
+# String formats xgrammar enforces (the others it ignores).
+FORMATS = frozenset(("email", "date", "time", "date-time", "duration", "uuid", "ipv4", "ipv6",
+                     "hostname", "uri", "uri-reference", "uri-template", "json-pointer",
+                     "relative-json-pointer"))
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+_SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedProperties",
+               "additionalItems", "unevaluatedItems")
+_SCHEMA_LIST = ("anyOf", "oneOf", "prefixItems", "items")
+
+
+def unsupported(schema: Any, path: str = "#") -> str | None:
+    """Where and what the first construct is that the grammar could not enforce, or None.
+
+    Walks every subschema (properties, $defs, items, anyOf, ...). Refused: the keywords in
+    UNENFORCED, a `format` outside FORMATS, and a `$ref` outside the document.
+    """
+    if not isinstance(schema, dict):
+        return None
+    for k in UNENFORCED:
+        if k in schema:
+            return f"'{k}' at {path} is not supported"
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in FORMATS:
+        return f"format {fmt!r} at {path} is not supported (supported: {', '.join(sorted(FORMATS))})"
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and not ref.startswith("#"):
+        return f"$ref {ref!r} at {path} is not supported (only references inside the schema)"
+    for key in _SCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            for name, sub in schema[key].items():
+                if (why := unsupported(sub, f"{path}/{key}/{name}")) is not None:
+                    return why
+    for key in _SCHEMA_ONE:
+        if (why := unsupported(schema.get(key), f"{path}/{key}")) is not None:
+            return why
+    for key in _SCHEMA_LIST:
+        if isinstance(schema.get(key), list):
+            for i, sub in enumerate(schema[key]):
+                if (why := unsupported(sub, f"{path}/{key}/{i}")) is not None:
+                    return why
+    return None
+
+
+def _check_schema(text: str) -> None:
+    """Raises InvalidRequest for a schema that is not valid JSON Schema (checked against its
+    meta-schema by `jsonschema`, draft 2020-12 unless $schema says otherwise) or that uses a
+    construct the grammar cannot enforce."""
+    import jsonschema  # only for requests with a schema
+
+    schema = json.loads(text)
+    cls = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        where = "#/" + "/".join(str(p) for p in e.path) if e.path else "#"
+        raise InvalidRequest(f"invalid JSON schema at {where}: {e.message}",
+                             "structured_outputs") from None
+    why = unsupported(schema)
+    if why is not None:
+        raise InvalidRequest(f"unsupported JSON schema construct: {why}", "structured_outputs")
+
+
 def _choice_ebnf(value: str) -> str:
     choices = json.loads(value)
     # EBNF string literals take JSON's escapes; one alternative per choice.
@@ -82,12 +148,14 @@ def _choice_ebnf(value: str) -> str:
 def grammar(spec: StructuredSpec) -> xgr.Grammar:
     """The xgrammar Grammar of a spec (vocabulary-independent; cached).
 
-    Raises: InvalidRequest naming the problem (an invalid or unsupported schema construct,
-        a regex or EBNF syntax error), param "structured_outputs".
+    Raises: InvalidRequest naming the problem (a schema that is not valid JSON Schema, a
+        construct xgrammar would not enforce (`unsupported`), one it rejects, a regex or EBNF
+        syntax error), param "structured_outputs".
     """
     xgr = _xgr()
     try:
         if spec.kind == "json":
+            _check_schema(spec.value)
             return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
@@ -97,6 +165,8 @@ def grammar(spec: StructuredSpec) -> xgr.Grammar:
             return xgr.Grammar.from_ebnf(_choice_ebnf(spec.value))
         if spec.kind == "grammar":
             return xgr.Grammar.from_ebnf(spec.value)
+    except InvalidRequest:
+        raise
     except (RuntimeError, ValueError, TypeError) as e:
         what = {"json": "JSON schema", "regex": "regex", "choice": "choice",
                 "grammar": "grammar", "json_object": "JSON object"}[spec.kind]
