@@ -15,7 +15,6 @@ import re
 import aiohttp
 import jsonschema
 import pytest
-
 from api_server import post, run_server, stream
 from structured_schemas import SCHEMAS
 
