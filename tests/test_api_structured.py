@@ -251,3 +251,25 @@ def test_grammars_are_built_once_per_spec():
     after = structured.grammar.cache_info()
     assert spec == StructuredSpec("json", '{"type":"object","properties":{"q":{}}}')
     assert after.misses - before.misses <= 1 and after.hits - before.hits >= 2
+
+
+def test_auto_tool_calls_parse_the_hermes_format_and_stream_whole():
+    from mooncaked.api.structured import ToolPlan, ToolStream, chat_message
+
+    plan = ToolPlan("auto", tools=TOOLS)
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+            '"unit": "celsius"}}\n</tool_call>\n<tool_call>{"name": "get_time", "arguments": '
+            '{"tz": "CET"}}</tool_call>')
+    msg, reason = chat_message(plan, text, "stop")
+    assert reason == "tool_calls" and msg["content"] == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in msg["tool_calls"]] == [("get_weather", {"city": "Paris", "unit": "celsius"}),
+                                            ("get_time", {"tz": "CET"})]
+    assert chat_message(plan, "Sunny, 20 C.", "stop") == (
+        {"role": "assistant", "content": "Sunny, 20 C."}, "stop")
+    assert chat_message(plan, "<tool_call>{bad</tool_call>", "stop")[1] == "stop"
+    st = ToolStream(plan)
+    assert st.delta(text[:30], None) == ({}, None)
+    delta, reason = st.delta(text[30:], "stop")
+    assert reason == "tool_calls" and [c["index"] for c in delta["tool_calls"]] == [0, 1]
+    assert delta["content"] == "Let me check."

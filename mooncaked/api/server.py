@@ -337,7 +337,7 @@ class ApiServer:
             if req.kind == "chat":
                 lp = _chat_logprobs(c.logprobs, tok) if req.logprobs is not None else None
                 message, finish = {"role": "assistant", "content": text}, c.finish_reason
-                if req.tools is not None and req.tools.constrained:    # api/structured.py
+                if req.tools is not None and req.tools.parses_calls:   # api/structured.py
                     message, finish = chat_message(req.tools, text, c.finish_reason)
                 choices.append({"index": c.index, "message": message,
                                 "logprobs": lp, "finish_reason": finish,
@@ -363,7 +363,7 @@ class ApiServer:
         offsets = {c.index: 0 for c in run.choices}
         echo_pending = {c.index: req.echo for c in run.choices}
         tool_streams = ({c.index: ToolStream(req.tools) for c in run.choices}
-                        if req.tools is not None and req.tools.constrained else None)
+                        if req.tools is not None and req.tools.parses_calls else None)
 
         def chunk(c: _Choice, out: RequestOutput) -> bytes | None:
             lps = out.logprobs if req.logprobs is not None and out.logprobs else None

@@ -61,6 +61,11 @@ class ToolPlan:
         """True when the output is a tool call by construction (required / named)."""
         return self.mode in ("required", "named")
 
+    @property
+    def parses_calls(self) -> bool:
+        """True when the output is turned into tool_calls (every mode but "none")."""
+        return self.mode != "none"
+
 
 def _bad(message: str, param: str, code: str | None = None) -> ApiError:
     return ApiError(400, message, param=param, code=code)
@@ -240,10 +245,38 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+_HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+
+
+def parse_hermes(text: str) -> tuple[list[tuple[str, str]], str] | None:
+    """Tool calls written in the Hermes format most tool-capable chat templates use
+    (Qwen2.5, Hermes, SmolLM3): `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`,
+    one block per call. Returns ([(name, arguments JSON)], the text outside the blocks), or
+    None when the text has no well-formed call."""
+    calls = []
+    for block in _HERMES.findall(text):
+        try:
+            obj = json.loads(block)
+        except ValueError:
+            return None
+        if not (isinstance(obj, dict) and isinstance(obj.get("name"), str)):
+            return None
+        args = obj.get("arguments", obj.get("parameters", {}))
+        calls.append((obj["name"], args if isinstance(args, str)
+                      else json.dumps(args, ensure_ascii=False)))
+    return (calls, _HERMES.sub("", text).strip()) if calls else None
+
+
 def tool_calls(plan: ToolPlan, text: str) -> list[dict] | None:
-    """The OpenAI `tool_calls` of a finished constrained output, or None when the text is
-    not a complete call (cut by max_tokens: the caller returns it as content)."""
-    if plan.mode == "named":
+    """The OpenAI `tool_calls` of a finished output, or None when the text is not a
+    complete call (cut by max_tokens, or "auto" and the model answered in text: the caller
+    returns it as content)."""
+    if plan.mode == "auto":
+        parsed = parse_hermes(text)
+        if parsed is None:
+            return None
+        calls = parsed[0]
+    elif plan.mode == "named":
         try:
             json.loads(text)
         except ValueError:
@@ -266,16 +299,19 @@ def chat_message(plan: ToolPlan, text: str, finish_reason: str | None) -> tuple[
     calls = tool_calls(plan, text) if finish_reason == "stop" else None
     if calls is None:
         return {"role": "assistant", "content": text}, finish_reason
-    return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"
+    content = None
+    if plan.mode == "auto":
+        content = parse_hermes(text)[1] or None      # text around the calls, if any
+    return {"role": "assistant", "content": content, "tool_calls": calls}, "tool_calls"
 
 
 class ToolStream:
     """A streamed choice's tool call, in the chunks OpenAI streams.
 
     Named function: the first delta carries {index, id, type, function: {name, arguments:
-    ""}}, then each text delta is a {"function": {"arguments": ...}} fragment. "required":
-    the calls are known only once the JSON array is complete, so they arrive whole in the
-    last delta. The last chunk's finish_reason is "tool_calls" when the output is a
+    ""}}, then each text delta is a {"function": {"arguments": ...}} fragment. "required"
+    and "auto": the calls are known only once the output is complete, so they arrive whole
+    in the last delta (with "auto", text that holds no call arrives there as content). The last chunk's finish_reason is "tool_calls" when the output is a
     complete call.
     """
 
@@ -306,5 +342,8 @@ class ToolStream:
         text = "".join(self.text)
         calls = tool_calls(self.plan, text) if finish_reason == "stop" else None
         if calls is None:
-            return {"content": text}, finish_reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}, "tool_calls"
+            return ({"content": text} if text else {}), finish_reason
+        delta: dict = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+        if self.plan.mode == "auto" and parse_hermes(text)[1]:
+            delta["content"] = parse_hermes(text)[1]
+        return delta, "tool_calls"
