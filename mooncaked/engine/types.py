@@ -71,7 +71,9 @@ class SamplingParams:
     def __post_init__(self) -> None:
         # A spec that crossed a node boundary as JSON arrives as a dict (messages.py).
         if isinstance(self.structured, dict):
-            self.structured = StructuredSpec(**self.structured)
+            self.structured = StructuredSpec(**self.structured)   # TypeError for bad fields
+        if not (self.structured is None or isinstance(self.structured, StructuredSpec)):
+            raise TypeError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
 
     def validate(self, max_logprobs: int = 20) -> None:
         """Raises InvalidRequest naming the parameter if a value is out of range."""
