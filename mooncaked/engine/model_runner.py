@@ -11,7 +11,7 @@ from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.sampling import SamplingRow, sample
 
 from .scheduler_output import ScheduledSeq, SchedulerOutput
-from .structured import mask_logits
+from .structured import apply_masks, start_masks
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -113,8 +113,12 @@ class ModelRunner:
         """
         batch = sched.scheduled
         input_ids, positions, meta = self.prepare(sched)
-        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
         want = [i for i, s in enumerate(batch) if s.samples]
+        matchers = [batch[i].seq.grammar for i in want]
+        # structured outputs: the masks are filled while the forward pass runs
+        masks = (start_masks(matchers, self.model.cfg.vocab_size)
+                 if any(m is not None for m in matchers) else None)
+        hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
         if not want:
             return {}
         ends, t = [], 0
@@ -124,8 +128,7 @@ class ModelRunner:
         logits = self.model.logits(hidden[[ends[i] for i in want]])
         rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens)
                 for i in want]
-        matchers = [batch[i].seq.grammar for i in want]
-        if any(m is not None for m in matchers):
-            mask_logits(logits, matchers)       # structured outputs: forbidden tokens -> -inf
+        if masks is not None:
+            apply_masks(logits, masks.result())  # forbidden tokens -> -inf
         tokens, logprobs = sample(logits, rows)
         return {i: (tok, lp) for i, tok, lp in zip(want, tokens, logprobs)}

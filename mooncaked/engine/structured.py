@@ -4,7 +4,8 @@ A request's `SamplingParams.structured` (a StructuredSpec: JSON schema, any JSON
 regex, choice or EBNF grammar) becomes an xgrammar grammar, compiled once per spec against
 the engine's vocabulary and cached. Each constrained request owns a `GrammarMatcher`
 (Sequence.grammar); every step the runner fills one token bitmask row per constrained row of
-the batch and masks the logits before sampling (`mask_logits`), and the engine advances the
+the batch on a helper thread while the forward pass runs (`start_masks`) and masks the
+logits before sampling (`apply_masks`), and the engine advances the
 matcher over each accepted token (`accept`). On a decode node the matcher is re-created from
 the spec and advanced over the tokens the prefill node sampled: the spec crosses nodes, the
 matcher state never does.
@@ -28,6 +29,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -238,25 +240,50 @@ class GrammarBackend:
         return m
 
 
-def mask_logits(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
-    """Masks, in place, every token a row's grammar forbids next (logit -> -inf).
+Masks = tuple[torch.Tensor, list[int]]
 
-    Args:
-        logits: fp32 [N, vocab] logits of the rows about to be sampled.
-        matchers: N entries, the row's matcher or None for an unconstrained row.
-    The masks of all constrained rows are filled in one batched call (xgrammar's
-    BatchGrammarMatcher, its own threads) into one int32 bitmask [N, ceil(vocab / 32)].
+
+def fill_masks(matchers: list[xgr.GrammarMatcher | None], vocab_size: int) -> Masks:
+    """The next-token masks of a batch's rows: (int32 bitmask [N, ceil(vocab_size / 32)],
+    indices of the constrained rows). matchers: N entries, None for an unconstrained row.
+
+    All constrained rows are filled in one batched call (xgrammar's BatchGrammarMatcher,
+    on its own threads). Reads the matchers only, so it may run while the forward pass
+    does (`start_masks`), since matchers advance only after sampling.
     """
     idx = [i for i, m in enumerate(matchers) if m is not None]
-    if not idx:
-        return
     xgr = _xgr()
-    bitmask = xgr.allocate_token_bitmask(len(matchers), logits.shape[-1])
+    bitmask = xgr.allocate_token_bitmask(len(matchers), vocab_size)
     if len(idx) == 1:
         matchers[idx[0]].fill_next_token_bitmask(bitmask, idx[0])
-    else:
+    elif idx:
         _batch_matcher().batch_fill_next_token_bitmask([matchers[i] for i in idx], bitmask, idx)
-    xgr.apply_token_bitmask_inplace(logits, bitmask, indices=idx)
+    return bitmask, idx
+
+
+_pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-masks")
+
+
+def start_masks(matchers: list[xgr.GrammarMatcher | None], vocab_size: int) -> Future[Masks]:
+    """`fill_masks` on a helper thread, so it overlaps the step's forward pass (the model's
+    torch ops release the GIL). Returns its Future."""
+    return _pool.submit(fill_masks, matchers, vocab_size)
+
+
+def apply_masks(logits: torch.Tensor, masks: Masks) -> None:
+    """Masks, in place, every token a row's grammar forbids next (logit -> -inf).
+
+    logits: fp32 [N, vocab] logits of the rows about to be sampled, in the order of the
+    matchers the masks were filled from (xgrammar's CPU kernel).
+    """
+    bitmask, idx = masks
+    if idx:
+        _xgr().apply_token_bitmask_inplace(logits, bitmask, indices=idx)
+
+
+def mask_logits(logits: torch.Tensor, matchers: list[xgr.GrammarMatcher | None]) -> None:
+    """fill_masks + apply_masks in one call (no overlap). logits: fp32 [N, vocab]."""
+    apply_masks(logits, fill_masks(matchers, logits.shape[-1]))
 
 
 @functools.cache
