@@ -44,13 +44,9 @@ class ApiTokenizer(Protocol):
                             add_generation_prompt: bool = True,
                             tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a chat in the model's template (tool definitions rendered when the
-        template takes them). Raises InvalidRequest for empty messages, a model without a
+        template takes them: the tokenizer's `accepts_tools` attribute, read with getattr,
+        False when absent). Raises InvalidRequest for empty messages, a model without a
         template, or messages the template rejects."""
-        ...
-
-    @property
-    def accepts_tools(self) -> bool:
-        """True when the chat template renders tool definitions (and so has a tool format)."""
         ...
 
 
