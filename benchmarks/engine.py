@@ -22,6 +22,9 @@ Cases (issue 2):
      prompt cold (first token changed, so no block key matches). Target: warm /
      cold <= 0.2. Also ours cold against transformers' TTFT (`generate` of one
      token) on the same prompt: ttft_cold_vs_transformers (no target).
+  4. constrained_batch1, constrained_batch32 (issue 20, engine_structured.py): decode
+     under a JSON schema against the same decode unconstrained, ours on both sides.
+     Target: constrained / unconstrained >= 0.9.
 
 Ratios: throughput rows are ours / baseline (higher is better); TTFT rows are
 ours / baseline too (lower is better); each row says so in `ratio_means`.
@@ -42,6 +45,8 @@ from mooncaked.config import load_settings
 from mooncaked.engine.llm_engine import LLMEngine
 from mooncaked.engine.types import SamplingParams
 from mooncaked.model.weights import bundled_model_path
+
+from .engine_structured import run_cases as structured_cases
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = {"decode_batch1": "decode, batch 1", "concurrent_32": "32 concurrent",
@@ -268,7 +273,10 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
             "transformers generate of 1 token (no prefix cache)", None,
             "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt),
     ]
+    # structured outputs (issue 20): JSON-schema decode vs the same decode unconstrained
+    results += structured_cases(engine, reps=reps, decode_tokens=decode_tokens, batch=concurrent)
     return {
+        **{f"{r['case']}_ratio": r["ratio"] for r in results if r["case"].startswith("constrained")},
         "benchmark": "engine", "dtype": dtype, "model": bundled_model_path().name, "reps": reps,
         "statistic": "median", "torch_threads": torch.get_num_threads(),
         "transformers_version": transformers.__version__, "torch_version": torch.__version__,

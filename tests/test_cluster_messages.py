@@ -5,6 +5,7 @@ naming the field."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import orjson
 import pytest
@@ -16,7 +17,7 @@ from mooncaked.cluster.messages import (DecodeFailure, DecodeLoad, DecodeRequest
                                         PlaceReply, PlaceRequest, PrefillDone, PrefillReply,
                                         PrefillRequest, Release, StoreEventMsg,
                                         place_result_from_json)
-from mooncaked.engine.types import RequestOutput, SamplingParams, TokenLogprob
+from mooncaked.engine.types import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 
 KEYS = (b"\x01" * 16, b"\x02" * 16)
 KV = KVHandle({"segment": "p1/stage/r1", "access_key": "ab"}, (30, 2, 2, 16, 3, 64),
@@ -41,6 +42,8 @@ def wire(msg) -> dict:
     Release("r1", "127.0.0.1:4"),
     Release("r1"),
     DecodeRequest("r1", (1, 2, 3), 9, PARAMS, KV, "127.0.0.1:3", "tenant"),
+    DecodeRequest("r1", (1, 2, 3), 9, dataclasses.replace(PARAMS, structured=StructuredSpec(
+        "json", '{"type":"object"}')), KV, "127.0.0.1:3", None),   # the constraint crosses
     PrefillDone("r1", 0.25, 30, 16, True),
     StoreEventMsg("stored", "dram", 4, KEYS),
     DecodeLoad(("r1", "r2"), 2, 300, 1000),
@@ -92,6 +95,9 @@ def test_decode_failure_line():
      "params"),
     (KVReservation, {"rid": "r", "shape": [1, 2], "dtype": 5}, "dtype"),
     (DecodeRequest, {"rid": "r", "prompt": [1], "first_token": 2, "params": {}}, "kv"),
+    (PrefillRequest, {"rid": "r", "prompt": [1], "params": {"structured": {"kind": "json",
+                                                                        "nope": 1}}}, "params"),
+    (PrefillRequest, {"rid": "r", "prompt": [1], "params": {"structured": "json"}}, "params"),
     (NodeReport, {"role": "prefill"}, "node"),
     (Release, {"owner": "x"}, "rid"),
     (Release, ["r1"], "JSON object"),

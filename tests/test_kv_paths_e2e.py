@@ -32,6 +32,7 @@ import concurrent.futures
 import contextlib
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -40,6 +41,7 @@ import urllib.request
 from pathlib import Path
 
 import aiohttp
+import jsonschema
 import orjson
 import pytest
 
@@ -552,3 +554,48 @@ def test_after_leader_failover(env, tokenizer):
     assert code == 200, got
     assert cached_tokens(got) == 160
     assert_same_output(got, reference(ref, prompt))
+
+
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 16},
+    "year": {"type": "integer", "minimum": 1800, "maximum": 2100},
+    "tags": {"type": "array", "items": {"enum": ["river", "town", "farm"]}, "maxItems": 2}},
+    "required": ["title", "year"]}
+
+
+def test_structured_outputs_equal_one_process(env, tokenizer):
+    """Constrained outputs on P/D equal one process: the prefill node samples the first token
+    under the constraint and the decode node re-creates the matcher from the spec and
+    advances it over that token. Greedy and seeded n=2, push and READ hand-over, and again
+    with a prefix hit."""
+    cluster, ref = env
+    prompt = prompt_ids(tokenizer, "structured", 70)            # two prefill chunks
+    fmt = {"type": "json_schema", "json_schema": {"name": "note", "schema": STRUCTURED_SCHEMA}}
+    greedy = {"model": MODEL, "prompt": prompt, "max_tokens": 48, "temperature": 0.0,
+              "response_format": fmt}
+    bodies = [greedy,
+              {**greedy, "n": 2, "seed": 42, "temperature": 0.8},
+              {**greedy, "response_format": None, "structured_outputs": {
+                  "regex": "[A-Z][a-z]{2,8} [0-9]{2}"}, "max_tokens": 16}]
+
+    async def run(url: str) -> list[dict]:
+        got = await asyncio.gather(*(_post(url, b) for b in bodies))
+        assert all(code == 200 for code, _ in got), got
+        return [b for _, b in got]
+
+    def texts(outs: list[dict]) -> list[tuple]:
+        return [(c["text"], c["finish_reason"]) for o in outs for c in o["choices"]]
+
+    want = texts(asyncio.run(run(ref)))
+    for text, reason in want[:3]:
+        assert reason == "stop"
+        jsonschema.validate(orjson.loads(text), STRUCTURED_SCHEMA)
+    assert re.fullmatch("[A-Z][a-z]{2,8} [0-9]{2}", want[3][0]), want[3]
+    before = counters(cluster)
+    assert texts(asyncio.run(run(cluster.api_url("d1")))) == want      # layer-wise push
+    assert texts(asyncio.run(run(cluster.api_url("c1")))) == want      # READ of the stage
+    code, hit = asyncio.run(_post(cluster.api_url("d1"), greedy))      # a prefix hit
+    assert code == 200 and cached_tokens(hit) >= BLOCK, hit
+    assert texts([hit]) == want[:1]
+    d = delta(before, counters(cluster))
+    assert sum(d[n]["placed"] for n in PREFILL) == 9, d                # every choice went P/D

@@ -45,9 +45,12 @@ class ApiTokenizer(Protocol):
         ...
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a chat in the model's template. Raises InvalidRequest for empty
-        messages, a model without a template, or messages the template rejects."""
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
+        """Token ids of a chat in the model's template (tool definitions rendered when the
+        template takes them: the tokenizer's `accepts_tools` attribute, read with getattr,
+        False when absent). Raises InvalidRequest for empty messages, a model without a
+        template, or messages the template rejects."""
         ...
 
 

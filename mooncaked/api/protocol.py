@@ -5,13 +5,14 @@ Every check raises `ApiError` carrying the HTTP status and OpenAI's error fields
 right 4xx and keeps serving. Follows the OpenAI API reference for
 /v1/completions and /v1/chat/completions, plus vLLM's extensions (top_k, min_p,
 repetition_penalty, stop_token_ids, ignore_eos, include_stop_str_in_output,
-cache_salt).
+cache_salt), structured outputs and tool calls (api/structured.py: response_format,
+structured_outputs and guided_*, tools and tool_choice).
 
 What is supported: prompts as a string, a list of token ids, or a batch (a list
 of strings or of token-id lists); n >= 1 (each choice is its own engine
 request); echo without logprobs. What gets a 400 "not supported": echo with
-logprobs, suffix, logit_bias, best_of other than n, tools, non-text content
-parts, response_format other than text.
+logprobs, suffix, logit_bias, best_of other than n, non-text content parts, the
+deprecated functions / function_call, tool_choice "auto" on a template without a tool format.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class GenerationRequest:
     user: str | None = None
     extra: dict = field(default_factory=dict)
     tokens_as_ids: bool = False    # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
+    tools: Any = None              # api/structured.py ToolPlan of a chat request with tools
 
 
 # ---------------------------------------------------------------------------- typed getters
@@ -206,14 +208,6 @@ def _reject_unsupported(body: dict, kind: str) -> None:
     if best_of is not None and best_of != body.get("n", 1):
         raise ApiError(400, "'best_of' other than n is not supported", param="best_of",
                        code="unsupported")
-    if kind == "chat":
-        for key in ("tools", "functions"):
-            if body.get(key):
-                raise ApiError(400, f"'{key}' is not supported", param=key, code="unsupported")
-        fmt = body.get("response_format")
-        if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
-            raise ApiError(400, "only response_format {\"type\": \"text\"} is supported",
-                           param="response_format", code="unsupported")
 
 
 def _sampling(body: dict, max_tokens_key: str, max_tokens: int | None) -> SamplingParams:
@@ -315,6 +309,8 @@ def parse_completion(body: dict, engine: EngineInfo) -> GenerationRequest:
     prompts = _prompts(body.get("prompt", _MISSING), engine)
     max_tokens = _int(body, "max_tokens", 16)
     params = _sampling(body, "max_tokens", max_tokens)
+    from .structured import parse_constraint  # (a local import: it imports this module)
+    params.structured, _ = parse_constraint(body)
     logprobs = _int(body, "logprobs", None)
     echo = _bool(body, "echo", False)
     if echo and logprobs is not None:
@@ -368,11 +364,23 @@ def parse_chat(body: dict, engine: EngineInfo) -> GenerationRequest:
     if top is not None and not want_logprobs:
         raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
+    from .structured import parse_constraint, parse_tools  # (it imports this module)
+    params.structured, source = parse_constraint(body)
+    plan, tool_spec = parse_tools(body, getattr(engine.tokenizer, "accepts_tools", False))
+    if tool_spec is not None:
+        if params.structured is not None:
+            raise ApiError(400, f"tool_choice {plan.mode!r} constrains the output; it cannot be "
+                                f"combined with '{source}'", param="tool_choice",
+                           code="conflicting_constraints")
+        params.structured = tool_spec
     try:
-        ids = list(engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        ids = list(engine.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tools=plan.tools if plan else None))
     except InvalidRequest as e:
         raise ApiError(400, str(e), param=e.param or "messages") from None
-    return _common(body, "chat", engine, [Prompt(ids, "")], params, logprobs, key)
+    req = _common(body, "chat", engine, [Prompt(ids, "")], params, logprobs, key)
+    req.tools = plan
+    return req
 
 
 def _messages(v: Any) -> list[dict]:
@@ -394,6 +402,11 @@ def _messages(v: Any) -> list[dict]:
         msg = {"role": role, "content": _content(m.get("content", _MISSING), where, role)}
         if isinstance(m.get("name"), str):
             msg["name"] = m["name"]
+        # tool-call history, for templates with a tool format
+        if role == "assistant" and isinstance(m.get("tool_calls"), list):
+            msg["tool_calls"] = m["tool_calls"]
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):
+            msg["tool_call_id"] = m["tool_call_id"]
         out.append(msg)
     return out
 

@@ -40,6 +40,7 @@ from .metrics import ApiMetrics
 from .node_metrics import attach as attach_node_metrics, node_metrics
 from .protocol import (ApiError, GenerationRequest, Prompt, check_model, error_body, parse_chat,
                        parse_completion, parse_json, token_ids)
+from .structured import ToolStream, chat_message
 
 log = get_logger(__name__)
 
@@ -326,9 +327,11 @@ class ApiServer:
             if req.kind == "chat":
                 lp = (chat_logprobs(c.logprobs, tok, req.tokens_as_ids)
                       if req.logprobs is not None else None)
-                choices.append({"index": c.index,
-                                "message": {"role": "assistant", "content": text},
-                                "logprobs": lp, "finish_reason": c.finish_reason,
+                message, finish = {"role": "assistant", "content": text}, c.finish_reason
+                if req.tools is not None and req.tools.parses_calls:   # api/structured.py
+                    message, finish = chat_message(req.tools, text, c.finish_reason)
+                choices.append({"index": c.index, "message": message,
+                                "logprobs": lp, "finish_reason": finish,
                                 "stop_reason": c.stop_reason})
             else:
                 echo = c.prompt.text if req.echo else ""
@@ -351,14 +354,21 @@ class ApiServer:
         offsets = {c.index: TextOffset() for c in run.choices}
         relayed = node_metrics().observe_relay
         echo_pending = {c.index: req.echo for c in run.choices}
+        tool_streams = ({c.index: ToolStream(req.tools) for c in run.choices}
+                        if req.tools is not None and req.tools.parses_calls else None)
 
         def chunk(c: _Choice, out: RequestOutput) -> bytes | None:
             lps = out.logprobs if req.logprobs is not None and out.logprobs else None
             done = out.finished
             if not (out.new_text or lps or done or echo_pending[c.index]):
                 return None           # text held back (possible stop string): nothing to send
+            finish = c.finish_reason if done else None
             if req.kind == "chat":
                 delta = {"content": out.new_text} if out.new_text else {}
+                if tool_streams is not None:        # tool call chunks (api/structured.py)
+                    delta, finish = tool_streams[c.index].delta(out.new_text, finish)
+                    if not (delta or lps or done):
+                        return None
                 choice = {"index": c.index, "delta": delta,
                           "logprobs": chat_logprobs(lps, tok, req.tokens_as_ids) if lps else None}
             else:
@@ -369,7 +379,7 @@ class ApiServer:
                 if lps:
                     lp = completion_logprobs(lps, tok, offsets[c.index], req.tokens_as_ids)
                 choice = {"index": c.index, "text": text, "logprobs": lp}
-            choice["finish_reason"] = c.finish_reason if done else None
+            choice["finish_reason"] = finish
             if done:
                 choice["stop_reason"] = c.stop_reason
             return sse.event({**base, "choices": [choice]})
@@ -383,8 +393,10 @@ class ApiServer:
                 resp = await sse.open_stream(request, {"X-Request-Id": rid})
                 if req.kind == "chat":
                     for c in run.choices:
+                        opening = (tool_streams[c.index].opening() if tool_streams is not None
+                                   else {"role": "assistant", "content": ""})
                         await resp.write(sse.event({**base, "choices": [{
-                            "index": c.index, "delta": {"role": "assistant", "content": ""},
+                            "index": c.index, "delta": opening,
                             "logprobs": None, "finish_reason": None}]}))
                 frame = chunk(*first)
                 if frame:

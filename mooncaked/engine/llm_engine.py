@@ -28,6 +28,7 @@ from .model_runner import ModelRunner, block_bytes
 from .scheduler import Scheduler
 from .scheduler_output import KVLoad, ScheduledSeq
 from .sequence import Sequence, SeqStatus
+from .structured import GrammarBackend, grammar_accept, grammar_finished
 from .types import EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams
 
 log = get_logger(__name__)
@@ -97,6 +98,7 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, es.block_size, es.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, es.max_num_seqs, es.max_num_batched_tokens)
         self.max_logprobs = es.max_logprobs
+        self.grammars = GrammarBackend(self.tokenizer.hf, cfg.vocab_size, sorted(self.tokenizer.eos_token_ids))
         self.seqs: dict[str, Sequence] = {}
         self._pending_add: deque[Sequence] = deque()
         self._pending_abort: deque[str] = deque()
@@ -185,8 +187,12 @@ class LLMEngine:
             if tuple(kv_stream.shape) != want or kv_stream.dtype != self.dtype:
                 raise InvalidRequest(f"kv_stream stage is {tuple(kv_stream.shape)} "
                                      f"{kv_stream.dtype}; expected {want} {self.dtype}", "kv")
+        grammar = None
+        if params.structured is not None:   # the spec, re-played over tokens sampled elsewhere
+            grammar = self.grammars.matcher(params.structured, [] if first_token is None else [first_token])
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, prompt_token_ids, params, self.salt(cache_salt), max_tokens, detok)
+        seq.grammar = grammar
         if kv_import is not None or export_kv or kv_stream is not None or first_token is not None:
             seq.handover = HandOver(kv_import, export_kv, kv_stream)
             if first_token is not None:
@@ -276,6 +282,8 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif seq.detokenizer.stopped is not None:
             seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stopped
+        elif seq.grammar is not None and grammar_finished(seq.grammar):
+            seq.finish_reason = "stop"          # the constraint is complete (ignore_eos)
         elif seq.num_output_tokens >= seq.max_tokens:
             seq.finish_reason = "length"
         return seq.finish_reason is not None
@@ -318,6 +326,8 @@ class LLMEngine:
                 continue
             token, logprob = sampled[i]
             seq.token_ids.append(token)
+            if seq.grammar is not None:
+                grammar_accept(seq.grammar, token)
             # As vLLM: the token that stops a request (EOS, a stop_token_ids entry) stays in
             # the token ids but its text is not output, unless include_stop_str_in_output.
             if self._is_stop_token(seq.params, token) and not seq.params.include_stop_str_in_output:

@@ -14,6 +14,7 @@ from .cuda_graph import CudaGraphRunner, decode_inputs, graph_buckets
 from .device_step import needs_host_sampling, upload, upload_step
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .staging import scatter_from_host, staging_for
+from .structured import apply_masks, start_masks
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -144,6 +145,11 @@ class ModelRunner:
         batch = sched.scheduled
         dev = self.model.device
         input_ids, positions, meta = self.prepare(sched)
+        want = [i for i, s in enumerate(batch) if s.samples]
+        matchers = [batch[i].seq.grammar for i in want]
+        # structured outputs: the masks are filled while the forward pass runs
+        masks = (start_masks(matchers, self.model.cfg.vocab_size)
+                 if any(m is not None for m in matchers) else None)
         step = decode_inputs(input_ids, positions, meta) if self.graphs and after_layer is None else None
         bucket = self.graphs.bucket(step) if step is not None else None
         if bucket is not None:
@@ -151,7 +157,6 @@ class ModelRunner:
         else:
             input_ids, positions, meta = upload_step(input_ids, positions, meta, dev)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
-        want = [i for i, s in enumerate(batch) if s.samples]
         if not want:
             return {}
         ends, t = [], 0
@@ -164,7 +169,9 @@ class ModelRunner:
         logits = self.model.logits(hidden)
         rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens)
                 for i in want]
-        if logits.device.type != "cpu" and needs_host_sampling(rows):
+        if logits.device.type != "cpu" and (masks is not None or needs_host_sampling(rows)):
             logits = logits.cpu()  # one copy down, then per-row sampling on the host
+        if masks is not None:
+            apply_masks(logits, masks.result())  # forbidden tokens -> -inf
         tokens, logprobs = sample(logits, rows)
         return {i: (tok, lp) for i, tok, lp in zip(want, tokens, logprobs)}

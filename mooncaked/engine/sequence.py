@@ -25,7 +25,8 @@ class Sequence:
     in the sequence's pages (`block_table`, block ids in order). `block_keys` are
     the chained keys of its full blocks, extended as blocks fill. `handover` is the
     K/V and first token it brings from (or gives to) another node, None for a plain
-    request (handover.py).
+    request (handover.py). `grammar` is the matcher of a request with a structured-output
+    constraint (engine/structured.py), None otherwise.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -49,6 +50,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.handover: HandOver | None = None
+        self.grammar = None                 # xgrammar matcher of a constrained request (structured.py)
 
     @property
     def num_tokens(self) -> int:

@@ -8,6 +8,25 @@ from dataclasses import dataclass, field
 import torch
 
 
+@dataclass(frozen=True)
+class StructuredSpec:
+    """A constraint on a request's output text (structured outputs), as plain data.
+
+    It is the constraint, not the matcher's state: it crosses node boundaries inside
+    SamplingParams (P/D), and the receiving engine re-creates the matcher from it and
+    advances it over the tokens so far (engine/structured.py).
+
+    kind: "json" (value: a JSON schema as canonical JSON text), "json_object" (value ""; any
+    JSON object), "regex" (value: the pattern), "choice" (value: a JSON list of strings; the
+    output is exactly one of them) or "grammar" (value: an EBNF grammar, GBNF syntax).
+    """
+
+    kind: str
+    value: str = ""
+
+    KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
 class InvalidRequest(ValueError):
     """A request the engine cannot run as asked (bad parameter, prompt too long).
 
@@ -30,6 +49,7 @@ class SamplingParams:
     sampling reproducible per request. `max_tokens` None means up to the context
     length. `logprobs` None returns no logprobs; k >= 0 returns the sampled token's
     logprob and the top k alternatives (from the model's raw distribution).
+    `structured` constrains the output (StructuredSpec; None: free text).
     """
 
     max_tokens: int | None = 16
@@ -46,6 +66,14 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
+    structured: StructuredSpec | None = None
+
+    def __post_init__(self) -> None:
+        # A spec that crossed a node boundary as JSON arrives as a dict (messages.py).
+        if isinstance(self.structured, dict):
+            self.structured = StructuredSpec(**self.structured)   # TypeError for bad fields
+        if not (self.structured is None or isinstance(self.structured, StructuredSpec)):
+            raise TypeError(f"structured must be a StructuredSpec, got {type(self.structured).__name__}")
 
     def validate(self, max_logprobs: int = 20) -> None:
         """Raises InvalidRequest naming the parameter if a value is out of range."""
@@ -62,6 +90,8 @@ class SamplingParams:
              f"must be in [0, {max_logprobs}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+            (self.structured is None or self.structured.kind in StructuredSpec.KINDS,
+             "structured_outputs", f"kind must be one of {', '.join(StructuredSpec.KINDS)}"),
         ]
         for ok, param, why in checks:
             if not ok:

@@ -46,7 +46,10 @@ class Tokenizer:
         if self._tok.eos_token_id is not None:
             ids.add(int(self._tok.eos_token_id))
         self.eos_token_ids: set[int] = ids
-        self.has_chat_template = bool(getattr(self._tok, "chat_template", None))
+        template = getattr(self._tok, "chat_template", None)
+        self.has_chat_template = bool(template)
+        # A template that reads `tools` renders tool definitions and so defines a tool format.
+        self.accepts_tools = isinstance(template, str) and "tools" in template
 
     def encode(self, text: str) -> list[int]:
         """Token ids of `text` (no special tokens added beyond the tokenizer's own rule)."""
@@ -99,15 +102,23 @@ class Tokenizer:
         return self._tok.convert_tokens_to_string(tokens)
 
     @property
+    def hf(self) -> Any:
+        """The underlying transformers tokenizer (for the grammar backend's vocabulary)."""
+        return self._tok
+
+    @property
     def all_special_ids(self) -> set[int]:
         """Ids of special tokens (skipped in output text)."""
         return set(self._tok.all_special_ids)
 
     def apply_chat_template(self, messages: list[dict[str, Any]],
-                            add_generation_prompt: bool = True) -> list[int]:
+                            add_generation_prompt: bool = True,
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """Token ids of a chat rendered with the model's template.
 
         Args: messages: [{"role": str, "content": str}, ...] (content already flattened to text).
+            tools: OpenAI tool definitions, passed to a template that accepts them
+            (`accepts_tools`), else left out.
         Raises: InvalidRequest if messages are empty or the template rejects them.
         """
         if not messages:
@@ -115,8 +126,9 @@ class Tokenizer:
         if not self.has_chat_template:
             raise InvalidRequest("this model has no chat template; use /v1/completions", "messages")
         try:
+            extra = {"tools": tools} if tools and self.accepts_tools else {}
             text = self._tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                 tokenize=False)
+                                                 tokenize=False, **extra)
         except Exception as e:  # jinja2 errors from the template
             raise InvalidRequest(f"chat template failed: {e}", "messages") from e
         return list(self._tok.encode(text, add_special_tokens=False))
