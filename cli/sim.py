@@ -69,6 +69,9 @@ def sim(
     tbt_threshold: str = typer.Option("0.1,0.2,0.3", help="TBT thresholds of effective request "
                                       "capacity, s, comma-separated (the first is the headline)."),
     seed: int = typer.Option(0, help="Seed of the random policy."),
+    cpp: int = typer.Option(1, min=1, help="Chunked pipeline parallelism: prefill nodes form groups "
+                            "of this many pipeline stages (must divide --prefill; 1 = off)."),
+    cpp_chunk_tokens: int = typer.Option(4096, min=1, help="Tokens per pipeline chunk (--cpp)."),
     plot_dir: Path | None = typer.Option(None, help="Write PNG figures here."),
     sweep: bool = typer.Option(False, "--sweep", help="Find each policy's highest arrival rate with "
                                "effective request capacity >= --target (first policy = baseline)."),
@@ -104,7 +107,8 @@ def sim(
                          cache_tokens=parse_tokens(cache_tokens), time_scale=time_scale,
                          cache_balance_threshold=threshold, ttft_slo_s=ttft_slo, tbt_slo_s=tbt_slo,
                          ttft_threshold_s=ttft_threshold, tbt_thresholds_s=thresholds,
-                         output_tokens=output_tokens, seed=seed, **kw)
+                         output_tokens=output_tokens, seed=seed, cpp=cpp,
+                         cpp_chunk_tokens=cpp_chunk_tokens, **kw)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run = _Run(trace, base, policies, thresholds, cost, console, json_out, plot_dir)
