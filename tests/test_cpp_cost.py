@@ -56,3 +56,14 @@ def test_sim_cpp_groups_cut_long_prompt_ttft_and_keep_throughput():
     assert cpp["prefill_compute_s_per_request"] == pytest.approx(8.192)
     with pytest.raises(ValueError, match="cpp must divide"):
         SimConfig(**{**base, "prefill": 3}, cpp=2)
+
+
+def test_choose_group_by_threshold_and_predicted_ttft():
+    from mooncaked.conductor.cpp_cost import choose_group
+
+    t = pipeline_timing(FLAT, 4096, 0, 2, 512, 1000)               # about 2.3 s
+    assert choose_group(4096, 4.096, 0.0, t).use_group
+    assert not choose_group(4096, 4.096, 2.0, t).use_group          # its queue makes it slower
+    short = pipeline_timing(FLAT, 600, 0, 2, 512, 1000)
+    c = choose_group(600, 0.6, 0.0, short, cpp_min_tokens=1000)
+    assert not c.use_group and "600 < 1000" in c.reason

@@ -89,3 +89,34 @@ class PipelinedCostModel(CostModel):
     def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
         """The group's pipelined prefill latency, seconds."""
         return self.timing(new_tokens, cached_tokens).latency_s
+
+
+# Paper section 3.3: chunked pipelined prefill applies when the uncached part exceeds a
+# threshold, "typically above 1,000 tokens"; below it one chunk gains nothing.
+CPP_MIN_TOKENS = 1000
+
+
+@dataclass(frozen=True)
+class GroupChoice:
+    """The better of a CPP group and the best single prefill node for one request."""
+
+    use_group: bool
+    group_ttft_s: float
+    single_ttft_s: float
+    reason: str
+
+
+def choose_group(uncached_tokens: int, single_ttft_s: float, group_queue_s: float,
+                 group_timing: PipelineTiming, cpp_min_tokens: int = CPP_MIN_TOKENS) -> GroupChoice:
+    """Sends a request to a pipeline group when its uncached part is at least
+    `cpp_min_tokens` and the group's predicted TTFT (its queue, seconds, plus the
+    pipelined latency) beats the best single node's predicted TTFT (Algorithm 1's
+    estimate: transfer + queue + prefill, seconds). Ties go to the single node (fewer
+    nodes busy, no hops).
+    """
+    group = group_queue_s + group_timing.latency_s
+    if uncached_tokens < cpp_min_tokens:
+        return GroupChoice(False, group, single_ttft_s, f"uncached {uncached_tokens} < {cpp_min_tokens}")
+    if group < single_ttft_s:
+        return GroupChoice(True, group, single_ttft_s, "group predicted faster")
+    return GroupChoice(False, group, single_ttft_s, "single node predicted as fast or faster")
