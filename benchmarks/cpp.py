@@ -22,7 +22,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import signal
 import statistics
+import sys
 import time
 
 import orjson
@@ -126,6 +128,8 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
                             "ratio": round(o / s, 3), "tokens_equal": equal,
                             "ours_reps_s": [round(x, 4) for x in o_t],
                             "single_reps_s": [round(x, 4) for x in s_t]})
+            print(f"cpp bench: {orjson.dumps(results[-1]).decode()} load {os.getloadavg()[0]:.1f}",
+                  file=sys.stderr, flush=True)  # progress: a long run's partial figures
         return {"benchmark": "cpp", "stages": 2, "layers": [[r0.start, r0.stop], [r1.start, r1.stop]],
                 "chunk_tokens": chunk_tokens, "single_max_num_batched_tokens": max_batched,
                 "threads_per_node": 1, "reps": reps, "loadavg_1m": round(os.getloadavg()[0], 2),
@@ -160,6 +164,8 @@ def _num_layers() -> int:
 def main(json_out: bool = False, reps: int = 3, chunk_tokens: int = 512, max_batched: int = 512,
          prompts: tuple[int, ...] = PROMPTS) -> dict:
     """Runs the benchmark and prints a table or one JSON object; returns the result dict."""
+    # SIGTERM (timeout, kill) unwinds like Ctrl-C, so the stage processes are stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     res = asyncio.run(_run(tuple(prompts), reps, chunk_tokens, max_batched))
     if json_out:
         print(orjson.dumps(res).decode())

@@ -3,12 +3,17 @@ stage over the transfer engine (chunked pipeline parallelism, Mooncake section 3
 
 Protocol (every call a ControlServer method; hidden states never travel over RPC):
 
-    caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep}
-                         -> {token_id, num_tokens, stages: [{node, layers, compute_s}...]}
+    caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target}
+                         -> {token_id, num_tokens, stages: [{node, layers, compute_s,
+                             kv_pushed_bytes}...]}
     stage k -> stage k+1 cpp.reserve {request_id, num_tokens}
                          -> {descriptor, offset}: a receive slot of num_tokens rows of
                             [hidden_size] in the stage dtype, in segment "<name>/hidden"
     stage k  WRITE       hidden rows [start, end) of a chunk -> that slot (transfer engine)
+    stage k -> stage k+1 cpp.hold {request_id}: open for the request's life on stage k+1;
+                         if stage k dies, the connection drops, the handler is cancelled
+                         and stage k+1 releases the request at once (and stage k learns of
+                         a dead stage k+1 the same way, without waiting for a chunk)
     stage k -> stage k+1 cpp.chunk {request_id, start, end, last}
                          not last: ack at once (the chunk is queued);
                          last: the downstream result once the last stage has the token
@@ -19,8 +24,16 @@ Protocol (every call a ControlServer method; hidden states never travel over RPC
 Stage k's worker computes chunk i+1 while chunk i's WRITE and notification to stage k+1
 are in flight (a send task per chunk, chained so a request's chunks arrive in order).
 A request that fails on any stage (a dead peer, no pages) is released on this stage and
-its error goes back up the chain; a request nobody touched for `idle_timeout_s` (an
-upstream stage died mid-request) is released by a sweep, so nothing is held afterwards.
+its error goes back up the chain; a request whose upstream stage dies is released when
+its `cpp.hold` connection drops, and a request nobody holds or touches for
+`idle_timeout_s` by a sweep (the backstop), so nothing is held afterwards.
+
+KV push (optional `kv_target` = {descriptor}: a receive segment in the decode node's
+layer-major layout [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]): once a
+stage has run a request's last chunk, it WRITEs its own layers' KV, one contiguous byte
+range of that layout (layers start..stop), while the later stages still compute; the
+request answers only after every stage's WRITE is done, so the receive buffer takes
+layer ranges from several senders and is complete when the token comes back.
 
 Greedy only: the last stage returns the argmax token of the last prompt position
 (the bench's and tests' contract; a cluster prefill node would sample with the request's
@@ -51,6 +64,7 @@ from mooncaked.log import get_logger
 from mooncaked.model.weights import resolve_model_path
 from mooncaked.transfer.engine import TransferEngine
 
+from .errors import PeerUnavailable, RpcError
 from .rpc import ControlClient, ControlServer
 
 log = get_logger(__name__)
@@ -74,6 +88,10 @@ class _Req:
     touched: float = field(default_factory=time.monotonic)
     keep: bool = False
     waiting: bool = False                # a caller awaits the result (never swept)
+    kv_target: dict | None = None        # {descriptor} of a layer-major receive buffer
+    push: asyncio.Task | None = None     # this stage's KV WRITE to kv_target
+    held: bool = False                   # the upstream stage holds a cpp.hold call open
+    hold: asyncio.Task | None = None     # our cpp.hold call on the next stage
 
 
 class StageServer:
@@ -110,7 +128,7 @@ class StageServer:
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._tasks: list[asyncio.Task] = []
         self.address = ""
-        for method in ("prefill", "reserve", "chunk", "release", "status", "configure"):
+        for method in ("prefill", "reserve", "hold", "chunk", "release", "status", "configure"):
             self.control.add_handler(f"cpp.{method}", getattr(self, f"_on_{method}"))
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
@@ -143,6 +161,8 @@ class StageServer:
             return self.stage.release(rid)
         if req.slot is not None:
             self.free_slots.append(req.slot)
+        if req.hold is not None and why != "done":
+            req.hold.cancel()  # drops the connection: the next stage releases too
         if req.result is not None and not req.result.done():
             req.result.set_exception(StageFailure(f"{self.name}: request {rid} released ({why})"))
         self.stage.release(rid)
@@ -168,6 +188,7 @@ class StageServer:
         if chunk < 1:
             raise ValueError("chunk_tokens must be >= 1")
         req = self._new(rid, len(ids), bool(body.get("keep", False)))
+        req.kv_target = body.get("kv_target")
         req.waiting = True
         tokens = torch.tensor(ids, dtype=torch.long)
         for s in range(0, len(ids), chunk):
@@ -186,9 +207,26 @@ class StageServer:
         if not self.free_slots:
             raise StageFailure(f"{self.name}: no free receive slot")
         req = self._new(rid, n, bool(body.get("keep", False)))
+        req.kv_target = body.get("kv_target")
         req.slot = self.free_slots.pop()
         return {"descriptor": self.transfer.segment_descriptor(self.segment),
                 "offset": req.slot * self.max_tokens * self.row_bytes}
+
+    async def _on_hold(self, body: dict) -> dict:
+        rid = str(body["request_id"])
+        req = self.reqs.get(rid)
+        if req is None:
+            raise StageFailure(f"{self.name}: no reservation for request {rid}")
+        req.held = True
+        try:
+            await asyncio.shield(req.result)
+        except asyncio.CancelledError:
+            if self.reqs.get(rid) is req and not req.result.done():
+                self._release(rid, "upstream gone")
+            raise
+        except Exception:  # noqa: BLE001 - the failure travels on the chunk path
+            return {"done": False}
+        return {"done": True}
 
     async def _on_chunk(self, body: dict) -> dict:
         rid = str(body["request_id"])
@@ -223,6 +261,7 @@ class StageServer:
         st = self.stage
         return {"node": self.name, "layers": [st.layers.start, st.layers.stop], "first": st.is_first,
                 "last": st.is_last, "next": self.next_addr, "requests": sorted(self.reqs),
+                "held": sorted(r for r, q in self.reqs.items() if q.held),
                 "stage_pages": sorted(st.seqs), "free_blocks": st.num_free_blocks(),
                 "free_slots": len(self.free_slots), "weight_bytes": st.weight_bytes}
 
@@ -246,13 +285,52 @@ class StageServer:
             req.compute_s += time.perf_counter() - t0
             req.touched = time.monotonic()
             me = {"node": self.name, "layers": [self.stage.layers.start, self.stage.layers.stop],
-                  "compute_s": round(req.compute_s, 6)}
+                  "compute_s": round(req.compute_s, 6), "kv_pushed_bytes": 0}
+            if last and req.kv_target is not None:
+                req.push = asyncio.create_task(self._push_kv(rid, req, me))
             if self.stage.is_last:
                 if want_logits:
-                    req.result.set_result({"token_id": int(torch.argmax(out)), "num_tokens": req.total,
-                                           "stages": [me]})
+                    token = int(torch.argmax(out))
+                    req.send = asyncio.create_task(self._finish_last(req, token, me))
                 continue
             req.send = asyncio.create_task(self._send(rid, req, req.send, s, e, last, out, me))
+
+    async def _finish_last(self, req: _Req, token: int, me: dict) -> None:
+        try:
+            if req.push is not None:
+                await req.push
+        except Exception as ex:  # noqa: BLE001 - reported as the request's failure
+            self._fail_req(req, StageFailure(f"{self.name}: KV push failed: {ex}"))
+            return
+        if not req.result.done():
+            req.result.set_result({"token_id": token, "num_tokens": req.total, "stages": [me]})
+
+    async def _push_kv(self, rid: str, req: _Req, me: dict) -> None:
+        """WRITEs this stage's layers of the request's KV into kv_target's layer-major
+        buffer (its byte range for layers start..stop); records the bytes in `me`."""
+        st = self.stage
+        loop = asyncio.get_running_loop()
+        # [blocks, stage_layers, 2, bs, h, d] -> layer-major [stage_layers, blocks, ...]
+        kv = await loop.run_in_executor(
+            self._compute, lambda: st.read_kv(rid).transpose(0, 1).contiguous())
+        seg = self.transfer.add_peer_segment(req.kv_target["descriptor"])
+        per_layer = kv[0].numel() * kv.element_size()
+        await self.transfer.write(seg, st.layers.start * per_layer, kv)
+        me["kv_pushed_bytes"] = kv.numel() * kv.element_size()
+
+    async def _hold(self, rid: str, req: _Req) -> None:
+        """Keeps cpp.hold open on the next stage for the request's life; a dead next stage
+        ends the request here at once."""
+        try:
+            await self.client.call(self.next_addr, "cpp.hold", {"request_id": rid}, timeout_s=24 * 3600.0)
+        except PeerUnavailable as ex:  # the next stage died: end the request now
+            self._fail(rid, StageFailure(f"{self.name} -> {self.next_addr}: {ex}"))
+        except RpcError:
+            pass  # the next stage's own errors come back on the chunk path
+
+    def _fail_req(self, req: _Req, err: Exception) -> None:
+        if not req.result.done():
+            req.result.set_exception(err)
 
     def _fail(self, rid: str, err: Exception) -> None:
         req = self.reqs.get(rid)
@@ -269,15 +347,19 @@ class StageServer:
                 return
             if req.next_offset is None:
                 r = await self.client.call(self.next_addr, "cpp.reserve",
-                                           {"request_id": rid, "num_tokens": req.total, "keep": req.keep})
+                                           {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
+                                            "kv_target": req.kv_target})
                 req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
                 req.next_offset = int(r["offset"])
+                req.hold = asyncio.create_task(self._hold(rid, req))
             await self.transfer.write(req.next_segment, req.next_offset + s * self.row_bytes,
                                       hidden.contiguous())
             body = {"request_id": rid, "start": s, "end": e, "last": last}
             timeout = max(self.rpc_timeout_s, 600.0) if last else self.rpc_timeout_s
             r = await self.client.call(self.next_addr, "cpp.chunk", body, timeout_s=timeout)
             req.touched = time.monotonic()
+            if last and req.push is not None:
+                await req.push  # long done, usually: it ran while the later stages computed
             if last and not req.result.done():
                 r["stages"] = [me, *r["stages"]]
                 req.result.set_result(r)
@@ -289,7 +371,7 @@ class StageServer:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             now = time.monotonic()
             for rid, req in list(self.reqs.items()):
-                if req.waiting or (req.keep and req.result.done()):
+                if req.waiting or req.held or (req.keep and req.result.done()):
                     continue
                 if now - req.touched > self.idle_timeout_s:
                     self._release(rid, "idle")
