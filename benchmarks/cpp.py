@@ -20,6 +20,7 @@ Target (issue 14): ours / single <= 0.6 at 4k tokens and above.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import multiprocessing as mp
 import os
 import signal
@@ -84,6 +85,8 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
     single = ctx.Process(target=_single_worker, args=(child, 1 << 30, max_batched), daemon=True)
     client = ControlClient(timeout_s=CALL_TIMEOUT_S)
     loop = asyncio.get_running_loop()
+    # Its own thread for the blocking pipe, so an interrupted run does not wait for it.
+    pipe_thread = concurrent.futures.ThreadPoolExecutor(1)
 
     def single_call(msg):
         parent.send(msg)
@@ -112,7 +115,7 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
 
         warm = _prompt(300, 1)
         await ours(warm)
-        await loop.run_in_executor(None, single_call, warm)
+        await loop.run_in_executor(pipe_thread, single_call, warm)
         results = []
         for n in prompts:
             o_t, s_t, equal = [], [], True
@@ -120,7 +123,7 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
                 ids = _prompt(n, 1000 * n + rep)
                 t, tok_o = await ours(ids)
                 o_t.append(t)
-                t, tok_s = await loop.run_in_executor(None, single_call, ids)
+                t, tok_s = await loop.run_in_executor(pipe_thread, single_call, ids)
                 s_t.append(t)
                 equal = equal and tok_o == tok_s
             o, s = statistics.median(o_t), statistics.median(s_t)
@@ -137,6 +140,7 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
                 "target": "ratio <= 0.6 at >= 4096 prompt tokens",
                 "target_met": all(r["ratio"] <= 0.6 for r in results if r["prompt_tokens"] >= 4096)}
     finally:
+        pipe_thread.shutdown(wait=False, cancel_futures=True)
         await client.close()
         if single.is_alive():
             try:
