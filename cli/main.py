@@ -15,7 +15,7 @@ def _register() -> None:
     from . import bench_engine  # noqa: F401
 
     for name in ("bench_kernels", "bench_transfer", "bench_store", "bench_trace",
-                 "bench_conductor", "bench_capacity", "sim", "ctl", "up"):
+                 "bench_conductor", "bench_capacity", "bench_cpp", "sim", "ctl", "up"):
         try:
             __import__(f"{__package__}.{name}")
         except ModuleNotFoundError as e:

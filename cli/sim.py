@@ -78,6 +78,9 @@ def sim(
                                     "policy's; cost_aware uses kv_aware)."),
     aging: float = typer.Option(30.0, help="spf starvation bound: a request waiting this long "
                                 "goes first, s."),
+    cpp: int = typer.Option(1, min=1, help="Chunked pipeline parallelism: prefill nodes form groups "
+                            "of this many pipeline stages (must divide --prefill; 1 = off)."),
+    cpp_chunk_tokens: int = typer.Option(4096, min=1, help="Tokens per pipeline chunk (--cpp)."),
     plot_dir: Path | None = typer.Option(None, help="Write PNG figures here."),
     sweep: bool = typer.Option(False, "--sweep", help="Find each policy's highest arrival rate with "
                                "effective request capacity >= --target (first policy = baseline)."),
@@ -120,7 +123,7 @@ def sim(
                          ttft_threshold_s=ttft_threshold, tbt_thresholds_s=thresholds,
                          output_tokens=output_tokens, seed=seed, fetch_rule=fetch_rule,
                          prefill_order=prefill_order, decode_rule=decode_rule, aging_s=aging,
-                         **kw)
+                         cpp=cpp, cpp_chunk_tokens=cpp_chunk_tokens, **kw)
         for p in policies:    # an unknown rule fails here, before any simulation
             if p != "coupled":
                 dataclasses.replace(base, policy=p)

@@ -83,20 +83,27 @@ class LlamaModel:
 
     Weights live in `dtype` on `device`; q/k/v and gate/up projections are fused into
     one matrix each so a layer runs four matmuls.
+
+    `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
+    forward pass then runs those layers over a kv_cache holding only them, the embedding
+    exists only when the range starts at layer 0 and the final norm and LM head only when
+    it ends at the last layer (missing tensors are None).
     """
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, ops: ModuleType, max_positions: int):
+                 device: torch.device, ops: ModuleType, max_positions: int,
+                 layers: range | None = None):
         self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
+        self.layer_range = layers if layers is not None else range(cfg.num_layers)
 
-        def w(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype).contiguous()
+        def w(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
 
-        self.embed = w(tensors["embed"])
-        self.norm = w(tensors["norm"])
+        self.embed = w(tensors.get("embed"))
+        self.norm = w(tensors.get("norm"))
         self.lm_head = w(tensors["lm_head"]) if "lm_head" in tensors else self.embed
         self.layers = []
-        for i in range(cfg.num_layers):
+        for i in self.layer_range:
             t = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
             self.layers.append({
                 "attn_norm": w(t["attn_norm"]),
@@ -130,7 +137,8 @@ class LlamaModel:
         """Runs all layers on a flat batch and writes its K/V into the pages.
 
         Args:
-            input_ids: int64 [T]; positions: int64 [T] (index in its sequence).
+            input_ids: int64 [T]; positions: int64 [T] (index in its sequence). A later
+                pipeline stage passes the previous stage's hidden states [T, hidden] instead.
             meta: AttentionMetadata for the same T tokens.
             kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], self.dtype.
             after_layer: called with the layer index as soon as that layer's K/V of this
@@ -140,7 +148,7 @@ class LlamaModel:
         cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
-        h = F.embedding(input_ids, self.embed)
+        h = input_ids if input_ids.is_floating_point() else F.embedding(input_ids, self.embed)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
             qkv = F.linear(x, layer["wqkv"])

@@ -77,8 +77,13 @@ def resolve_model_path(path: str) -> Path:
     return p
 
 
-def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(path: Path, layers: range | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Loads a GGUF file or a safetensors directory (with config.json).
+
+    `layers` (a pipeline stage's contiguous range) loads only those layers' tensors, the
+    embedding only when the range starts at 0 and the final norm and LM head only when it
+    ends at the last layer (the tied embedding then serves as the LM head); the other
+    tensors are never dequantized, so a stage's memory scales with its slice.
 
     Returns: (config, tensors) with tensors fp32 under our names: "embed" [V, H],
         "norm" [H], optional "lm_head" [V, H], optional "rope_freqs" [head_dim/2], and
@@ -86,9 +91,9 @@ def load_weights(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     Raises: ModelLoadError for a missing/unsupported file or architecture.
     """
     if path.is_dir():
-        return _load_safetensors_dir(path)
+        return _load_safetensors_dir(path, layers)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path)
+        return _load_gguf(path, layers)
     raise ModelLoadError(f"not a GGUF file or a safetensors directory: {path}")
 
 
@@ -113,7 +118,27 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return f.contents()
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _stage_keep(layers: range | None, num_layers: int, tied: bool):
+    """Predicate over our tensor names: does a stage of `layers` need it? (None: all.)
+    tied: the LM head is the embedding. Raises ModelLoadError for a bad range."""
+    if layers is None:
+        return lambda name: True
+    if not layers or layers.step != 1 or layers.start < 0 or layers.stop > num_layers:
+        raise ModelLoadError(f"layer range {layers} is not a contiguous part of 0..{num_layers}")
+    first, last = layers.start == 0, layers.stop == num_layers
+
+    def keep(name: str) -> bool:
+        if name.startswith("layers."):
+            return int(name.split(".", 2)[1]) in layers
+        if name == "embed":
+            return first or (last and tied)
+        if name in ("norm", "lm_head"):
+            return last
+        return True  # rope_freqs
+    return keep
+
+
+def _load_gguf(path: Path, layers: range | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf  # noqa: PLC0415 - heavy import, only when loading
 
     try:
@@ -131,7 +156,15 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     n_heads = int(meta("attention.head_count"))
     n_kv = int(meta("attention.head_count_kv", n_heads))
     tensors: dict[str, torch.Tensor] = {}
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    keep = _stage_keep(layers, int(meta("block_count")), tied=not has_output)
     for t in reader.tensors:
+        ours = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}.get(
+            t.name.removesuffix(".weight"), t.name.removesuffix(".weight"))
+        if ours.startswith("blk."):
+            ours = "layers." + ours.split(".")[1] + ".x"
+        if not keep(ours):
+            continue
         arr = gguf.quants.dequantize(t.data, t.tensor_type)
         arr = np.array(arr, dtype=np.float32, copy=True).reshape([int(x) for x in reversed(t.shape)])
         name = t.name.removesuffix(".weight")
@@ -164,13 +197,13 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
         rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(meta("rope.freq_base", 10000.0)),
         max_position_embeddings=int(meta("context_length", 2048)),
-        tie_word_embeddings="lm_head" not in tensors,
+        tie_word_embeddings=not has_output,
         rope_scaling=scaling,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(eos)] if eos is not None else [],
         name=path.stem,
     )
-    _check_complete(cfg, tensors, path)
+    _check_complete(cfg, tensors, path, layers)
     return cfg, tensors
 
 
@@ -182,7 +215,8 @@ _HF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "wq", "se
                    "mlp.up_proj": "w_up", "mlp.down_proj": "w_down"}
 
 
-def _load_safetensors_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_safetensors_dir(path: Path, layers: range | None = None
+                          ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     from safetensors.torch import load_file  # noqa: PLC0415
 
     cfg_file = path / "config.json"
@@ -200,10 +234,16 @@ def _load_safetensors_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tens
     n_heads = hf["num_attention_heads"]
     n_kv = hf.get("num_key_value_heads", n_heads)
     tensors: dict[str, torch.Tensor] = {}
+    keep = _stage_keep(layers, hf["num_hidden_layers"], tied=bool(hf.get("tie_word_embeddings", True)))
     for f in files:
         for name, t in load_file(str(f)).items():
-            t = t.float()
             name = name.removesuffix(".weight")
+            ours = {"model.embed_tokens": "embed", "model.norm": "norm"}.get(name, name)
+            if ours.startswith("model.layers."):
+                ours = "layers." + ours.split(".")[2] + ".x"
+            if not keep(ours):
+                continue
+            t = t.float()
             if name == "model.embed_tokens":
                 tensors["embed"] = t
             elif name == "model.norm":
@@ -247,13 +287,18 @@ def _load_safetensors_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tens
         eos_token_ids=eos if isinstance(eos, list) else ([eos] if eos is not None else []),
         name=path.name,
     )
-    _check_complete(cfg, tensors, path)
+    _check_complete(cfg, tensors, path, layers)
     return cfg, tensors
 
 
-def _check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path) -> None:
-    missing = [k for k in ("embed", "norm") if k not in tensors]
-    missing += [f"layers.{i}.{n}" for i in range(cfg.num_layers) for n in LAYER_TENSORS
+def _check_complete(cfg: ModelConfig, tensors: dict[str, torch.Tensor], path: Path,
+                    layers: range | None = None) -> None:
+    layers = range(cfg.num_layers) if layers is None else layers
+    need = ["embed"] if layers.start == 0 or (layers.stop == cfg.num_layers
+                                               and cfg.tie_word_embeddings) else []
+    need += ["norm"] if layers.stop == cfg.num_layers else []
+    missing = [k for k in need if k not in tensors]
+    missing += [f"layers.{i}.{n}" for i in layers for n in LAYER_TENSORS
                 if f"layers.{i}.{n}" not in tensors]
     if missing:
         raise ModelLoadError(f"{path}: missing tensors: {', '.join(missing[:5])}"

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 
 from mooncaked.conductor.cost_model import CostModel, PaperSetting, paper_cost_model
+from mooncaked.conductor.cpp_cost import PipelinedCostModel
 from mooncaked.conductor.index import PrefixIndex
 from mooncaked.conductor.policy import (
     POLICIES,
@@ -63,7 +64,7 @@ SIM_POLICIES = POLICIES + ("coupled",)
 _MAX_SEG_STEPS = 4096   # longest precomputed decode segment; a longer one just continues
 
 # event kinds
-_ARRIVE, _FETCH_DONE, _PF_START, _PF_DONE, _KV_READY, _SEG_END, _CP_DONE = range(7)
+_ARRIVE, _FETCH_DONE, _PF_START, _PF_DONE, _KV_READY, _SEG_END, _CP_DONE, _STAGE_FREE = range(8)
 
 
 @dataclass
@@ -81,6 +82,10 @@ class SimConfig:
     `fetch_rule`, `decode_rule`, `prefill_order`, `aging_s`: the PolicyConfig options
     ("" = the policy's default; `policy.policy_defaults`); prefill_order also sets how
     the simulated prefill queues run.
+    `cpp` > 1: the prefill instances form pipeline groups of `cpp` nodes (section 3.3),
+    each group one placement target with `cpp` x the block cache, prefilling in chunks of
+    `cpp_chunk_tokens` (conductor/cpp_cost.py; hidden states of
+    `cpp_hidden_bytes_per_token` cross each stage boundary).
     """
 
     policy: str = "global_cache_aware"
@@ -105,6 +110,9 @@ class SimConfig:
     decode_rule: str = ""
     prefill_order: str = ""
     aging_s: float = 30.0
+    cpp: int = 1
+    cpp_chunk_tokens: int = 4096
+    cpp_hidden_bytes_per_token: int = 16384  # LLaMA3-70B: d_model 8192 x bf16
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -116,6 +124,10 @@ class SimConfig:
         if not (self.time_scale > 0 and self.cache_tokens >= 0 and self.decode_kv_tokens > 0
                 and self.max_batch >= 1):
             raise ValueError("time_scale, decode_kv_tokens and max_batch must be > 0, cache_tokens >= 0")
+        if self.cpp < 1 or self.prefill % self.cpp or self.cpp_chunk_tokens < 1:
+            raise ValueError(f"cpp must divide prefill ({self.prefill}) and chunk tokens be >= 1")
+        if self.cpp > 1 and self.policy == "coupled":
+            raise ValueError("cpp groups are prefill instances; the coupled baseline has none")
 
 
 @dataclass
@@ -206,6 +218,10 @@ class Simulator:
     def __init__(self, trace: Sequence[TraceRequest], cfg: SimConfig, cost: CostModel | None = None):
         self.trace, self.cfg = trace, cfg
         self.cost = cost or paper_cost_model()
+        self.base_cost = self.cost
+        if cfg.cpp > 1:  # placement and prefill timing see each group's pipelined latency
+            self.cost = PipelinedCostModel.of(self.cost, cfg.cpp, cfg.cpp_chunk_tokens,
+                                              cfg.cpp_hidden_bytes_per_token)
         self.coupled = cfg.policy == "coupled"
         self.pcfg = PolicyConfig(policy="load_balancing" if self.coupled else cfg.policy,
                                  block_size=cfg.block_tokens,
@@ -228,9 +244,10 @@ class Simulator:
             self.pnodes: list[_PNode] = []
             self.pids = list(range(len(self.dnodes)))
         else:
-            self.pnodes = [_PNode(i, cfg.cache_tokens, cfg.block_tokens) for i in range(cfg.prefill)]
+            groups = cfg.prefill // cfg.cpp
+            self.pnodes = [_PNode(i, cfg.cache_tokens * cfg.cpp, cfg.block_tokens) for i in range(groups)]
             self.dnodes = [_DNode(i) for i in range(cfg.decode)]
-            self.pids = list(range(cfg.prefill))
+            self.pids = list(range(groups))
         for i in self.pids:
             self.index.add_node(i)
         self.dids = list(range(len(self.dnodes)))
@@ -280,7 +297,11 @@ class Simulator:
             elif kind == _KV_READY:
                 self._kv_ready(a, b, t)
             elif kind == _PF_DONE:
-                self._pf_done(a, t)
+                self._pf_done(a, t, b)
+            elif kind == _STAGE_FREE:
+                a.running = None
+                if not a.waiting_fetch:
+                    self._pstart(a, t)
             elif kind == _CP_DONE:
                 self._cp_done(a, t)
             elif kind == _FETCH_DONE:
@@ -438,16 +459,23 @@ class Simulator:
         c = min(m * self.cfg.block_tokens, q.n)
         q.cached = c
         dur = self.cost.prefill_s(q.n - c, c)
-        self.prefill_busy_s += dur
+        self.prefill_busy_s += self.base_cost.prefill_s(q.n - c, c)
         self.hits.append((t, c, q.n))
         q.pf_start = t
         p.running = q
+        if self.cfg.cpp > 1:  # the next request enters once stage 0 is done with this one
+            occ = self.cost.timing(q.n - c, c).occupancy_s
+            p.busy_until = t + occ
+            self._push(t + occ, _STAGE_FREE, p)
+            self._push(t + dur, _PF_DONE, p, q)
+            return
         p.busy_until = t + dur
         self._push(t + dur, _PF_DONE, p)
 
-    def _pf_done(self, p: _PNode, t: float) -> None:
-        q = p.running
-        p.running = None
+    def _pf_done(self, p: _PNode, t: float, pipelined: _Req | None = None) -> None:
+        q = pipelined or p.running
+        if pipelined is None:
+            p.running = None
         q.first = t
         self._store(p.idx, p.cache, q.keys)
         if self.track_pending:
@@ -465,7 +493,8 @@ class Simulator:
             # KV streams to the decode node layer by layer while the prefill runs.
             ready = max(t, q.pf_start + self.cost.transfer_s(q.n))
             self._push(ready, _KV_READY, self.dnodes[q.decode], q)
-        self._pstart(p, t)
+        if pipelined is None:
+            self._pstart(p, t)
 
     # ------------------------------------------------------------------ decode
 

@@ -1,0 +1,445 @@
+"""A pipeline stage server: one StageEngine behind control RPCs, chunks flowing stage to
+stage over the transfer engine (chunked pipeline parallelism, Mooncake section 3.3).
+
+Protocol (every call a ControlServer method; hidden states never travel over RPC):
+
+    caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target}
+                         -> {token_id, num_tokens, stages: [{node, layers, compute_s,
+                             kv_pushed_bytes}...]}
+    stage k -> stage k+1 cpp.reserve {request_id, num_tokens}
+                         -> {descriptor, offset}: a receive slot of num_tokens rows of
+                            [hidden_size] in the stage dtype, in segment "<name>/hidden"
+    stage k  WRITE       hidden rows [start, end) of a chunk -> that slot (transfer engine)
+    stage k -> stage k+1 cpp.hold {request_id}: open for the request's life on stage k+1;
+                         if stage k dies, the connection drops, the handler is cancelled
+                         and stage k+1 releases the request at once (and stage k learns of
+                         a dead stage k+1 the same way, without waiting for a chunk)
+    stage k -> stage k+1 cpp.chunk {request_id, start, end, last}
+                         not last: ack at once (the chunk is queued);
+                         last: the downstream result once the last stage has the token
+    anyone -> any stage  cpp.release {request_id} -> {released: bool}
+    anyone -> any stage  cpp.status -> {node, layers, requests, free_blocks, ...}
+    operator -> stage    cpp.configure {next}: re-points the stage at a (restarted) next stage
+
+Stage k's worker computes chunk i+1 while chunk i's WRITE and notification to stage k+1
+are in flight (a send task per chunk, chained so a request's chunks arrive in order).
+A request that fails on any stage (a dead peer, no pages) is released on this stage and
+its error goes back up the chain; a request whose upstream stage dies is released when
+its `cpp.hold` connection drops, and a request nobody holds or touches for
+`idle_timeout_s` by a sweep (the backstop), so nothing is held afterwards.
+
+KV push (optional `kv_target` = {descriptor}: a receive segment in the decode node's
+layer-major layout [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]): once a
+stage has run a request's last chunk, it WRITEs its own layers' KV, one contiguous byte
+range of that layout (layers start..stop), while the later stages still compute; the
+request answers only after every stage's WRITE is done, so the receive buffer takes
+layer ranges from several senders and is complete when the token comes back.
+
+Greedy only: the last stage returns the argmax token of the last prompt position
+(the bench's and tests' contract; a cluster prefill node would sample with the request's
+SamplingParams here).
+
+Run one stage per process: `python -m mooncaked.cluster.pipeline_stage --layers 15:30
+[--next HOST:PORT]`; it prints one JSON line {"control": "host:port"} on stdout when ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import concurrent.futures
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import orjson
+import torch
+
+from mooncaked.config import TransferSettings
+from mooncaked.engine.stage import StageEngine
+from mooncaked.log import get_logger
+from mooncaked.model.weights import resolve_model_path
+from mooncaked.transfer.engine import TransferEngine
+
+from .errors import PeerUnavailable, RpcError
+from .rpc import ControlClient, ControlServer
+
+log = get_logger(__name__)
+
+SWEEP_INTERVAL_S = 0.5  # how often idle requests are looked for (well under idle_timeout_s)
+
+
+class StageFailure(RuntimeError):
+    """A request failed on this stage or downstream (message says which and why)."""
+
+
+@dataclass
+class _Req:
+    total: int = 0                       # prompt tokens
+    slot: int | None = None              # this stage's receive slot (not the first stage)
+    next_offset: int | None = None       # the next stage's slot offset, bytes
+    next_segment: str = ""
+    send: asyncio.Task | None = None     # the newest send task (chained)
+    result: asyncio.Future | None = None
+    compute_s: float = 0.0
+    touched: float = field(default_factory=time.monotonic)
+    keep: bool = False
+    waiting: bool = False                # a caller awaits the result (never swept)
+    kv_target: dict | None = None        # {descriptor} of a layer-major receive buffer
+    push: asyncio.Task | None = None     # this stage's KV WRITE to kv_target
+    held: bool = False                   # the upstream stage holds a cpp.hold call open
+    hold: asyncio.Task | None = None     # our cpp.hold call on the next stage
+
+
+class StageServer:
+    """Serves one pipeline stage.
+
+    Args:
+        stage: the StageEngine (its layer range decides first/last).
+        name: this node's name (segment "<name>/hidden").
+        next_addr: control address "host:port" of the next stage; None on the last stage.
+        max_tokens: longest prompt, tokens (size of one receive slot).
+        slots: requests that may be in flight through this stage at once.
+        idle_timeout_s: a request untouched this long is released (a dead peer upstream).
+        rpc_timeout_s: bound on each call to the next stage (the last chunk's call waits
+            for the whole downstream prefill, so it gets max(rpc_timeout_s, 600)).
+    """
+
+    def __init__(self, stage: StageEngine, name: str, next_addr: str | None, max_tokens: int = 8192,
+                 slots: int = 2, idle_timeout_s: float = 5.0, rpc_timeout_s: float = 30.0,
+                 transfer_settings: TransferSettings | None = None):
+        if (next_addr is None) != stage.is_last:
+            raise ValueError("exactly the last stage has no next stage")
+        self.stage, self.name, self.next_addr = stage, name, next_addr
+        self.max_tokens, self.idle_timeout_s, self.rpc_timeout_s = max_tokens, idle_timeout_s, rpc_timeout_s
+        self.transfer = TransferEngine(transfer_settings, node_id=name)
+        self.control = ControlServer()
+        self.client = ControlClient(timeout_s=rpc_timeout_s)
+        self.reqs: dict[str, _Req] = {}
+        self.free_slots = list(range(slots))
+        self.row_bytes = stage.hidden_size * stage.dtype.itemsize
+        self.hidden = None if stage.is_first else torch.zeros((slots, max_tokens, stage.hidden_size),
+                                                              dtype=stage.dtype)
+        self.segment = f"{name}/hidden"
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
+        self._tasks: list[asyncio.Task] = []
+        self.address = ""
+        for method in ("prefill", "reserve", "hold", "chunk", "release", "status", "configure"):
+            self.control.add_handler(f"cpp.{method}", getattr(self, f"_on_{method}"))
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Starts the transfer engine, the receive segment, the worker and the control
+        server; returns the control address "host:port"."""
+        await self.transfer.start()
+        if self.hidden is not None:
+            self.transfer.register_segment(self.segment, self.hidden)
+        self._tasks = [asyncio.create_task(self._worker()), asyncio.create_task(self._sweep())]
+        h, p = await self.control.start(host, port)
+        self.address = f"{h}:{p}"
+        log.info("cpp_stage_started", node=self.name, layers=f"{self.stage.layers.start}:"
+                 f"{self.stage.layers.stop}", control=self.address, next=self.next_addr)
+        return self.address
+
+    async def stop(self) -> None:
+        """Stops serving and frees everything. Never raises."""
+        for t in self._tasks:
+            t.cancel()
+        await self.control.stop()
+        await self.client.close()
+        await self.transfer.close()
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+    # -- requests
+
+    def _release(self, rid: str, why: str = "done") -> bool:
+        req = self.reqs.pop(rid, None)
+        if req is None:
+            return self.stage.release(rid)
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+        if req.hold is not None and why != "done":
+            req.hold.cancel()  # drops the connection: the next stage releases too
+        if req.result is not None and not req.result.done():
+            req.result.set_exception(StageFailure(f"{self.name}: request {rid} released ({why})"))
+        self.stage.release(rid)
+        log.info("cpp_request_released", node=self.name, request_id=rid, reason=why)
+        return True
+
+    def _new(self, rid: str, total: int, keep: bool) -> _Req:
+        if rid in self.reqs:
+            raise ValueError(f"request {rid} is already on stage {self.name}")
+        if not 0 < total <= self.max_tokens:
+            raise ValueError(f"num_tokens must be 1..{self.max_tokens}, got {total}")
+        req = _Req(total=total, keep=keep)
+        req.result = asyncio.get_running_loop().create_future()
+        req.result.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+        self.reqs[rid] = req
+        return req
+
+    async def _on_prefill(self, body: dict) -> dict:
+        if not self.stage.is_first:
+            raise ValueError(f"{self.name} is not the first stage")
+        rid, ids = str(body["request_id"]), list(body["token_ids"])
+        chunk = int(body.get("chunk_tokens", 512))
+        if chunk < 1:
+            raise ValueError("chunk_tokens must be >= 1")
+        req = self._new(rid, len(ids), bool(body.get("keep", False)))
+        req.kv_target = body.get("kv_target")
+        req.waiting = True
+        tokens = torch.tensor(ids, dtype=torch.long)
+        for s in range(0, len(ids), chunk):
+            e = min(s + chunk, len(ids))
+            self._queue.put_nowait((rid, s, e, e == len(ids), tokens[s:e]))
+        try:
+            return await req.result
+        finally:
+            if not req.keep:
+                self._release(rid)
+
+    async def _on_reserve(self, body: dict) -> dict:
+        if self.hidden is None:
+            raise ValueError(f"{self.name} is the first stage: it takes tokens, not hidden states")
+        rid, n = str(body["request_id"]), int(body["num_tokens"])
+        if not self.free_slots:
+            raise StageFailure(f"{self.name}: no free receive slot")
+        req = self._new(rid, n, bool(body.get("keep", False)))
+        req.kv_target = body.get("kv_target")
+        req.slot = self.free_slots.pop()
+        return {"descriptor": self.transfer.segment_descriptor(self.segment),
+                "offset": req.slot * self.max_tokens * self.row_bytes}
+
+    async def _on_hold(self, body: dict) -> dict:
+        rid = str(body["request_id"])
+        req = self.reqs.get(rid)
+        if req is None:
+            raise StageFailure(f"{self.name}: no reservation for request {rid}")
+        req.held = True
+        try:
+            await asyncio.shield(req.result)
+        except asyncio.CancelledError:
+            if self.reqs.get(rid) is req and not req.result.done():
+                self._release(rid, "upstream gone")
+            raise
+        except Exception:  # noqa: BLE001 - the failure travels on the chunk path
+            return {"done": False}
+        return {"done": True}
+
+    async def _on_chunk(self, body: dict) -> dict:
+        rid = str(body["request_id"])
+        req = self.reqs.get(rid)
+        if req is None or req.slot is None:
+            raise StageFailure(f"{self.name}: no reservation for request {rid}")
+        s, e, last = int(body["start"]), int(body["end"]), bool(body["last"])
+        if not 0 <= s < e <= req.total:
+            raise ValueError(f"chunk {s}:{e} outside 0:{req.total}")
+        req.touched = time.monotonic()
+        self._queue.put_nowait((rid, s, e, last, self.hidden[req.slot, s:e]))
+        if not last:
+            return {"queued": True}
+        req.waiting = True  # a dead caller cancels this handler, which releases the request
+        try:
+            return await req.result
+        finally:
+            if not req.keep:
+                self._release(rid)
+
+    async def _on_release(self, body: dict) -> dict:
+        return {"released": self._release(str(body["request_id"]), "asked")}
+
+    async def _on_configure(self, body: dict) -> dict:
+        nxt = body.get("next")
+        if self.stage.is_last or not isinstance(nxt, str) or not nxt:
+            raise ValueError("only a stage that has a next stage takes a new next address")
+        self.next_addr = nxt
+        return {"next": nxt}
+
+    async def _on_status(self, _body) -> dict:
+        st = self.stage
+        return {"node": self.name, "layers": [st.layers.start, st.layers.stop], "first": st.is_first,
+                "last": st.is_last, "next": self.next_addr, "requests": sorted(self.reqs),
+                "held": sorted(r for r, q in self.reqs.items() if q.held),
+                "stage_pages": sorted(st.seqs), "free_blocks": st.num_free_blocks(),
+                "free_slots": len(self.free_slots), "weight_bytes": st.weight_bytes}
+
+    # -- the worker: compute chunk after chunk, hand each result to a send task
+
+    async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            rid, s, e, last, inputs = await self._queue.get()
+            req = self.reqs.get(rid)
+            if req is None or req.result.done():
+                continue  # released or failed meanwhile
+            want_logits = last and self.stage.is_last
+            t0 = time.perf_counter()
+            try:
+                out = await loop.run_in_executor(self._compute, self.stage.run_chunk, rid, s, inputs,
+                                                 want_logits)
+            except Exception as ex:  # noqa: BLE001 - out of pages, out-of-order chunk: fail the request
+                self._fail(rid, StageFailure(f"{self.name}: chunk {s}:{e} of {rid}: {ex}"))
+                continue
+            req.compute_s += time.perf_counter() - t0
+            req.touched = time.monotonic()
+            me = {"node": self.name, "layers": [self.stage.layers.start, self.stage.layers.stop],
+                  "compute_s": round(req.compute_s, 6), "kv_pushed_bytes": 0}
+            if last and req.kv_target is not None:
+                req.push = asyncio.create_task(self._push_kv(rid, req, me))
+            if self.stage.is_last:
+                if want_logits:
+                    token = int(torch.argmax(out))
+                    req.send = asyncio.create_task(self._finish_last(req, token, me))
+                continue
+            req.send = asyncio.create_task(self._send(rid, req, req.send, s, e, last, out, me))
+
+    async def _finish_last(self, req: _Req, token: int, me: dict) -> None:
+        try:
+            if req.push is not None:
+                await req.push
+        except Exception as ex:  # noqa: BLE001 - reported as the request's failure
+            self._fail_req(req, StageFailure(f"{self.name}: KV push failed: {ex}"))
+            return
+        if not req.result.done():
+            req.result.set_result({"token_id": token, "num_tokens": req.total, "stages": [me]})
+
+    async def _push_kv(self, rid: str, req: _Req, me: dict) -> None:
+        """WRITEs this stage's layers of the request's KV into kv_target's layer-major
+        buffer (its byte range for layers start..stop); records the bytes in `me`."""
+        st = self.stage
+        loop = asyncio.get_running_loop()
+        # [blocks, stage_layers, 2, bs, h, d] -> layer-major [stage_layers, blocks, ...]
+        kv = await loop.run_in_executor(
+            self._compute, lambda: st.read_kv(rid).transpose(0, 1).contiguous())
+        seg = self.transfer.add_peer_segment(req.kv_target["descriptor"])
+        per_layer = kv[0].numel() * kv.element_size()
+        await self.transfer.write(seg, st.layers.start * per_layer, kv)
+        me["kv_pushed_bytes"] = kv.numel() * kv.element_size()
+
+    async def _hold(self, rid: str, req: _Req) -> None:
+        """Keeps cpp.hold open on the next stage for the request's life; a dead next stage
+        ends the request here at once."""
+        try:
+            await self.client.call(self.next_addr, "cpp.hold", {"request_id": rid}, timeout_s=24 * 3600.0)
+        except PeerUnavailable as ex:  # the next stage died: end the request now
+            self._fail(rid, StageFailure(f"{self.name} -> {self.next_addr}: {ex}"))
+        except RpcError:
+            pass  # the next stage's own errors come back on the chunk path
+
+    def _fail_req(self, req: _Req, err: Exception) -> None:
+        if not req.result.done():
+            req.result.set_exception(err)
+
+    def _fail(self, rid: str, err: Exception) -> None:
+        req = self.reqs.get(rid)
+        if req is not None and not req.result.done():
+            req.result.set_exception(err)
+        log.warning("cpp_request_failed", node=self.name, request_id=rid, error=str(err))
+
+    async def _send(self, rid: str, req: _Req, prev: asyncio.Task | None, s: int, e: int, last: bool,
+                    hidden: torch.Tensor, me: dict) -> None:
+        try:
+            if prev is not None:
+                await prev
+            if req.result.done():
+                return
+            if req.next_offset is None:
+                r = await self.client.call(self.next_addr, "cpp.reserve",
+                                           {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
+                                            "kv_target": req.kv_target})
+                req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
+                req.next_offset = int(r["offset"])
+                req.hold = asyncio.create_task(self._hold(rid, req))
+            await self.transfer.write(req.next_segment, req.next_offset + s * self.row_bytes,
+                                      hidden.contiguous())
+            body = {"request_id": rid, "start": s, "end": e, "last": last}
+            timeout = max(self.rpc_timeout_s, 600.0) if last else self.rpc_timeout_s
+            r = await self.client.call(self.next_addr, "cpp.chunk", body, timeout_s=timeout)
+            req.touched = time.monotonic()
+            if last and req.push is not None:
+                await req.push  # long done, usually: it ran while the later stages computed
+            if last and not req.result.done():
+                r["stages"] = [me, *r["stages"]]
+                req.result.set_result(r)
+        except Exception as ex:  # noqa: BLE001 - dead or failing next stage: the request ends here
+            self._fail(rid, StageFailure(f"{self.name} -> {self.next_addr}: {ex}"))
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_INTERVAL_S)
+            now = time.monotonic()
+            for rid, req in list(self.reqs.items()):
+                if req.waiting or req.held or (req.keep and req.result.done()):
+                    continue
+                if now - req.touched > self.idle_timeout_s:
+                    self._release(rid, "idle")
+
+
+def start_stage_process(layers: range, next_addr: str = "", *, max_tokens: int = 8192,
+                        threads: int = 1, idle_timeout_s: float = 5.0, name: str = "",
+                        ready_timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """Starts `python -m mooncaked.cluster.pipeline_stage` for `layers`; returns the process
+    and its control address once it printed its ready line. Start the last stage first:
+    each stage needs its next stage's address.
+
+    Raises: RuntimeError (with its stderr's tail) when it exits or says nothing within
+        ready_timeout_s seconds (the process is killed then).
+    """
+    cmd = [sys.executable, "-m", "mooncaked.cluster.pipeline_stage", "--layers",
+           f"{layers.start}:{layers.stop}", "--threads", str(threads), "--max-tokens", str(max_tokens),
+           "--idle-timeout-s", str(idle_timeout_s)]
+    cmd += ["--next", next_addr] if next_addr else []
+    cmd += ["--name", name] if name else []
+    err = tempfile.TemporaryFile()  # noqa: SIM115 - the stage writes to it while it lives
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
+    ready, _, _ = select.select([proc.stdout], [], [], ready_timeout_s)
+    line = proc.stdout.readline() if ready else b""
+    if not line:
+        proc.kill()
+        proc.wait(10)
+        err.seek(0)
+        tail = err.read()[-2000:].decode(errors="replace")
+        raise RuntimeError(f"stage {layers} did not start (exit code {proc.returncode}): {tail}")
+    return proc, orjson.loads(line)["control"]
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    a, b = (int(x) for x in args.layers.split(":"))
+    stage = StageEngine(resolve_model_path(args.model), range(a, b), dtype=args.dtype,
+                        kv_cache_bytes=args.kv_cache_bytes, max_positions=args.max_tokens,
+                        num_threads=args.threads)
+    server = StageServer(stage, args.name or f"stage-{a}-{b}", args.next or None,
+                         max_tokens=args.max_tokens, idle_timeout_s=args.idle_timeout_s)
+    addr = await server.start()
+    sys.stdout.write(orjson.dumps({"control": addr, "weight_bytes": stage.weight_bytes}).decode() + "\n")
+    sys.stdout.flush()
+    try:
+        await asyncio.Event().wait()  # until SIGTERM / SIGKILL
+    finally:
+        await server.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m mooncaked.cluster.pipeline_stage`: serve one stage until killed."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--layers", required=True, help="this stage's layers, START:STOP")
+    p.add_argument("--next", default="", help="the next stage's control address (none: last stage)")
+    p.add_argument("--name", default="")
+    p.add_argument("--model", default="", help="model path (default: the bundled model)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=8192)
+    p.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
+    p.add_argument("--idle-timeout-s", type=float, default=5.0)
+    args = p.parse_args(argv)
+    try:
+        import uvloop
+        uvloop.run(_serve(args))
+    except KeyboardInterrupt:
+        pass
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,210 @@
+"""One stage of a chunked prefill pipeline (CPP, Mooncake section 3.3).
+
+A pipeline group splits the decoder's layers into contiguous ranges, one per stage
+(prefill node). A stage holds only its layers' weights (the embedding on the first,
+the final norm and LM head on the last) and KV pages for its layers only:
+`kv_cache[num_blocks, stage_layers, 2, block_size, num_kv_heads, head_dim]`, the engine's
+layout restricted to the stage's layers. A prompt is cut into chunks; each chunk runs
+through stage 0, its hidden states go to stage 1, and so on, so that chunk i+1 runs on
+stage 0 while chunk i runs on stage 1. The last stage turns the prompt's last hidden
+state into logits.
+
+StageEngine is synchronous and single-request-at-a-time per call (a stage node serializes
+its calls); each request owns a list of pages until `release`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from mooncaked.kernels import attention_ops
+from mooncaked.model.llama import AttentionMetadata, LlamaModel
+from mooncaked.model.weights import ModelConfig, load_weights
+from mooncaked.utils import cdiv
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def split_layers(num_layers: int, num_stages: int, weights: list[float] | None = None) -> list[range]:
+    """Contiguous layer ranges, one per stage, covering 0..num_layers.
+
+    Even by default (the first stages take one more layer when it does not divide). With
+    `weights` (each stage's share, e.g. from a profile so that stages take equal time),
+    boundaries are the rounded cumulative shares, every stage keeping at least one layer.
+    Raises: ValueError when num_stages < 1 or > num_layers, or weights has the wrong length
+        or a non-positive entry.
+    """
+    if num_stages < 1 or num_stages > num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {num_stages} stages")
+    bounds = [0]
+    if weights is None:
+        q, r = divmod(num_layers, num_stages)
+        for i in range(num_stages):
+            bounds.append(bounds[-1] + q + (1 if i < r else 0))
+    else:
+        if len(weights) != num_stages or any(w <= 0 for w in weights):
+            raise ValueError(f"layer split weights must be {num_stages} positive numbers, got {weights}")
+        total, acc = sum(weights), 0.0
+        for i, w in enumerate(weights[:-1]):
+            acc += w
+            b = round(num_layers * acc / total)
+            bounds.append(min(max(b, bounds[-1] + 1), num_layers - (num_stages - 1 - i)))
+        bounds.append(num_layers)
+    return [range(a, b) for a, b in itertools.pairwise(bounds)]
+
+
+@dataclass
+class _StageSeq:
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0  # tokens whose K/V of this stage's layers are in the pages
+
+
+class StageOutOfPages(RuntimeError):
+    """The stage has no free KV page for a request's next chunk."""
+
+
+class StageEngine:
+    """A pipeline stage: layers `layers` of the model, their KV pages, chunk by chunk.
+
+    Args:
+        model_path: a resolved GGUF file or safetensors directory.
+        layers: this stage's contiguous layer range (split_layers).
+        dtype: "float32" or "bfloat16" (weights, activations and KV).
+        kv_cache_bytes: memory for this stage's pages, bytes (a block holds only the
+            stage's layers, so the same bytes hold more tokens than a full engine's).
+        block_size: tokens per page; max_positions: longest prompt, tokens.
+        num_threads: torch intra-op threads (0: leave torch's setting).
+    Raises: ModelLoadError for a bad model or range; ValueError when one page does not fit.
+    """
+
+    def __init__(self, model_path, layers: range, dtype: str = "float32",
+                 kv_cache_bytes: int = 256 * 1024 * 1024, block_size: int = 16,
+                 max_positions: int = 8192, num_threads: int = 0, device: str = "cpu"):
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        t0 = time.monotonic()
+        cfg, tensors = load_weights(model_path, layers)
+        self.cfg: ModelConfig = cfg
+        self.layers = layers
+        self.is_first, self.is_last = layers.start == 0, layers.stop == cfg.num_layers
+        self.dtype = DTYPES[dtype]
+        dev = torch.device(device)
+        self.weight_bytes = sum(t.numel() for t in tensors.values()) * self.dtype.itemsize
+        self.model = LlamaModel(cfg, tensors, self.dtype, dev, attention_ops(dev, "auto"),
+                                max_positions=min(max_positions, cfg.max_position_embeddings),
+                                layers=layers)
+        del tensors
+        self.block_size = block_size
+        n = len(layers)
+        self.block_bytes = n * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * self.dtype.itemsize
+        num_blocks = kv_cache_bytes // self.block_bytes
+        if num_blocks < 1:
+            raise ValueError(f"kv_cache_bytes={kv_cache_bytes} cannot hold one stage block of "
+                             f"{self.block_bytes} bytes")
+        self.kv_cache = torch.zeros((num_blocks, n, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
+                                    dtype=self.dtype, device=dev)
+        self.free_blocks = list(range(num_blocks - 1, -1, -1))
+        self.seqs: dict[str, _StageSeq] = {}
+        self.load_s = time.monotonic() - t0
+        self.pid = os.getpid()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.cfg.hidden_size
+
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def _ensure_pages(self, seq: _StageSeq, end: int) -> None:
+        need = cdiv(end, self.block_size) - len(seq.blocks)
+        if need > len(self.free_blocks):
+            raise StageOutOfPages(f"need {need} pages, {len(self.free_blocks)} free")
+        for _ in range(need):
+            seq.blocks.append(self.free_blocks.pop())
+
+    @torch.inference_mode()
+    def run_chunk(self, request_id: str, start: int, inputs: torch.Tensor,
+                  want_logits: bool = False) -> torch.Tensor:
+        """Runs this stage's layers on tokens start..start+n-1 of a request.
+
+        Args:
+            request_id: the request (its pages are made on its first chunk).
+            start: position of the chunk's first token; must equal the tokens already run.
+            inputs: int64 token ids [n] on the first stage, else the previous stage's
+                hidden states [n, hidden_size] (any float dtype; cast to the stage's).
+            want_logits: on the last stage, return fp32 logits [vocab] of the chunk's last
+                token instead of hidden states.
+        Returns: hidden states [n, hidden_size] in the stage dtype (before the final norm),
+            or fp32 logits [vocab] (last stage, want_logits).
+        Raises: ValueError for a chunk out of order or logits asked of a non-last stage;
+            StageOutOfPages when the pages are full.
+        """
+        seq = self.seqs.setdefault(request_id, _StageSeq())
+        if start != seq.num_tokens:
+            raise ValueError(f"{request_id}: chunk starts at {start}, stage has {seq.num_tokens} tokens")
+        if want_logits and not self.is_last:
+            raise ValueError("only the last stage has the LM head")
+        n = inputs.shape[0]
+        end = start + n
+        self._ensure_pages(seq, end)
+        dev, bs = self.model.device, self.block_size
+        table = torch.tensor(seq.blocks, dtype=torch.long, device=dev)
+        pos = torch.arange(start, end, dtype=torch.long, device=dev)
+        slots = table[pos // bs] * bs + pos % bs
+        meta = AttentionMetadata(
+            slot_mapping=slots, num_decode_tokens=0,
+            prefill_block_tables=table.to(torch.int32).unsqueeze(0),
+            prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            prefill_context_lens=torch.tensor([end], dtype=torch.int32, device=dev))
+        if self.is_first:
+            x = inputs.to(device=dev, dtype=torch.long)
+        else:
+            x = inputs.to(device=dev, dtype=self.dtype)
+        hidden = self.model.forward(x, pos, meta, self.kv_cache)
+        seq.num_tokens = end
+        if want_logits:
+            return self.model.logits(hidden[-1:])[0]
+        return hidden
+
+    def read_kv(self, request_id: str) -> torch.Tensor:
+        """The request's pages, [num_blocks, stage_layers, 2, block_size, kv_heads, head_dim]
+        (a copy), for a layer-range KV push or tests. Raises KeyError for an unknown id."""
+        seq = self.seqs[request_id]
+        return self.kv_cache[torch.tensor(seq.blocks, dtype=torch.long)].clone()
+
+    def release(self, request_id: str) -> bool:
+        """Frees the request's pages; False when it held none."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        self.free_blocks.extend(reversed(seq.blocks))
+        return True
+
+
+def prefill_through(stages: list[StageEngine], request_id: str, token_ids: list[int], start: int = 0,
+                    chunk_tokens: int = 512) -> torch.Tensor:
+    """Runs tokens start.. of a request through `stages` in order, chunk by chunk, in this
+    process (no overlap: the reference the distributed pipeline must match).
+
+    Returns: fp32 logits [vocab] of the last token. Raises: as StageEngine.run_chunk;
+        ValueError when no token is given or stages do not chain 0..num_layers.
+    """
+    if start >= len(token_ids):
+        raise ValueError("no tokens to prefill")
+    if stages[0].layers.start != 0 or not stages[-1].is_last or any(
+            a.layers.stop != b.layers.start for a, b in itertools.pairwise(stages)):
+        raise ValueError("stages must chain their layer ranges from 0 to the last layer")
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    logits = None
+    for s in range(start, len(token_ids), chunk_tokens):
+        e = min(s + chunk_tokens, len(token_ids))
+        x = ids[s:e]
+        for st in stages:
+            x = st.run_chunk(request_id, s, x, want_logits=st.is_last and e == len(token_ids))
+        logits = x
+    return logits
