@@ -63,7 +63,7 @@ class LLMEngine:
         self.settings = settings
         path = resolve_model_path(ms.path)
         t0 = time.monotonic()
-        cfg, tensors = load_weights(path)
+        cfg, tensors = load_weights(path, keep_quantized=ms.weight_format != "dequantized")
         self.cfg: ModelConfig = cfg
         self.tokenizer = Tokenizer(path, cfg.eos_token_ids)
         device = torch.device(ms.device)
@@ -71,7 +71,9 @@ class LLMEngine:
         ctx = cfg.max_position_embeddings if not ms.max_model_len else min(ms.max_model_len,
                                                                              cfg.max_position_embeddings)
         self.model = LlamaModel(cfg, tensors, self.dtype, device,
-                                attention_ops(device, es.attention_backend), max_positions=ctx)
+                                attention_ops(device, es.attention_backend), max_positions=ctx,
+                                weight_format=ms.weight_format,
+                                dense_above=ms.quantized_max_tokens or None)
         del tensors
         self.block_size = es.block_size
         self.block_bytes = block_bytes(self.model, es.block_size)

@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .weights import ModelConfig, ModelLoadError
 
 
@@ -81,37 +82,63 @@ def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> t
 class LlamaModel:
     """Weights and forward pass of a Llama-family decoder.
 
-    Weights live in `dtype` on `device`; q/k/v and gate/up projections are fused into
-    one matrix each so a layer runs four matmuls.
+    Norms live in `dtype` on `device`; q/k/v and gate/up projections are fused into
+    one matrix each so a layer runs four matmuls. Projections and the LM head are
+    quant.Linear objects: dense `dtype` matrices, or with `weight_format` "auto"/"int8"
+    and bf16 on the CPU, weight-only int4/int8 (model/quant.py).
+
+    Args:
+        tensors: from load_weights (fp32 tensors, or QuantizedWeights with keep_quantized).
+        weight_format: "dequantized" (default), "auto" (keep the file's Q4/Q8 blocks) or "int8".
+        dense_above: quantized weights also keep a dense copy for steps of more than this
+            many tokens; None keeps none.
     """
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
-                 device: torch.device, ops: ModuleType, max_positions: int):
+                 device: torch.device, ops: ModuleType, max_positions: int,
+                 weight_format: str = "dequantized", dense_above: int | None = None):
         self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
 
         def w(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device=device, dtype=dtype).contiguous()
+            return quant.dense(t).to(device=device, dtype=dtype).contiguous()
 
-        self.embed = w(tensors["embed"])
+        def lin(*parts) -> quant.Linear:
+            return quant.make_linear(list(parts), weight_format, dtype, device, dense_above)
+
         self.norm = w(tensors["norm"])
-        self.lm_head = w(tensors["lm_head"]) if "lm_head" in tensors else self.embed
+        tied = "lm_head" not in tensors
+        self.lm_head = lin(tensors["embed"] if tied else tensors["lm_head"])
+        # A tied head shares its table with the embedding lookup (int8 rows are dequantized
+        # per lookup): no second copy.
+        if tied and isinstance(self.lm_head, quant.Int8Linear):
+            self.embed = None
+        elif tied and self.lm_head.kind == "dense":
+            self.embed = self.lm_head.weight
+        else:
+            self.embed = w(tensors["embed"])
         self.layers = []
         for i in range(cfg.num_layers):
             t = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
             self.layers.append({
                 "attn_norm": w(t["attn_norm"]),
-                "wqkv": w(torch.cat([t["wq"], t["wk"], t["wv"]], 0)),
-                "wo": w(t["wo"]),
+                "wqkv": lin(t["wq"], t["wk"], t["wv"]),
+                "wo": lin(t["wo"]),
                 "mlp_norm": w(t["mlp_norm"]),
-                "w_gate_up": w(torch.cat([t["w_gate"], t["w_up"]], 0)),
-                "w_down": w(t["w_down"]),
+                "w_gate_up": lin(t["w_gate"], t["w_up"]),
+                "w_down": lin(t["w_down"]),
             })
-        inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
+        rope_freqs = tensors.get("rope_freqs")
+        inv = rope_inv_freq(cfg, quant.dense(rope_freqs) if rope_freqs is not None else None)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         self.freqs_cis = torch.polar(torch.ones_like(angles), angles).to(device)  # complex64 [P, hd/2]
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            return self.lm_head.rows(input_ids)
+        return F.embedding(input_ids, self.embed)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
@@ -140,10 +167,10 @@ class LlamaModel:
         cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
-        h = F.embedding(input_ids, self.embed)
+        h = self._embed(input_ids)
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
-            qkv = F.linear(x, layer["wqkv"])
+            qkv = layer["wqkv"](x)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             qk = self._rotary(qk, positions)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
@@ -166,13 +193,13 @@ class LlamaModel:
                     ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                                 self.scale)])
-            h = h + F.linear(attn.reshape(T, self.q_size), layer["wo"])
+            h = h + layer["wo"](attn.reshape(T, self.q_size))
             x = self._rms_norm(h, layer["mlp_norm"])
-            gate, up = F.linear(x, layer["w_gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["w_down"])
+            gate, up = layer["w_gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["w_down"](F.silu(gate) * up)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab]."""
-        return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        return self.lm_head(self._rms_norm(hidden, self.norm)).float()
