@@ -143,11 +143,12 @@ class LlamaModel:
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
-    def _rotary(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """qk: [T, heads, head_dim] interleaved pairs -> rotated copy, same dtype."""
+    def _rotary(self, qk: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """qk: [T, heads, head_dim] interleaved pairs, rot: complex64 [T, 1, head_dim / 2]
+        (freqs_cis at the tokens' positions) -> rotated copy, qk's dtype."""
         t, h, d = qk.shape
         x = torch.view_as_complex(qk.float().reshape(t, h, d // 2, 2))
-        x = x * self.freqs_cis[positions].unsqueeze(1)
+        x = x * rot
         return torch.view_as_real(x).reshape(t, h, d).to(qk.dtype)
 
     @torch.inference_mode()
@@ -168,11 +169,12 @@ class LlamaModel:
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
         h = self._embed(input_ids)
+        rot = self.freqs_cis[positions].unsqueeze(1)  # once per step, not per layer
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
             qkv = layer["wqkv"](x)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = self._rotary(qk, positions)
+            qk = self._rotary(qk, rot)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
