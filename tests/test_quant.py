@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from mooncaked.kernels import cpu_ops
-from mooncaked.model import quant
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import load_weights
