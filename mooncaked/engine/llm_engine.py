@@ -14,6 +14,7 @@ from mooncaked.config import Settings
 from mooncaked.kernels import attention_ops
 from mooncaked.log import get_logger
 from mooncaked.model.llama import LlamaModel
+from mooncaked.model.quant import quantized_ok
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import ModelConfig, load_weights, resolve_model_path
 from mooncaked.store.keys import block_keys, make_salt
@@ -63,11 +64,12 @@ class LLMEngine:
         self.settings = settings
         path = resolve_model_path(ms.path)
         t0 = time.monotonic()
-        cfg, tensors = load_weights(path, keep_quantized=ms.weight_format != "dequantized")
-        self.cfg: ModelConfig = cfg
-        self.tokenizer = Tokenizer(path, cfg.eos_token_ids)
         device = torch.device(ms.device)
         self.dtype = DTYPES[ms.dtype]
+        keep = ms.weight_format != "dequantized" and quantized_ok(self.dtype, device)
+        cfg, tensors = load_weights(path, keep_quantized=keep)
+        self.cfg: ModelConfig = cfg
+        self.tokenizer = Tokenizer(path, cfg.eos_token_ids)
         ctx = cfg.max_position_embeddings if not ms.max_model_len else min(ms.max_model_len,
                                                                              cfg.max_position_embeddings)
         self.model = LlamaModel(cfg, tensors, self.dtype, device,
