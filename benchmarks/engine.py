@@ -25,6 +25,13 @@ Cases (issue 2):
   4. constrained_batch1, constrained_batch32 (issue 20, engine_structured.py): decode
      under a JSON schema against the same decode unconstrained, ours on both sides.
      Target: constrained / unconstrained >= 0.9.
+  5. decode_batch1_vs_llamacpp (only when llama-cpp-python is importable: `pip install
+     .[bench]`): case 1 against llama.cpp decoding the same GGUF file, the same prompt
+     token ids, greedy, the same output length and thread count, in the same run.
+     Target: ours / llama.cpp >= 1.0.
+
+Baselines live in small `_<name>_load` / `_<name>_decode` helpers and each case adds rows
+through `row(...)`: a new case or baseline is one more block of the same shape.
 
 Ratios: throughput rows are ours / baseline (higher is better); TTFT rows are
 ours / baseline too (lower is better); each row says so in `ratio_means`.
@@ -50,6 +57,7 @@ from .engine_structured import run_cases as structured_cases
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = {"decode_batch1": "decode, batch 1", "concurrent_32": "32 concurrent",
+          "decode_batch1_vs_llamacpp": "decode, batch 1 vs llama.cpp",
           "ttft_prefix_cached": "TTFT warm / cold", "ttft_cold_vs_transformers": "TTFT cold vs HF"}
 SHORT_PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 # `--quick`: every case at toy sizes (a smoke run of the whole pipeline, about half a minute
@@ -143,6 +151,31 @@ def _hf_streamer(transformers):
     return TokenTimes()
 
 
+# -- llama.cpp (optional: llama-cpp-python, the [bench] extra)
+
+
+def _llamacpp_load(threads: int):
+    """The same GGUF file in llama.cpp, or None when llama-cpp-python is not installed."""
+    try:
+        from llama_cpp import Llama  # noqa: PLC0415 - optional baseline
+    except ImportError:
+        return None
+    return Llama(model_path=str(bundled_model_path()), n_ctx=2048, n_threads=threads,
+                 n_threads_batch=threads, verbose=False)
+
+
+def _llamacpp_decode(llm, prompt: list[int], n: int) -> list[float]:
+    """Greedy decode of exactly n tokens after `prompt` (EOS not checked, like ignore_eos).
+    Returns the perf_counter() time of each token."""
+    times: list[float] = []
+    for _ in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                          reset=True):
+        times.append(time.perf_counter())
+        if len(times) == n:
+            break
+    return times
+
+
 # -- the cases
 
 
@@ -204,10 +237,14 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
     _hf_generate(hf, [short], warm, pad_id)
     _hf_generate(hf, batch, 2, pad_id)
     _hf_generate(hf, [long_prompt], 1, pad_id)
+    llm = _llamacpp_load(torch.get_num_threads())
+    if llm is not None:
+        _llamacpp_decode(llm, short, warm)
 
     c1 = {"ours_tps": [], "ours_ttft": [], "hf_tps": [], "hf_ttft": []}
     c2 = {"ours": [], "hf": []}
     c3 = {"warm": [], "cold": [], "hf": []}
+    c4 = {"llamacpp_tps": [], "llamacpp_ttft": []}
     for _ in range(reps):
         # 1. decode at batch 1
         t0, (times,) = _ours_generate(engine, [short], decode_tokens, ids.next("salt"), ids)
@@ -220,6 +257,12 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         assert len(st.times) == decode_tokens
         c1["hf_tps"].append(_decode_rate(st.times))
         c1["hf_ttft"].append(st.times[0] - t0)
+        if llm is not None:
+            t0 = time.perf_counter()
+            times = _llamacpp_decode(llm, short, decode_tokens)
+            assert len(times) == decode_tokens
+            c4["llamacpp_tps"].append(_decode_rate(times))
+            c4["llamacpp_ttft"].append(times[0] - t0)
 
         # 2. concurrent requests, continuous batching vs one padded batch
         t0, times = _ours_generate(engine, batch, concurrent_tokens, ids.next("salt"), ids)
@@ -273,6 +316,12 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
             "transformers generate of 1 token (no prefix cache)", None,
             "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt),
     ]
+    if llm is not None:
+        results.append(row(
+            "decode_batch1_vs_llamacpp", "tok/s", med(c1["ours_tps"]), med(c4["llamacpp_tps"]),
+            f"llama.cpp (llama-cpp-python {_llamacpp_version()}, same GGUF, greedy, batch 1)",
+            ">= 1.0", "ours / baseline (speedup)", decode_tokens=decode_tokens,
+            prompt_tokens=len(short), baseline_ttft_s=round(med(c4["llamacpp_ttft"]), 4)))
     # structured outputs (issue 20): JSON-schema decode vs the same decode unconstrained
     results += structured_cases(engine, reps=reps, decode_tokens=decode_tokens, batch=concurrent)
     return {
@@ -286,8 +335,17 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         "loadavg_1m_before": round(load_before[0], 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
         "cpu_count": os.cpu_count(), "wall_s": round(time.perf_counter() - t_start, 1),
         "results": results,
-        "samples": {"decode_batch1": c1, f"concurrent_{concurrent}": c2, "ttft": c3},
+        "weight_format": settings.model.weight_format,
+        "llamacpp": llm is not None,
+        "samples": {"decode_batch1": c1, f"concurrent_{concurrent}": c2, "ttft": c3,
+                    "decode_batch1_vs_llamacpp": c4},
     }
+
+
+def _llamacpp_version() -> str:
+    import llama_cpp  # noqa: PLC0415
+
+    return getattr(llama_cpp, "__version__", "?")
 
 
 def main(json_out: bool = False, dtype: str = "float32", **kw) -> dict:

@@ -81,6 +81,18 @@ class ModelSettings:
                                 "length.", min=0)
     num_threads: int = opt(0, "torch intra-op threads; 0 means one per core minus one (kept for "
                               "the event loop), at least 1.", min=0)
+    weight_format: str = opt("auto", "Linear weights: auto keeps a GGUF file's Q4_0/Q4_1 (as packed "
+                                     "int4, group 32) and Q8_0 (as int8 per row) quantized, other "
+                                     "weights dense; dequantized makes every weight dense; int8 "
+                                     "quantizes every linear weight to int8 per row on load. "
+                                     "Quantized kernels run only with bfloat16 on the CPU (torch's "
+                                     "fp32 path for them is slow): other dtypes load dequantized.",
+                             choices=("auto", "dequantized", "int8"))
+    quantized_max_tokens: int = opt(8, "Steps of up to this many tokens run the quantized kernels; "
+                                       "larger steps (prefill, big decode batches) use a dense copy "
+                                       "kept beside them, where a dense bf16 matmul is faster. 0 "
+                                       "keeps no dense copy (every step quantized, least memory).",
+                                    min=0)
 
 
 @dataclass
@@ -95,8 +107,10 @@ class EngineSettings:
     enable_prefix_caching: bool = opt(True, "Reuse KV blocks of equal prefixes.")
     preemption_mode: str = opt("recompute", "What to do when blocks run out.",
                                choices=("recompute",))
-    attention_backend: str = opt("auto", "auto (Triton on CUDA, torch otherwise), triton or torch.",
-                                 choices=("auto", "triton", "torch"))
+    attention_backend: str = opt("auto", "auto (Triton on CUDA; on the CPU decode attention that "
+                                         "reads the pages in place, via Numba), triton, cpu or "
+                                         "torch (the torch references only).",
+                                 choices=("auto", "triton", "cpu", "torch"))
     max_logprobs: int = opt(20, "Largest top_logprobs a request may ask for.", min=0)
     cuda_graph_max_batch: int = opt(256, "CUDA devices: decode steps of up to this many "
                                          "sequences replay CUDA graphs captured at start (batch "

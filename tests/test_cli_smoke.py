@@ -181,8 +181,10 @@ def test_bench_engine_quick_json():
     assert res["engine"]["kv_cache_bytes"] == 64 * 1024 * 1024
     assert positive(res["wall_s"]) and positive(res["torch_threads"])
     rows = {r["case"]: r for r in res["results"]}
-    assert list(rows) == ["decode_batch1", "concurrent_4", "ttft_prefix_cached",
-                          "ttft_cold_vs_transformers"]
+    want = ["decode_batch1", "concurrent_4", "ttft_prefix_cached", "ttft_cold_vs_transformers"]
+    if res["llamacpp"]:  # llama-cpp-python installed (the optional [bench] extra)
+        want.append("decode_batch1_vs_llamacpp")
+    assert list(rows) == want
     for r in rows.values():
         assert {"case", "unit", "ours", "baseline", "ratio", "ratio_means", "baseline_name",
                 "target", "meets_target"} <= set(r), r

@@ -251,10 +251,12 @@ def engine_without_prefix_cache() -> LLMEngine:
 
 def test_block_copies_use_the_attention_kernels_module(engine):
     """KV import/export copies go through the kernel module the attention uses (Triton
-    on CUDA, the torch references on this CPU engine), not a hard-wired one."""
-    from mooncaked.kernels import reference
+    on CUDA, cpu_ops on this CPU engine, whose block copies are the torch references),
+    not a hard-wired one."""
+    from mooncaked.kernels import cpu_ops, reference
 
-    assert engine.runner.ops is engine.model.ops is reference
+    assert engine.runner.ops is engine.model.ops is cpu_ops
+    assert cpu_ops.gather_blocks is reference.gather_blocks
     ids = [0, 2]
     before = engine.runner.read_blocks(ids)
     assert before.shape == (2, *engine.runner.kv_cache.shape[1:]) and before.is_contiguous()

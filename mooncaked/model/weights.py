@@ -77,14 +77,16 @@ def resolve_model_path(path: str) -> Path:
     return p
 
 
-def load_weights(path: Path, layers: range | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_weights(path: Path, layers: range | None = None, keep_quantized: bool = False
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Loads a GGUF file or a safetensors directory (with config.json).
 
     `layers` (a pipeline stage's contiguous range) loads only those layers' tensors, the
     embedding only when the range starts at 0 and the final norm and LM head only when it
     ends at the last layer (the tied embedding then serves as the LM head); the other
     tensors are never dequantized, so a stage's memory scales with its slice.
-
+    keep_quantized: GGUF Q4_0, Q4_1 and Q8_0 matrices come back as quant.QuantizedWeight
+        (the file's blocks) instead of fp32 tensors (see model/quant.py).
     Returns: (config, tensors) with tensors fp32 under our names: "embed" [V, H],
         "norm" [H], optional "lm_head" [V, H], optional "rope_freqs" [head_dim/2], and
         "layers.{i}.{name}" for name in LAYER_TENSORS ([out, in] for projections).
@@ -93,7 +95,7 @@ def load_weights(path: Path, layers: range | None = None) -> tuple[ModelConfig, 
     if path.is_dir():
         return _load_safetensors_dir(path, layers)
     if path.suffix.lower() == ".gguf":
-        return _load_gguf(path, layers)
+        return _load_gguf(path, layers, keep_quantized)
     raise ModelLoadError(f"not a GGUF file or a safetensors directory: {path}")
 
 
@@ -138,8 +140,11 @@ def _stage_keep(layers: range | None, num_layers: int, tied: bool):
     return keep
 
 
-def _load_gguf(path: Path, layers: range | None = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def _load_gguf(path: Path, layers: range | None = None, keep_quantized: bool = False
+               ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf  # noqa: PLC0415 - heavy import, only when loading
+
+    from .quant import KEPT_TYPES, QuantizedWeight  # noqa: PLC0415
 
     try:
         reader = gguf.GGUFReader(str(path))
@@ -165,22 +170,26 @@ def _load_gguf(path: Path, layers: range | None = None) -> tuple[ModelConfig, di
             ours = "layers." + ours.split(".")[1] + ".x"
         if not keep(ours):
             continue
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        arr = np.array(arr, dtype=np.float32, copy=True).reshape([int(x) for x in reversed(t.shape)])
+        shape = [int(x) for x in reversed(t.shape)]
+        if keep_quantized and int(t.tensor_type) in KEPT_TYPES and len(shape) == 2:
+            arr = QuantizedWeight(int(t.tensor_type), np.array(t.data, copy=True), (shape[0], shape[1]))
+        else:
+            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
         name = t.name.removesuffix(".weight")
         if name == "token_embd":
-            tensors["embed"] = torch.from_numpy(arr)
+            tensors["embed"] = arr
         elif name == "output_norm":
-            tensors["norm"] = torch.from_numpy(arr)
+            tensors["norm"] = arr
         elif name == "output":
-            tensors["lm_head"] = torch.from_numpy(arr)
+            tensors["lm_head"] = arr
         elif name == "rope_freqs":
-            tensors["rope_freqs"] = torch.from_numpy(arr)
+            tensors["rope_freqs"] = arr
         elif name.startswith("blk."):
             _, idx, kind = name.split(".", 2)
             if kind not in _GGUF_LAYER_NAMES:
                 raise ModelLoadError(f"{path}: unexpected tensor {t.name}")
-            tensors[f"layers.{idx}.{_GGUF_LAYER_NAMES[kind]}"] = torch.from_numpy(arr)
+            tensors[f"layers.{idx}.{_GGUF_LAYER_NAMES[kind]}"] = arr
     scaling = None
     if meta("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": meta("rope.scaling.type"), "factor": float(meta("rope.scaling.factor", 1.0)),

@@ -1,0 +1,28 @@
+"""The CPU kernel set: the torch references, with decode attention from cpu_decode (Numba).
+
+Same functions and signatures as `reference` (see its module doc for the paged KV
+layout); only `paged_decode_attention` differs: it reads the pages in place
+instead of gathering each sequence's context (kernels/cpu_decode.py). Caches of
+dtypes the Numba kernel does not handle (e.g. fp16) use the reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_decode
+from .reference import gather_blocks, paged_prefill_attention, scatter_blocks, write_kv
+from .reference import paged_decode_attention as _reference_decode
+
+__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "scatter_blocks",
+           "write_kv"]
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """reference.paged_decode_attention's contract, KV read in place (cpu_decode) for
+    bf16/fp32 CPU caches; other dtypes or devices fall back to the reference."""
+    if k_cache.device.type == "cpu" and cpu_decode.supports(k_cache.dtype):
+        return cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+    return _reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
