@@ -76,7 +76,8 @@ def test_health_is_ready_only_once_the_cluster_can_serve_and_no_conductor_is_a_b
     for nid in ("p1", "d1"):
         cluster.start_node(nid)
     cluster.wait_ready(READY_TIMEOUT_S)
-    assert http("GET", f"{api}/health")[:2] == (200, {"status": "ok"})
+    status, body, _ = http("GET", f"{api}/health")
+    assert (status, body["status"], body["node"]) == (200, "ok", "c1")
     req = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
     status, body, _ = http("POST", f"{api}/v1/completions", req)
     assert status == 200, body

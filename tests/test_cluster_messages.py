@@ -14,8 +14,7 @@ from mooncaked.cluster import ControlClient, ControlServer, RpcError
 from mooncaked.cluster.messages import (DecodeFailure, DecodeLoad, DecodeRequest, FetchPlan,
                                         KVHandle, KVReservation, KVReserved, MessageError,
                                         NodeRef, NodeReport, OutputDelta, PlaceRejected,
-                                        PlaceReply, PlaceRequest, PrefillDone, PrefillReply,
-                                        PrefillRequest, Release, StoreEventMsg,
+                                        PlaceReply, PlaceRequest, PrefillDone, PrefillRequest, Release, StoreEventMsg,
                                         place_result_from_json)
 from mooncaked.engine.types import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 

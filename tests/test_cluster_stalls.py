@@ -91,9 +91,14 @@ def _greedy(url: str, prompt: str) -> str:
 
 
 def _metric(text: str, name: str, labels: str = "") -> float:
-    m = re.search(rf"^{re.escape(name)}{re.escape(labels)} ([0-9.e+-]+)$", text, re.MULTILINE)
-    assert m, f"{name}{labels} not in /metrics"
-    return float(m.group(1))
+    """The value of the first `name` series whose labels include `labels` (every series
+    also carries node and role labels)."""
+    want = set(re.findall(r'(\w+)="([^"]*)"', labels))
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(?:\{{(.*)\}})? ([0-9.e+-]+)$", line)
+        if m and want <= set(re.findall(r'(\w+)="([^"]*)"', m.group(1) or "")):
+            return float(m.group(2))
+    raise AssertionError(f"{name}{labels} not in /metrics")
 
 
 def _metrics(url: str) -> str:
