@@ -184,6 +184,7 @@ def test_bench_engine_quick_json():
     want = ["decode_batch1", "concurrent_4", "ttft_prefix_cached", "ttft_cold_vs_transformers"]
     if res["llamacpp"]:  # llama-cpp-python installed (the optional [bench] extra)
         want.append("decode_batch1_vs_llamacpp")
+    want += ["constrained_batch1", "constrained_batch4"]   # JSON schema vs unconstrained
     assert list(rows) == want
     for r in rows.values():
         assert {"case", "unit", "ours", "baseline", "ratio", "ratio_means", "baseline_name",

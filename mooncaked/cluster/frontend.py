@@ -335,8 +335,17 @@ class ClusterFrontend:
                 can_continue = max_new > 1 and n + 1 < self.max_model_len
                 place_req = PlaceRequest(request_id, tuple(keys), n, max_new, exclude=exclude)
                 pre = pl = None
+                replaced: list[str] = []     # why nodes refused this request (e.g. draining)
                 for _ in range(MAX_PLACEMENTS):
-                    pl = await self._place(place_req, deadline)
+                    try:
+                        pl = await self._place(place_req, deadline)
+                    except Overloaded as e:
+                        # The conductor may not know yet why the nodes we excluded refused
+                        # (a drain it has not heard of): say what they told us.
+                        if replaced and e.reason.startswith("no_"):
+                            raise Overloaded(e.reason, e.retry_after_s,
+                                             detail="; ".join(replaced)) from e
+                        raise
                     done.placed(pl)
                     if pl.prefill.node == pl.decode.node:      # a coupled node: all of it there
                         gen = self._coupled(pl, prompt_token_ids, params, request_id, cache_salt,
@@ -355,6 +364,7 @@ class ClusterFrontend:
                     except _Replace as e:
                         log.warning("prefill_replaced", request_id=request_id,
                                     node=pl.prefill.node, reason=str(e))
+                        replaced.append(e.reason)
                         place_req = dataclasses.replace(
                             place_req, exclude=(*place_req.exclude, pl.prefill.node))
                 if pre is None:
@@ -414,7 +424,7 @@ class ClusterFrontend:
                                 f"time", type="server_error", code="timeout") from e
         except RpcError as e:
             if e.remote_type == "NodeDraining":
-                raise _Replace(str(e)) from e
+                raise _Replace(str(e), e.remote_message or f"{p.node} is draining") from e
             if e.remote_type == "InvalidRequest":
                 raise InvalidRequest(e.remote_message, e.remote_param) from e
             raise ApiError(502, f"prefill on node {p.node} failed: {e}",
@@ -597,7 +607,12 @@ async def _refused(r: aiohttp.ClientResponse, node: str) -> Overloaded:
 
 
 class _Replace(Exception):
-    """The chosen node cannot take the request (dead, draining): place it again without it."""
+    """The chosen node cannot take the request (dead, draining): place it again without it.
+    `reason`: the short cause for a client ("p1 is draining"); defaults to the message."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason or message
 
 
 class _DecodeLost(Exception):
