@@ -255,6 +255,7 @@ def test_bench_store_json(tmp_path):
         assert r["block_bytes"] == 16 * SMOLLM2_KV_BYTES_PER_TOKEN
         assert r["baseline"]
         check_ratio_row(r, "ours_gbps", "baseline_gbps")
+        assert r["cpu_ratio"] is None or r["cpu_ratio"] > 0  # None: ours took no CPU tick
     assert sorted(os.listdir(tmp_path)) == ["trace.jsonl"]   # its SSD work dir is gone
     ev = res["eviction"]
     assert ev["requests"] == 4

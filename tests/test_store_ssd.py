@@ -307,3 +307,48 @@ def test_blocks_written_with_crc32_are_still_verified(tmp_path, monkeypatch):
             assert await st.get(ks[0]) == data[0].tobytes()
             assert await st.get(ks[1]) is None and st.metrics.corrupt == 1
     run(read())
+
+
+def _flip_byte(st, key, at):
+    """Corrupts one byte of `key`'s slot through the file (the page cache keeps it warm)."""
+    with open(st.ssd.data_path, "r+b") as f:
+        f.seek(st.ssd.offset_of(key) + at)
+        b = f.read(1)
+        f.seek(st.ssd.offset_of(key) + at)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("path", ["split", "threads"])
+def test_every_read_path_verifies_every_block(tmp_path, path):
+    """A warm batch split between the loop's thread and an I/O thread ("split"), and a
+    batch read by the I/O threads in slot runs ("threads", as when the page cache is
+    cold), both catch a corrupt block wherever it sits in the batch, and put every
+    intact block's bytes in its own buffer even when the keys are not in slot order."""
+    n = 12
+    ks, data = keys(n), blocks(n, seed=5)
+
+    async def main():
+        async with BlockStore(BLOCK, ssd_only(), ssd_dir=str(tmp_path)) as st:
+            await st.put_many(ks, data)
+            order = [*ks[6:], *reversed(ks[:6])]  # two runs of slots, one of them reversed
+            bad = {ks[6], ks[9], ks[3]}  # in "split": the probe, the loop's half, the helper's
+            for k in bad:
+                _flip_byte(st, k, 100)
+            if path == "split":
+                st.ssd.split_read_bytes = 0
+            else:
+                st.ssd._nowait = False  # no page-cache fast path: every block via the threads
+            dsts = [np.zeros(BLOCK, np.uint8) for _ in order]
+            got = await st.get_many(order, dsts)
+            for k, tier, dst in zip(order, got, dsts):
+                if k in bad:
+                    assert tier is None and not st.exists(k)
+                else:
+                    assert tier == SSD and dst.tobytes() == data[ks.index(k)].tobytes()
+            assert st.metrics.corrupt == 3
+            warm = st.ssd.warm_reads
+            if path == "split":  # both halves ran, and nothing went to the threads
+                assert warm["inline"] + warm["helper"] == n and warm["helper"] >= n // 2 - 1
+            else:
+                assert warm == {"inline": 0, "helper": 0}
+    run(main())
