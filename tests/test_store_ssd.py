@@ -318,12 +318,13 @@ def _flip_byte(st, key, at):
         f.write(bytes([b[0] ^ 0x40]))
 
 
-@pytest.mark.parametrize("path", ["split", "threads"])
+@pytest.mark.parametrize("path", ["split", "pieces", "threads"])
 def test_every_read_path_verifies_every_block(tmp_path, path):
-    """A warm batch split between the loop's thread and an I/O thread ("split"), and a
-    batch read by the I/O threads in slot runs ("threads", as when the page cache is
-    cold), both catch a corrupt block wherever it sits in the batch, and put every
-    intact block's bytes in its own buffer even when the keys are not in slot order."""
+    """A warm batch split between the loop's thread and an I/O thread ("split"; "pieces":
+    also each block copied and hashed in pieces), and a batch read by the I/O threads
+    in slot runs ("threads", as when the page cache is cold), all catch a corrupt
+    block wherever it sits in the batch, and put every intact block's bytes in its own
+    buffer even when the keys are not in slot order."""
     n = 12
     ks, data = keys(n), blocks(n, seed=5)
 
@@ -333,9 +334,10 @@ def test_every_read_path_verifies_every_block(tmp_path, path):
             order = [*ks[6:], *reversed(ks[:6])]  # two runs of slots, one of them reversed
             bad = {ks[6], ks[9], ks[3]}  # in "split": the probe, the loop's half, the helper's
             for k in bad:
-                _flip_byte(st, k, 100)
-            if path == "split":
+                _flip_byte(st, k, 3000)  # in the last of 4 pieces in "pieces"
+            if path != "threads":
                 st.ssd.split_read_bytes = 0
+                st.ssd.verify_piece = BLOCK // 4 if path == "pieces" else BLOCK
             else:
                 st.ssd._nowait = False  # no page-cache fast path: every block via the threads
             dsts = [np.zeros(BLOCK, np.uint8) for _ in order]
@@ -347,7 +349,7 @@ def test_every_read_path_verifies_every_block(tmp_path, path):
                     assert tier == SSD and dst.tobytes() == data[ks.index(k)].tobytes()
             assert st.metrics.corrupt == 3
             warm = st.ssd.warm_reads
-            if path == "split":  # both halves ran, and nothing went to the threads
+            if path != "threads":  # both halves ran, and nothing went to the threads
                 assert warm["inline"] + warm["helper"] == n and warm["helper"] >= n // 2 - 1
             else:
                 assert warm == {"inline": 0, "helper": 0}

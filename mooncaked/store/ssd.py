@@ -119,6 +119,10 @@ idle I/O thread, half each); a smaller one on the event loop's thread alone, whe
 the executor hop (tens of microseconds idle, milliseconds on a loaded host) would
 cost more than the overlap saves."""
 
+VERIFY_PIECE_BYTES = 512 << 10
+"""Warm reads copy and hash a larger block in pieces of this many bytes, each hashed while
+it is in the core's L2 cache (see SsdTier._read_cached_chunk)."""
+
 # Outcomes of a read.
 OK = "ok"
 MISSING = "missing"
@@ -200,6 +204,7 @@ class SsdTier(SlotTier):
         self._last_errno: int | None = None
         self._nowait = _RWF_NOWAIT != 0  # warm reads on the caller's thread (read_many)
         self.split_read_bytes = SPLIT_READ_BYTES
+        self.verify_piece = VERIFY_PIECE_BYTES
         self._inflight = 0  # pool jobs submitted and not finished (event loop's count)
         self.warm_reads = {"inline": 0, "helper": 0}  # blocks read by _read_warm, by thread
         self._local = threading.local()  # per I/O thread: its descriptor for reads
@@ -372,15 +377,13 @@ class SsdTier(SlotTier):
         """This I/O thread's own read-only descriptor of the slot file. The kernel keeps
         readahead state per open file: threads sharing one descriptor interleave their
         offsets, readahead sees a random pattern and fills the page cache with small
-        pages, and later warm reads of those blocks copy at up to half speed (measured:
-        a warm read after a 4-thread cold read took 1.3-2x the time of one after a
-        sequential one)."""
+        pages, and later warm reads of those blocks copy at up to half speed. The
+        default readahead window is kept: POSIX_FADV_SEQUENTIAL (a doubled window)
+        grows the page-cache folios more slowly along a run (measured: 4.8 pages on
+        average against 6.0 for 2.9 MB blocks, and 16.5 against 17.1 for 720 KB)."""
         fd = getattr(self._local, "fd", None)
         if fd is None:
             fd = os.open(self.data_path, os.O_RDONLY)
-            # A batch's slots are mostly contiguous: a doubled readahead window fills the
-            # page cache in large pages even when several threads read one file.
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
             with self._fds_lock:
                 self._reader_fds.append(fd)
             self._local.fd = fd
@@ -396,11 +399,12 @@ class SsdTier(SlotTier):
             got += n
         return self._verify(csum, dst)
 
-    def _read_cached(self, fd: int, slot: int, dst: memoryview) -> bool:
-        """Reads a slot on the calling thread only if the page cache holds all of it
-        (preadv2 RWF_NOWAIT: never waits for the device); True when `dst` got it all."""
+    def _read_cached(self, fd: int, offset: int, dst: memoryview) -> bool:
+        """Reads `dst` from byte `offset` of the slot file on the calling thread only if
+        the page cache holds all of it (preadv2 RWF_NOWAIT: never waits for the
+        device); True when `dst` got it all."""
         try:
-            n = os.preadv(fd, [dst], slot * self.slot_bytes, _RWF_NOWAIT)
+            n = os.preadv(fd, [dst], offset, _RWF_NOWAIT)
         except BlockingIOError:  # not (all) cached: the I/O threads read it
             return False
         except OSError as e:  # RWF_NOWAIT unsupported here (file system, kernel)
@@ -412,14 +416,32 @@ class SsdTier(SlotTier):
     def _read_cached_chunk(self, items: list, fd: int) -> list[tuple[str, str]]:
         """Reads and verifies the leading `items` (i, slot, csum, dst) the page cache
         holds, each checked right after its copy while it is in the CPU cache; stops at
-        the first one it does not. `fd` -1: this I/O thread's descriptor."""
+        the first one it does not. `fd` -1: this I/O thread's descriptor.
+
+        A block larger than `verify_piece` bytes with an XXH3 checksum is copied and
+        hashed piece by piece (streaming XXH3 gives the same digest), so each piece is
+        hashed while it is still in the core's L2 cache (measured, 2.9 MB blocks: read
+        plus verify at 0.74-0.81x a plain read's CPU time in one piece, 0.77-0.87x in
+        512 KiB pieces; no gain for 720 KB blocks, which fit in a 1 MiB L2 whole)."""
         if fd < 0:
             fd = self._reader_fd()
+        piece = self.verify_piece
         out = []
         for _i, slot, csum, dst in items:
-            if not self._read_cached(fd, slot, dst):
-                break
-            out.append(self._verify(csum, dst))
+            offset = slot * self.slot_bytes
+            if len(dst) <= piece or csum[0] != CSUM_XXH3_64 or xxhash is None:
+                if not self._read_cached(fd, offset, dst):
+                    break
+                out.append(self._verify(csum, dst))
+                continue
+            h = xxhash.xxh3_64()
+            for at in range(0, len(dst), piece):
+                part = dst[at: at + piece]
+                if not self._read_cached(fd, offset + at, part):
+                    return out
+                h.update(part)
+            out.append((OK, "") if h.intdigest() == csum[1] else
+                       (CORRUPT, "payload checksum mismatch"))
         return out
 
     def _verify(self, csum: tuple[int, int], dst: memoryview) -> tuple[str, str]:
