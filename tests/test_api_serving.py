@@ -313,6 +313,7 @@ NAMED_SERIES = [
     "mooncaked_kv_blocks_capacity",
     "mooncaked_prefix_hit_tokens_total",
     "mooncaked_prompt_tokens_total",
+    "mooncaked_engine_prompt_tokens_total",
     "mooncaked_generation_tokens_total",
     "mooncaked_requests_total{finish_reason=length}",
     "mooncaked_requests_total{finish_reason=stop}",
@@ -341,6 +342,7 @@ def test_metrics_series_change_after_a_request(server):
         assert delta("mooncaked_requests_total{finish_reason=length}") == 1
         assert delta("mooncaked_generation_tokens_total") == 4
         assert delta("mooncaked_prompt_tokens_total") == body["usage"]["prompt_tokens"]
+        assert delta("mooncaked_engine_prompt_tokens_total") == body["usage"]["prompt_tokens"]
         # a prompt shorter than a block has nothing to reuse, whatever ran before
         assert body["usage"]["prompt_tokens"] <= BLOCK
         assert delta("mooncaked_prefix_hit_tokens_total") == 0
@@ -348,6 +350,24 @@ def test_metrics_series_change_after_a_request(server):
         assert after["mooncaked_kv_blocks_capacity"] > 0
         assert after["mooncaked_num_requests_running"] == 0
         assert delta("mooncaked_http_requests_total{route=/v1/completions,status=200}") == 1
+    run(go())
+
+
+def test_prompt_tokens_count_once_per_prompt_at_the_api(server):
+    """The API's prompt_tokens_total counts a request's prompt once (as usage does) while
+    the engine's own series counts each choice it admitted: with n=2 they differ."""
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            before = await metrics(s, server.url)
+            _, body = await post(s, f"{server.url}/v1/completions",
+                                 {"prompt": PROMPT, "max_tokens": 1, "n": 2, "seed": 1,
+                                  "temperature": 1.0, "cache_salt": salt()})
+            after = await metrics(s, server.url)
+        n = body["usage"]["prompt_tokens"]
+        assert n > 0 and len(body["choices"]) == 2
+        assert after["mooncaked_prompt_tokens_total"] - before["mooncaked_prompt_tokens_total"] == n
+        assert (after["mooncaked_engine_prompt_tokens_total"]
+                - before["mooncaked_engine_prompt_tokens_total"]) == 2 * n
     run(go())
 
 

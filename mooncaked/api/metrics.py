@@ -4,16 +4,28 @@ Latency series are measured where the client sees them, at the API: TTFT from th
 request's arrival to its first token; inter-token latency once per generated
 token; per-request TBT as the Mooncake paper defines it (the mean of the longest
 10% of a request's inter-token gaps, `mooncaked.measures.tbt_s`). Engine state
-(running and waiting requests, KV blocks, prompt and prefix-hit tokens) is read
-from `EngineStats` at scrape time by a custom collector, so it is never stale.
+(running and waiting requests, KV blocks, admitted and prefix-hit tokens) is
+read from `EngineStats` at scrape time by a custom collector, so it is never stale.
+
+Two scopes, so that summing a series over a cluster's nodes means one thing:
+  - API series count the requests this node's API served (each request is served
+    by exactly one API node): latencies, requests_total, prompt_tokens_total and
+    generation_tokens_total (prompt tokens once per prompt, as `usage.prompt_tokens`;
+    generated tokens over every choice, as `usage.completion_tokens`).
+  - Engine series count this node's own engine (zero on a node without one, such as
+    a cache node): a disaggregated request's prompt is admitted by its prefill node
+    and again by its decode node, so engine_prompt_tokens_total summed over nodes
+    counts it twice; prefix_hit_tokens_total / engine_prompt_tokens_total of one
+    node is its prefix hit rate.
 
 Series (all prefixed `mooncaked_`):
-  time_to_first_token_seconds (histogram), inter_token_latency_seconds (histogram),
-  request_tbt_seconds (histogram), e2e_request_latency_seconds (histogram),
-  requests_total{finish_reason} (counter: stop, length, abort, error),
-  generation_tokens_total (counter), http_requests_total{route,status} (counter),
-  num_requests_running, num_requests_waiting, kv_blocks_used, kv_blocks_capacity
-  (gauges), prompt_tokens_total, prefix_hit_tokens_total, preemptions_total (counters).
+  API: time_to_first_token_seconds, inter_token_latency_seconds, request_tbt_seconds,
+  e2e_request_latency_seconds (histograms), requests_total{finish_reason} (counter:
+  stop, length, abort, error), prompt_tokens_total, generation_tokens_total,
+  http_requests_total{route,status} (counters).
+  Engine: num_requests_running, num_requests_waiting, kv_blocks_used,
+  kv_blocks_capacity (gauges), engine_prompt_tokens_total, prefix_hit_tokens_total,
+  preemptions_total (counters).
 """
 
 from __future__ import annotations
@@ -58,8 +70,12 @@ class _EngineCollector(Collector):
         for name, doc, value in gauges:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         counters = [
-            ("prompt_tokens", "Prompt tokens the engine admitted.", s.prompt_tokens_total),
-            ("prefix_hit_tokens", "Prompt tokens served from cached KV blocks (prefix hits).",
+            ("engine_prompt_tokens", ("Prompt tokens this node's engine admitted, once per "
+                                      "choice (a disaggregated request counts on its prefill "
+                                      "and its decode node)."),
+             s.prompt_tokens_total),
+            ("prefix_hit_tokens", ("Prompt tokens this node's engine served from cached KV "
+                                   "blocks (prefix hits)."),
              s.prefix_hit_tokens_total),
             ("preemptions", "Requests preempted when KV blocks ran out.",
              s.num_preemptions_total),
@@ -95,8 +111,12 @@ class ApiMetrics:
                                 "by finish reason.", ["finish_reason"], registry=r)
         for reason in FINISH_REASONS:
             self.requests.labels(reason)     # every series exists from the start, at 0
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens",
+                                     "Prompt tokens of the requests this node's API served, "
+                                     "once per prompt (as usage.prompt_tokens).", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens",
-                                         "Generated (output) tokens.", registry=r)
+                                         "Generated (output) tokens of the requests this "
+                                         "node's API served.", registry=r)
         self.http = Counter(PREFIX + "http_requests", "HTTP requests by route and status.",
                             ["route", "status"], registry=r)
         r.register(_EngineCollector(stats))
@@ -121,6 +141,11 @@ class ApiMetrics:
         if len(token_times_s) > 1:
             self.tbt.observe(tbt_s(token_times_s))
         self.e2e.observe(token_times_s[-1] - arrival_s)
+
+    def observe_prompt(self, num_tokens: int) -> None:
+        """Records the prompt (tokens) of a request this API served: one whose engine
+        request produced output (not one refused before its prefill)."""
+        self.prompt_tokens.inc(num_tokens)
 
     def render(self) -> tuple[bytes, str]:
         """(Prometheus text exposition, its content type)."""

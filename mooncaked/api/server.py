@@ -170,6 +170,10 @@ class _Run:
                     self.engine.abort(c.request_id)
             self.metrics.observe_request(self.arrival_s, c.token_times,
                                          c.finish_reason or "abort", c.num_output_tokens)
+        n = self.req.n
+        for i, prompt in enumerate(self.req.prompts):  # once per prompt, as in usage()
+            if any(c.token_times for c in self.choices[i * n:(i + 1) * n]):
+                self.metrics.observe_prompt(len(prompt.token_ids))
 
     def usage(self) -> dict:
         """OpenAI `usage`; the prompt counts once per prompt, not once per choice."""
