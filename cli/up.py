@@ -30,7 +30,11 @@ def up(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML settings every node "
                                           "starts from."),
     workdir: Optional[Path] = typer.Option(None, help="Configs, logs and state (default: a "
-                                           "temporary directory, removed at exit)."),
+                                           "temporary directory, removed at exit except "
+                                           "its node logs)."),
+    rm_logs: bool = typer.Option(False, "--rm-logs", help="With the default work directory, "
+                                 "also delete the node logs at exit (by default they are "
+                                 "kept and their directory printed)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="KEY=VALUE for every node "
                                              "(repeatable)."),
     timeout: float = typer.Option(600.0, help="Seconds to wait for the cluster to be ready."),
@@ -93,8 +97,31 @@ def up(
         cluster.stop()
         _forget_default_ctl_config(work)
         if own:
-            shutil.rmtree(work, ignore_errors=True)
+            kept = clean_workdir(work, keep_logs=not rm_logs)
+            if kept:
+                typer.echo(f"node logs kept in {work} ({len(kept)} files; --rm-logs "
+                           "deletes them at exit)")
     typer.echo("stopped")
+
+
+def clean_workdir(work: Path, keep_logs: bool) -> list[Path]:
+    """Deletes a temporary work directory at exit: all of it, or (`keep_logs`) all but
+    its top-level `*.log` files (each node's log), so a run that went wrong can still
+    be read after the cluster stopped. Returns the files kept."""
+    if not keep_logs:
+        shutil.rmtree(work, ignore_errors=True)
+        return []
+    kept = []
+    for entry in work.iterdir() if work.is_dir() else []:
+        if entry.is_file() and entry.suffix == ".log" and entry.stat().st_size:
+            kept.append(entry)
+        elif entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    if not kept:
+        shutil.rmtree(work, ignore_errors=True)
+    return sorted(kept)
 
 
 def _forget_default_ctl_config(work: Path) -> None:
