@@ -29,6 +29,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -88,35 +89,46 @@ _SCHEMA_ONE = ("items", "additionalProperties", "propertyNames", "unevaluatedPro
 _SCHEMA_LIST = ("anyOf", "oneOf", "prefixItems", "items")
 
 
-def unsupported(schema: Any, path: str = "#") -> str | None:
+def schema_location(path: Sequence[str | int]) -> str:
+    """Where in a JSON schema `path` (keys and indices from the root) points, for an error
+    message: "the schema root", or a JSON pointer as a URI fragment (RFC 6901, escaping
+    "~" as "~0" and "/" as "~1"), e.g. "#/properties/a~1b"."""
+    if not path:
+        return "the schema root"
+    return "#/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path)
+
+
+def unsupported(schema: Any, path: tuple[str | int, ...] = ()) -> str | None:
     """Where and what the first construct is that the grammar could not enforce, or None.
 
-    Walks every subschema (properties, $defs, items, anyOf, ...). Refused: the keywords in
-    UNENFORCED, a `format` outside FORMATS, and a `$ref` outside the document.
+    Walks every subschema (properties, $defs, items, anyOf, ...); `path` is where `schema`
+    sits in the document (see `schema_location`). Refused: the keywords in UNENFORCED, a
+    `format` outside FORMATS, and a `$ref` outside the document.
     """
     if not isinstance(schema, dict):
         return None
+    where = schema_location(path)
     for k in UNENFORCED:
         if k in schema:
-            return f"'{k}' at {path} is not supported"
+            return f"'{k}' at {where} is not supported"
     fmt = schema.get("format")
     if fmt is not None and fmt not in FORMATS:
-        return f"format {fmt!r} at {path} is not supported (supported: {', '.join(sorted(FORMATS))})"
+        return f"format {fmt!r} at {where} is not supported (supported: {', '.join(sorted(FORMATS))})"
     ref = schema.get("$ref")
     if isinstance(ref, str) and not ref.startswith("#"):
-        return f"$ref {ref!r} at {path} is not supported (only references inside the schema)"
+        return f"$ref {ref!r} at {where} is not supported (only references inside the schema)"
     for key in _SCHEMA_MAPS:
         if isinstance(schema.get(key), dict):
             for name, sub in schema[key].items():
-                if (why := unsupported(sub, f"{path}/{key}/{name}")) is not None:
+                if (why := unsupported(sub, (*path, key, name))) is not None:
                     return why
     for key in _SCHEMA_ONE:
-        if (why := unsupported(schema.get(key), f"{path}/{key}")) is not None:
+        if (why := unsupported(schema.get(key), (*path, key))) is not None:
             return why
     for key in _SCHEMA_LIST:
         if isinstance(schema.get(key), list):
             for i, sub in enumerate(schema[key]):
-                if (why := unsupported(sub, f"{path}/{key}/{i}")) is not None:
+                if (why := unsupported(sub, (*path, key, i))) is not None:
                     return why
     return None
 
@@ -132,8 +144,7 @@ def _check_schema(text: str) -> None:
     try:
         cls.check_schema(schema)
     except jsonschema.SchemaError as e:
-        where = "#/" + "/".join(str(p) for p in e.path) if e.path else "#"
-        raise InvalidRequest(f"invalid JSON schema at {where}: {e.message}",
+        raise InvalidRequest(f"invalid JSON schema at {schema_location(e.path)}: {e.message}",
                              "structured_outputs") from None
     why = unsupported(schema)
     if why is not None:
