@@ -424,7 +424,10 @@ class SsdTier(SlotTier):
         plus verify at 0.74-0.81x a plain read's CPU time in one piece, 0.77-0.87x in
         512 KiB pieces; no gain for 720 KB blocks, which fit in a 1 MiB L2 whole)."""
         if fd < 0:
-            fd = self._reader_fd()
+            try:
+                fd = self._reader_fd()
+            except OSError:  # e.g. EMFILE: the threads' blocking path reports it per block
+                return []
         piece = self.verify_piece
         out = []
         for _i, slot, csum, dst in items:
