@@ -10,6 +10,10 @@ Throughput (same run, same bytes, same block sizes):
     vs reading that plain file sequentially.
 Ours and the baseline run back to back in every repetition, alternating which
 goes first; dirty pages are written back (untimed) before each timed write.
+Both sides read into the same destination arrays, the same bytes; each side's
+warm read follows its own cold read, so the page cache holds each file as that
+side's cold read left it (the kernel's folio sizes depend on the read pattern,
+and a warm read copies small folios more slowly).
 Targets (issue 5): SSD >= 0.7x plain file, DRAM >= 0.5x memcpy.
 Each row's `ratio` is of wall-clock medians (ours / baseline throughput);
 `cpu_ratio` is baseline CPU seconds / ours (process CPU time, every thread
