@@ -80,7 +80,11 @@ def sim(
                                 "goes first, s."),
     cpp: int = typer.Option(1, min=1, help="Chunked pipeline parallelism: prefill nodes form groups "
                             "of this many pipeline stages (must divide --prefill; 1 = off)."),
-    cpp_chunk_tokens: int = typer.Option(4096, min=1, help="Tokens per pipeline chunk (--cpp)."),
+    cpp_chunk_tokens: int = typer.Option(4096, min=1, help="Tokens per pipeline chunk (--cpp, "
+                                         "--pipeline-stages)."),
+    pipeline_stages: int = typer.Option(0, min=0, help="Elastic pipelines: run a request over up "
+                                        "to this many idle prefill nodes when predicted faster "
+                                        "(default: the policy's; cost_aware uses 4; 1 = off)."),
     plot_dir: Path | None = typer.Option(None, help="Write PNG figures here."),
     sweep: bool = typer.Option(False, "--sweep", help="Find each policy's highest arrival rate with "
                                "effective request capacity >= --target (first policy = baseline)."),
@@ -123,12 +127,14 @@ def sim(
                          ttft_threshold_s=ttft_threshold, tbt_thresholds_s=thresholds,
                          output_tokens=output_tokens, seed=seed, fetch_rule=fetch_rule,
                          prefill_order=prefill_order, decode_rule=decode_rule, aging_s=aging,
-                         cpp=cpp, cpp_chunk_tokens=cpp_chunk_tokens, **kw)
+                         cpp=cpp, cpp_chunk_tokens=cpp_chunk_tokens,
+                         pipeline_stages=pipeline_stages, **kw)
         for p in policies:    # an unknown rule fails here, before any simulation
             if p != "coupled":
                 dataclasses.replace(base, policy=p)
                 PolicyConfig(policy=p, fetch_rule=fetch_rule, prefill_order=prefill_order,
-                             decode_rule=decode_rule, aging_s=aging)
+                             decode_rule=decode_rule, aging_s=aging,
+                             pipeline_stages=pipeline_stages)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run = _Run(trace, base, policies, thresholds, cost, console, json_out, plot_dir)
