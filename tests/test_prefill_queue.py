@@ -90,3 +90,35 @@ def test_the_prefill_node_and_the_conductor_resolve_the_same_order():
     fcfs = PrefillWorker("p1", "127.0.0.1:1", load_settings(None, {}), None, None, None, None,
                          lambda: False, lambda c: None, KVTransferCounters(), Activity())
     assert fcfs.queue.order == "fcfs" and fcfs._predict(100, 0) == 0.0
+
+
+def test_a_real_prefill_node_runs_the_short_prompt_before_the_long_one(tmp_path):
+    """PrefillWorker.handle on the bundled model: while a first prompt runs, a long and then
+    a short prompt arrive; with cost_aware (spf) the short one runs second."""
+    from mooncaked.cluster.messages import PrefillReply, PrefillRequest
+    from mooncaked.engine.async_llm import AsyncLLM
+    from mooncaked.engine.llm_engine import LLMEngine
+    from mooncaked.engine.types import SamplingParams
+
+    s = load_settings(None, {"conductor.policy": "cost_aware", "node.state_dir": str(tmp_path)})
+    llm = AsyncLLM(LLMEngine(s))
+    w = PrefillWorker("p0", "127.0.0.1:1", s, llm, None, None, None, lambda: False,
+                      lambda c: None, KVTransferCounters(), Activity())
+    tok = llm.tokenizer
+    first, long_, short = (tok.encode("Tell me about the sea. " * k) for k in (12, 24, 2))
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+
+    async def main() -> list[PrefillReply]:
+        await llm.start()
+        try:
+            calls = [w.handle(PrefillRequest(f"r{i}", tuple(p), params).to_json())
+                     for i, p in enumerate((first, long_, short))]
+            return [PrefillReply.from_json(r) for r in
+                    await asyncio.wait_for(asyncio.gather(*calls), 120)]
+        finally:
+            await llm.stop()
+    replies = asyncio.run(main())
+    assert all(len(r.output.ids) == 1 for r in replies)       # the first token each
+    pred = [w._predict(len(p), 0) for p in (first, long_, short)]
+    assert w.queue.started == pred[:1] + [pred[2], pred[1]]            # short before long
+    assert w.queue.waiting == 0
