@@ -307,6 +307,12 @@ class ConductorSettings:
     prefill_aging_s: float = opt(30.0, "With prefill_order = spf: a prefill waiting this long, "
                                        "seconds, goes before every younger one (the starvation "
                                        "bound).", min=0.0)
+    prefill_fcfs_slack_s: float = opt(-1.0, "With prefill_order = spf: a prefill also goes first "
+                                            "once it waited the FCFS wait it saw on arrival plus "
+                                            "this, seconds (no request starts much later than "
+                                            "FCFS would start it); inf: prefill_aging_s only; "
+                                            "negative: the policy's default (10 for cost_aware, "
+                                            "else inf).")
     replication: str = opt("count", "When a hot prefix is copied onto a cache node: count (reused "
                                     "hot_block_hits times) | cost (its observed reuse rate over "
                                     "replication_horizon_s saves more prefill time than the copy "

@@ -20,6 +20,7 @@ from mooncaked.conductor.policy import (
     Snapshot,
     choose_decode,
     place,
+    spf_bound_s,
     spf_pick,
     spf_wait_s,
 )
@@ -349,3 +350,12 @@ def test_simulated_pipeline_holds_its_stage_nodes():
     assert n == 0 and ttft == pytest.approx([20.48, 10.24])
     with pytest.raises(ValueError, match="elastic"):
         SimConfig(prefill=4, cpp=2, pipeline_stages=2)
+
+
+def test_spf_adaptive_starvation_bound():
+    # the bound is aging_s, or the FCFS wait seen on arrival plus the slack if sooner
+    assert spf_bound_s(30.0, 4.0, 10.0) == 14.0 and spf_bound_s(30.0, 25.0, 10.0) == 30.0
+    assert cfg().fcfs_slack_s == 10.0 and cfg("global_cache_aware").fcfs_slack_s == math.inf
+    # (enqueued at, predicted s, own bound): the long one waited 15 >= 14 s, so it goes first
+    waiting = [(0.0, 40.0, spf_bound_s(30.0, 4.0, 10.0)), (5.0, 1.0, 30.0)]
+    assert spf_pick(waiting, 15.0, 30.0) == 0 and spf_pick(waiting, 13.0, 30.0) == 1

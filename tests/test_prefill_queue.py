@@ -122,3 +122,25 @@ def test_a_real_prefill_node_runs_the_short_prompt_before_the_long_one(tmp_path)
     pred = [w._predict(len(p), 0) for p in (first, long_, short)]
     assert w.queue.started == pred[:1] + [pred[2], pred[1]]            # short before long
     assert w.queue.waiting == 0
+
+
+def test_adaptive_bound_starts_a_request_soon_after_its_fcfs_turn():
+    """fcfs_slack_s: A (5 s) saw a 1 s FCFS wait, so after 1.5 s it goes before the
+    shorter B; with the aging bound alone B (1 s) goes first."""
+    async def order(slack: float) -> list[str]:
+        clock = Clock()
+        q = PrefillQueue("spf", aging_s=30.0, fcfs_slack_s=slack, clock=clock)
+        assert await q.acquire(1.0)                     # runs until its predicted 1 s
+        ran: list[str] = []
+
+        async def one(name: str, pred: float) -> None:
+            async with q.turn(pred):
+                ran.append(name)
+        tasks = [asyncio.create_task(one("A", 5.0)), asyncio.create_task(one("B", 1.0))]
+        await asyncio.sleep(0)
+        clock.t = 2.0
+        q.release()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return ran
+    assert asyncio.run(order(0.5)) == ["A", "B"]
+    assert asyncio.run(order(float("inf"))) == ["B", "A"]

@@ -30,7 +30,7 @@ from .kv_push import KVPusher
 from .messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
                        PrefillReply, PrefillRequest, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
-from .prefill_queue import PrefillQueue, resolve_order
+from .prefill_queue import PrefillQueue, resolve_fcfs_slack, resolve_order
 
 log = get_logger(__name__)
 
@@ -80,7 +80,8 @@ class PrefillWorker:
         self.requests: dict[str, PrefillLoad] = {}
         self.stages: dict[str, StagedKV] = {}
         cs = settings.conductor    # the run order of waiting prefills (cluster/prefill_queue.py)
-        self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order), cs.prefill_aging_s)
+        self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order), cs.prefill_aging_s,
+                                  resolve_fcfs_slack(cs.policy, cs.prefill_fcfs_slack_s))
         self._cost = None
 
     def pending(self) -> dict[str, tuple[int, int]]:

@@ -61,6 +61,8 @@ _RULE_DEFAULTS = {"cost_aware": ("cost", "kv_aware", "spf")}
 _PLAIN_RULES = ("threshold", "step", "fcfs")
 # PolicyConfig.pipeline_stages a policy uses unless overridden (1: never pipelines)
 _PIPELINE_DEFAULTS = {"cost_aware": 2}
+# PolicyConfig.fcfs_slack_s a policy uses unless overridden (inf: the aging bound only)
+_FCFS_SLACK_DEFAULTS = {"cost_aware": 10.0}
 
 
 def policy_defaults(policy: str) -> tuple[str, str, str]:
@@ -90,6 +92,11 @@ class PolicyConfig:
         aging_s: with "spf", a request that has waited this long (seconds) goes before
             every younger one, in arrival order: its wait is bounded (default 30 s, the
             paper's TTFT threshold).
+        fcfs_slack_s: with "spf", a request also goes first once it has waited the wait FCFS
+            would have given it (the queue ahead of it when it arrived) plus this slack,
+            seconds: an adaptive starvation bound, so no request starts much later than
+            under Algorithm 1's FCFS queues (`spf_bound_s`); inf: aging_s only; None: the
+            policy's default (10 s for cost_aware, else inf).
         pipeline_stages: elastic chunked pipeline parallelism (paper section 3.3): the most
             prefill nodes one request may be pipelined over when they are all idle
             (`Snapshot.prefill_idle`); 1 never pipelines; 0 takes the policy's default
@@ -112,6 +119,7 @@ class PolicyConfig:
     decode_rule: str = ""
     prefill_order: str = ""
     aging_s: float = 30.0
+    fcfs_slack_s: float | None = None
     pipeline_stages: int = 0
     pipeline_chunk_tokens: int = 4096
     pipeline_hidden_bytes_per_token: int = 16384
@@ -130,6 +138,10 @@ class PolicyConfig:
             object.__setattr__(self, name, v)
         if not self.aging_s >= 0:
             raise ValueError(f"aging_s must be >= 0, got {self.aging_s}")
+        if self.fcfs_slack_s is None:
+            object.__setattr__(self, "fcfs_slack_s", _FCFS_SLACK_DEFAULTS.get(self.policy, math.inf))
+        if not self.fcfs_slack_s >= 0:
+            raise ValueError(f"fcfs_slack_s must be >= 0, got {self.fcfs_slack_s}")
         if self.pipeline_stages == 0:
             object.__setattr__(self, "pipeline_stages", _PIPELINE_DEFAULTS.get(self.policy, 1))
         if (self.pipeline_stages < 1 or self.pipeline_chunk_tokens < 1
@@ -443,26 +455,34 @@ def spf_wait_s(queue_s: float, queued: QueuedWork | Sequence[float],
     return max(0.0, queue_s - queued.total_s()) + before
 
 
-def spf_pick(waiting: Sequence[tuple[float, float]], now: float, aging_s: float) -> int:
+def spf_bound_s(aging_s: float, fcfs_wait_s: float, fcfs_slack_s: float) -> float:
+    """A request's starvation bound on a shortest-first queue, seconds of waiting after
+    which it goes first: aging_s, or sooner the wait FCFS would have given it (the
+    predicted work ahead of it when it was enqueued) plus fcfs_slack_s."""
+    return min(aging_s, fcfs_wait_s + fcfs_slack_s)
+
+
+def spf_pick(waiting: Sequence[tuple[float, ...]], now: float, aging_s: float) -> int:
     """Which queued request a shortest-first prefill queue runs next.
 
     Args:
-        waiting: (enqueued at, predicted prefill s) of each request ready to run, in
+        waiting: (enqueued at, predicted prefill s) or (enqueued at, predicted prefill s,
+            its own starvation bound s, `spf_bound_s`) of each request ready to run, in
             arrival order (seconds on any one clock).
         now: the current time on that clock.
-        aging_s: starvation bound: a request enqueued at least aging_s ago goes first.
-    Returns: the index in `waiting`: the oldest request that has waited aging_s or more,
+        aging_s: the starvation bound of entries without their own.
+    Returns: the index in `waiting`: the oldest request that has waited its bound or more,
         else the shortest predicted prefill (the earliest among equals).
     Raises: ValueError when `waiting` is empty.
     """
     if not waiting:
         raise ValueError("nothing to pick from")
     best, key = 0, math.inf
-    for k, (enq, pred) in enumerate(waiting):
-        if now - enq >= aging_s:
+    for k, w in enumerate(waiting):
+        if now - w[0] >= (w[2] if len(w) > 2 else aging_s):
             return k                     # arrival order: the first aged one is the oldest
-        if pred < key:
-            best, key = k, pred
+        if w[1] < key:
+            best, key = k, w[1]
     return best
 
 

@@ -332,6 +332,8 @@ class ConductorService:
                            # the order the prefill nodes run (cluster/prefill_queue.py); no
                            # elastic pipelines: live CPP groups are fixed (issue 14)
                            prefill_order=cs.prefill_order, aging_s=cs.prefill_aging_s,
+                           fcfs_slack_s=(cs.prefill_fcfs_slack_s
+                                         if cs.prefill_fcfs_slack_s >= 0 else None),
                            pipeline_stages=1)
         if decode_only:
             # The prefill already ran: only the decode side is chosen (the prefill side is a

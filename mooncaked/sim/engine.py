@@ -48,6 +48,7 @@ from mooncaked.conductor.policy import (
     Rejection,
     Snapshot,
     place,
+    spf_bound_s,
     spf_pick,
 )
 from mooncaked.measures import (
@@ -87,6 +88,8 @@ class SimConfig:
     each group one placement target with `cpp` x the block cache, prefilling in chunks of
     `cpp_chunk_tokens` (conductor/cpp_cost.py; hidden states of
     `cpp_hidden_bytes_per_token` cross each stage boundary).
+    `fcfs_slack_s`: spf's adaptive starvation bound (PolicyConfig.fcfs_slack_s; None: the
+    policy's default).
     `pipeline_stages`: elastic pipelines instead (PolicyConfig.pipeline_stages; 0 = the
     policy's default, 1 = off): the placement may run one request over up to this many
     prefill nodes with nothing queued, all starting when the last is free, in chunks of
@@ -120,6 +123,7 @@ class SimConfig:
     cpp_chunk_tokens: int = 4096
     cpp_hidden_bytes_per_token: int = 16384  # LLaMA3-70B: d_model 8192 x bf16
     pipeline_stages: int = 0
+    fcfs_slack_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -158,7 +162,7 @@ class SimResult:
 
 class _Req:
     __slots__ = ("i", "arrival", "n", "out", "keys", "first", "cached", "need", "remaining",
-                 "segs", "done", "decode", "pf_start", "pf_end")
+                 "segs", "done", "decode", "pf_start", "pf_end", "bound")
 
     def __init__(self, i: int, r: TraceRequest, arrival: float, out: int):
         self.i, self.arrival, self.n, self.out, self.keys = i, arrival, r.input_tokens, out, r.keys
@@ -171,6 +175,7 @@ class _Req:
         self.decode = -1
         self.pf_start = 0.0
         self.pf_end = math.nan            # an elastic pipeline's predicted end
+        self.bound = math.inf             # spf: seconds of waiting after which it goes first
 
 
 class _PNode:
@@ -241,6 +246,7 @@ class Simulator:
                                  ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
                                  fetch_rule=cfg.fetch_rule, decode_rule=cfg.decode_rule,
                                  prefill_order=cfg.prefill_order, aging_s=cfg.aging_s,
+                                 fcfs_slack_s=cfg.fcfs_slack_s,
                                  pipeline_stages=1 if cfg.cpp > 1 or self.coupled
                                  else cfg.pipeline_stages,
                                  pipeline_chunk_tokens=cfg.cpp_chunk_tokens,
@@ -431,6 +437,9 @@ class Simulator:
         after = None
         if res.waits_for_pending:
             after = p.pending.get(q.keys[res.prefix_blocks - 1])
+        # spf starvation bound: aging_s, or the FCFS wait it sees now plus the slack
+        q.bound = spf_bound_s(self.pcfg.aging_s,
+                              max(0.0, p.busy_until - t) + p.queued_pred, self.pcfg.fcfs_slack_s)
         p.queue.append((q, ready, res.predicted_prefill_s, after))
         p._work = None
         if self.track_pending:
@@ -469,7 +478,8 @@ class Simulator:
                     p.waiting_fetch = True
                     self._push(min(later), _PF_START, p)
                 return
-            k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2]) for k in ready_k],
+            k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2], p.queue[k][0].bound)
+                                  for k in ready_k],
                                  t, self.cfg.aging_s)]
             q, ready, pred, _ = p.queue[k]
             del p.queue[k]
