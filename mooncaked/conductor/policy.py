@@ -32,6 +32,14 @@ Policies (Mooncake paper, sections 4.1 and 4.2, Figure 5):
   to the queued ones it overtakes. With the cost rule a node may also wait for a prefix
   that a prefill queued there is about to store (Snapshot.pending_*): under load the
   next turn of a conversation often arrives before the previous turn has run.
+  Two more options, also defaults of ``cost_aware``: fcfs_slack_s (10 s), an adaptive
+  starvation bound for the shortest-first queue (a request also goes first once it has
+  waited the FCFS wait it saw on arrival plus the slack, `spf_bound_s`), and
+  pipeline_stages (2), elastic chunked pipeline parallelism per request (section 3.3):
+  a long prompt may run over up to that many prefill nodes with nothing queued when
+  that is predicted faster than the best single node, charging the node time the
+  pipeline holds idle to every node with requests queued (`_pipeline_choice`; needs
+  Snapshot.prefill_free_s, which only the simulator fills today).
 
 For every other policy the decode node is the one with the lowest predicted step time
 (batch + 1, context + prompt) among those with KV room (decode_rule ``step``), and the
