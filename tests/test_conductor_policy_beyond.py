@@ -313,11 +313,12 @@ def test_pipelines_a_long_prompt_over_idle_nodes_when_predicted_faster():
         assert c1.helpers == () and c1.pipeline is None and c1.predicted_ttft_s == pytest.approx(20)
     short = PlacementRequest(tuple(range(90)), 900, 10)         # under pipeline_min_tokens
     assert place(short, snap, COST, pcfg()).helpers == ()
-    # a helper still running 3 s: all stages start together then
+    # a helper still running 3 s: stage 1 joins one step (2.5 s) after stage 0 starts,
+    # so stage 0 starts at 0.5 s
     busy = Snapshot(["a", "b"], [0.0, 3.0], [0, 0], prefill_free_s=[0.0, 3.0])
     c = place(LONG, busy, COST, pcfg())
-    assert c.helpers == ("b",) and c.predicted_queue_s == pytest.approx(3.0)
-    assert c.predicted_ttft_s == pytest.approx(15.5)
+    assert c.helpers == ("b",) and c.predicted_queue_s == pytest.approx(0.5)
+    assert c.predicted_ttft_s == pytest.approx(13.0)
 
 
 def test_pipeline_pays_for_the_node_time_it_holds_when_others_queue():
@@ -334,8 +335,9 @@ def test_pipeline_pays_for_the_node_time_it_holds_when_others_queue():
 
 def test_simulated_pipeline_holds_its_stage_nodes():
     # 2048 tokens, chunks of 512: 2.56 s a chunk-stage; latency 12.8 s, stage 0 free at
-    # 10.24 s. The next request (1024 tokens, 10.24 s alone) arrives at 1 s and runs on the
-    # first node free: stage 0 at 10.24 s.
+    # 10.24 s, stage 1 at 12.8 s. The next request (1024 tokens: 10.24 s alone, 7.68 s
+    # pipelined) arrives at 1 s; stage 1 of its pipeline joins 2.56 s after stage 0, so
+    # both start as the first pipeline ends: at 10.24 s on a, 12.8 s on b.
     trace = [TraceRequest(0.0, 2048, 1, (0, 1, 2, 3)), TraceRequest(1.0, 1024, 1, (7, 8))]
     def run(policy: str) -> tuple[list[float], int]:
         sim = Simulator(trace, SimConfig(policy=policy, prefill=2, decode=0, output_tokens=1,
@@ -345,7 +347,7 @@ def test_simulated_pipeline_holds_its_stage_nodes():
         return [q.first - q.arrival for q in sorted(sim.served, key=lambda q: q.i)], \
             res.summary["pipelined"]
     ttft, n = run("cost_aware")
-    assert n == 1 and ttft == pytest.approx([12.8, 10.24 - 1 + 10.24])
+    assert n == 2 and ttft == pytest.approx([12.8, 10.24 - 1 + 7.68])
     ttft, n = run("global_cache_aware")
     assert n == 0 and ttft == pytest.approx([20.48, 10.24])
     with pytest.raises(ValueError, match="elastic"):

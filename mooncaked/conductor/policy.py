@@ -587,20 +587,22 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
     node with nothing queued, reusing its own prefix or, when `can_fetch`, fetching a longer
     one held elsewhere (from the least busy holder). The other stages are the k - 1 other
     such nodes free soonest (`Snapshot.prefill_free_s`); they hold their slice of the
-    layers of the reused prefix only after copying it, (k - 1) / k of its KV bytes. All
-    stages start together, when the last of them is free and the prefix is in:
-    TTFT = max(free(stages), fetch, transfer((k - 1) / k x prefix)) + latency, with
-    latency from `cpp_cost.pipeline_timing` on chunks of cfg.pipeline_chunk_tokens. Only
+    layers of the reused prefix only after copying it, (k - 1) / k of its KV bytes.
+    With step = (latency - occupancy) / (k - 1) (the longest chunk's stage time plus a
+    hop), stage j joins j steps after stage 0 starts, when its first chunk arrives, and
+    is busy for the occupancy; so it may still finish other work until then. The
+    pipeline starts at t0 = max(stage 0 free, stage j free - j x step, fetch,
+    transfer((k - 1) / k x prefix)); TTFT = t0 + latency, with latency and occupancy
+    from `cpp_cost.pipeline_timing` on chunks of cfg.pipeline_chunk_tokens. Only
     requests with at least cfg.pipeline_min_tokens uncached tokens qualify.
-    A pipeline holds more node time than the single prefill: the stages idle until the
-    last one is free, and the fill and drain bubble of k(k - 1)/2 x (latency - occupancy)
-    / (k - 1). Under load those node-seconds delay other requests, so a candidate scores
-    TTFT + that waste x the number of prefill nodes with requests queued (none queued: the
-    waste costs nobody), against the single node's TTFT; the lowest score wins (the fewest
-    stages among equals).
+    The stages' compute adds up to the single prefill's, but a stage free before it is
+    needed sits idle (reserved). Under load those node-seconds delay other requests, so
+    a candidate scores TTFT + that idle time x the number of prefill nodes with requests
+    queued (none queued: the idle time costs nobody), against the single node's TTFT;
+    the lowest score wins (the fewest stages among equals).
     Returns: None when no pipeline is predicted faster, else (primary index, blocks used,
         fetch seconds, fetch source or None, helper node ids in stage order,
-        PipelineTiming, TTFT s, seconds until the stages start).
+        PipelineTiming, TTFT s, seconds until stage 0 starts).
     """
     free = snap.prefill_free_s
     cand = sorted((f, k) for k, f in enumerate(free) if math.isfinite(f))
@@ -630,16 +632,18 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
                     tm = memo[(c, k)] = pipeline_timing(cost, n - c, c, k,
                                                         cfg.pipeline_chunk_tokens,
                                                         cfg.pipeline_hidden_bytes_per_token)
-                w = max(fi, others[k - 2])
-                t0 = max(w, x, cost.transfer_s(c * (k - 1) / k))
-                t = t0 + tm.latency_s
+                # stage j joins j steps after stage 0 starts (its first chunk arrives
+                # then) and stays busy for the occupancy: it may finish other work first
                 step = (tm.latency_s - tm.occupancy_s) / (k - 1)
-                # node-seconds the pipeline holds beyond the single prefill: stages
-                # idle until the last is free, plus the fill/drain bubble
-                waste = (t0 - fi) + sum(t0 - f for f in others[:k - 1]) + step * k * (k - 1) / 2
+                hs = others[:k - 1]
+                t0 = max(fi, x, cost.transfer_s(c * (k - 1) / k),
+                         max(f - j * step for j, f in enumerate(hs, 1)))
+                t = t0 + tm.latency_s
+                # node-seconds the stages sit idle, waiting for the pipeline to start
+                waste = (t0 - fi) + sum(t0 + j * step - f for j, f in enumerate(hs, 1))
                 score = t + waste * queued
                 if score < best_score:
-                    best_score, best_t, best = score, t, (i, L, x, s, k, tm, w)
+                    best_score, best_t, best = score, t, (i, L, x, s, k, tm, t0)
     if best is None:
         return None
     i, L, x, s, k, tm, w = best

@@ -513,10 +513,11 @@ class Simulator:
 
     def _pipeline_start(self, p: _PNode, q: _Req, res, t: float) -> None:
         """An elastic pipeline over p (stage 0) and res.helpers, none of which has anything
-        queued: all stages start together once the last of them is free and the prefix is
-        in (res.predicted_ttft_s - latency from now) and run as the placement predicted
-        (the prefix it reuses is the placement's: its fetch lands before the start). Each
-        stage node is reserved until its part is done: nothing else starts there before."""
+        queued: stage 0 starts res.predicted_ttft_s - latency from now, stage j a step
+        later (policy._pipeline_choice; a helper may finish its running prefill first),
+        and all run as the placement predicted (the prefix it reuses is the placement's:
+        its fetch lands before the start). Each stage node is reserved until its part is
+        done: nothing else starts there before."""
         tm = res.pipeline
         start = t + max(0.0, res.predicted_ttft_s - tm.latency_s)
         c = res.prefix_tokens
@@ -531,7 +532,7 @@ class Simulator:
         step = (tm.latency_s - tm.occupancy_s) / (k - 1)
         for j, node in enumerate([p] + [self.pnodes[h] for h in res.helpers]):
             free = start + tm.occupancy_s + j * step
-            node.reserved_until = free
+            node.reserved_until = max(node.reserved_until, free)
             node.busy_until = max(node.busy_until, free)
             self._push(free, _RESERVE_END, node)
         if self.track_pending:
