@@ -78,9 +78,17 @@ def sim(
                                     "policy's; cost_aware uses kv_aware)."),
     aging: float = typer.Option(30.0, help="spf starvation bound: a request waiting this long "
                                 "goes first, s."),
+    fcfs_slack: float | None = typer.Option(None, help="spf adaptive starvation bound: a request "
+                                            "also goes first once it waited its FCFS wait at "
+                                            "arrival plus this, s (default: the policy's; "
+                                            "cost_aware uses 10; inf = --aging only)."),
     cpp: int = typer.Option(1, min=1, help="Chunked pipeline parallelism: prefill nodes form groups "
                             "of this many pipeline stages (must divide --prefill; 1 = off)."),
-    cpp_chunk_tokens: int = typer.Option(4096, min=1, help="Tokens per pipeline chunk (--cpp)."),
+    cpp_chunk_tokens: int = typer.Option(4096, min=1, help="Tokens per pipeline chunk (--cpp, "
+                                         "--pipeline-stages)."),
+    pipeline_stages: int = typer.Option(0, min=0, help="Elastic pipelines: run a request over up "
+                                        "to this many idle prefill nodes when predicted faster "
+                                        "(default: the policy's; cost_aware uses 4; 1 = off)."),
     plot_dir: Path | None = typer.Option(None, help="Write PNG figures here."),
     sweep: bool = typer.Option(False, "--sweep", help="Find each policy's highest arrival rate with "
                                "effective request capacity >= --target (first policy = baseline)."),
@@ -123,12 +131,14 @@ def sim(
                          ttft_threshold_s=ttft_threshold, tbt_thresholds_s=thresholds,
                          output_tokens=output_tokens, seed=seed, fetch_rule=fetch_rule,
                          prefill_order=prefill_order, decode_rule=decode_rule, aging_s=aging,
-                         cpp=cpp, cpp_chunk_tokens=cpp_chunk_tokens, **kw)
+                         cpp=cpp, cpp_chunk_tokens=cpp_chunk_tokens,
+                         pipeline_stages=pipeline_stages, fcfs_slack_s=fcfs_slack, **kw)
         for p in policies:    # an unknown rule fails here, before any simulation
             if p != "coupled":
                 dataclasses.replace(base, policy=p)
                 PolicyConfig(policy=p, fetch_rule=fetch_rule, prefill_order=prefill_order,
-                             decode_rule=decode_rule, aging_s=aging)
+                             decode_rule=decode_rule, aging_s=aging,
+                             pipeline_stages=pipeline_stages, fcfs_slack_s=fcfs_slack)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run = _Run(trace, base, policies, thresholds, cost, console, json_out, plot_dir)

@@ -298,6 +298,21 @@ class ConductorSettings:
                                "kv_aware (lowest step time after admission at the request's "
                                "final context, keeping room for another like it); empty: the "
                                "policy's default.", choices=("", "step", "kv_aware"))
+    prefill_order: str = opt("", "Order in which a prefill node runs its waiting prefills: "
+                                 "fcfs (as they come; the engine takes them oldest first) | "
+                                 "spf (one at a time, the shortest predicted prefill first, "
+                                 "a request waiting prefill_aging_s going first); empty: the "
+                                 "policy's default (spf for cost_aware, else fcfs).",
+                             choices=("", "fcfs", "spf"))
+    prefill_aging_s: float = opt(30.0, "With prefill_order = spf: a prefill waiting this long, "
+                                       "seconds, goes before every younger one (the starvation "
+                                       "bound).", min=0.0)
+    prefill_fcfs_slack_s: float = opt(-1.0, "With prefill_order = spf: a prefill also goes first "
+                                            "once it waited the FCFS wait it saw on arrival plus "
+                                            "this, seconds (no request starts much later than "
+                                            "FCFS would start it); inf: prefill_aging_s only; "
+                                            "negative: the policy's default (10 for cost_aware, "
+                                            "else inf).")
     replication: str = opt("count", "When a hot prefix is copied onto a cache node: count (reused "
                                     "hot_block_hits times) | cost (its observed reuse rate over "
                                     "replication_horizon_s saves more prefill time than the copy "

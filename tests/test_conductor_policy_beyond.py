@@ -20,6 +20,7 @@ from mooncaked.conductor.policy import (
     Snapshot,
     choose_decode,
     place,
+    spf_bound_s,
     spf_pick,
     spf_wait_s,
 )
@@ -286,3 +287,77 @@ def test_simulated_next_turn_reuses_the_prefix_its_previous_turn_is_computing():
             .summary["cache_hit_rate"] for p in ("global_cache_aware", "cost_aware")}
     assert hits["global_cache_aware"] == 0.0                    # not stored yet: recomputed
     assert hits["cost_aware"] == pytest.approx(40 / (40 + 41))  # waited for it on its node
+
+
+# ---- elastic chunked pipeline parallelism (PolicyConfig.pipeline_stages)
+
+LONG = PlacementRequest(tuple(range(200)), 2000, 10)     # 2000 tokens: 20 s on one node
+# chunks of 500 tokens (5 s of prefill each), no hidden-state hop: on k stages a chunk takes
+# 5/k s a stage; latency = 20/k + (k - 1) * 5/k, occupancy 20/k
+
+
+def pcfg(policy: str = "cost_aware", **kw) -> PolicyConfig:
+    return cfg(policy, pipeline_chunk_tokens=500, pipeline_hidden_bytes_per_token=0, **kw)
+
+
+def test_pipelines_a_long_prompt_over_idle_nodes_when_predicted_faster():
+    snap = Snapshot(["a", "b", "c"], [0.0] * 3, [0] * 3, prefill_free_s=[0.0] * 3)
+    c = place(LONG, snap, COST, pcfg())                          # cost_aware: up to 2 stages
+    assert c.prefill == "a" and c.helpers == ("b",)
+    assert c.predicted_ttft_s == pytest.approx(12.5) and c.pipeline.occupancy_s == pytest.approx(10)
+    c3 = place(LONG, snap, COST, pcfg(pipeline_stages=4))        # only 3 nodes: 3 stages
+    assert c3.helpers == ("b", "c") and c3.predicted_ttft_s == pytest.approx(20 / 3 + 2 * 5 / 3)
+    # Algorithm 1 keeps single nodes; so does a cluster that reports no free times (live)
+    for c1 in (place(LONG, snap, COST, pcfg("global_cache_aware")),
+               place(LONG, Snapshot(["a", "b", "c"], [0.0] * 3, [0] * 3), COST, pcfg())):
+        assert c1.helpers == () and c1.pipeline is None and c1.predicted_ttft_s == pytest.approx(20)
+    short = PlacementRequest(tuple(range(90)), 900, 10)         # under pipeline_min_tokens
+    assert place(short, snap, COST, pcfg()).helpers == ()
+    # a helper still running 3 s: stage 1 joins one step (2.5 s) after stage 0 starts,
+    # so stage 0 starts at 0.5 s
+    busy = Snapshot(["a", "b"], [0.0, 3.0], [0, 0], prefill_free_s=[0.0, 3.0])
+    c = place(LONG, busy, COST, pcfg())
+    assert c.helpers == ("b",) and c.predicted_queue_s == pytest.approx(0.5)
+    assert c.predicted_ttft_s == pytest.approx(13.0)
+
+
+def test_pipeline_pays_for_the_node_time_it_holds_when_others_queue():
+    # gain 20 - 12.5 = 7.5 s; the 2-stage bubble holds 2.5 node-seconds, charged once per
+    # node with requests queued (free time inf): 2 such nodes still pipeline, 4 do not
+    def snap(queued: int) -> Snapshot:
+        n = 2 + queued
+        return Snapshot(list("abcdef")[:n], [0.0, 0.0] + [100.0] * queued, [0] * n,
+                        prefill_free_s=[0.0, 0.0] + [math.inf] * queued)
+    assert place(LONG, snap(2), COST, pcfg()).helpers == ("b",)
+    c = place(LONG, snap(4), COST, pcfg())
+    assert c.helpers == () and c.predicted_ttft_s == pytest.approx(20)
+
+
+def test_simulated_pipeline_holds_its_stage_nodes():
+    # 2048 tokens, chunks of 512: 2.56 s a chunk-stage; latency 12.8 s, stage 0 free at
+    # 10.24 s, stage 1 at 12.8 s. The next request (1024 tokens: 10.24 s alone, 7.68 s
+    # pipelined) arrives at 1 s; stage 1 of its pipeline joins 2.56 s after stage 0, so
+    # both start as the first pipeline ends: at 10.24 s on a, 12.8 s on b.
+    trace = [TraceRequest(0.0, 2048, 1, (0, 1, 2, 3)), TraceRequest(1.0, 1024, 1, (7, 8))]
+    def run(policy: str) -> tuple[list[float], int]:
+        sim = Simulator(trace, SimConfig(policy=policy, prefill=2, decode=0, output_tokens=1,
+                                         cpp_chunk_tokens=512, cpp_hidden_bytes_per_token=0),
+                        COST)
+        res = sim.run()
+        return [q.first - q.arrival for q in sorted(sim.served, key=lambda q: q.i)], \
+            res.summary["pipelined"]
+    ttft, n = run("cost_aware")
+    assert n == 2 and ttft == pytest.approx([12.8, 10.24 - 1 + 7.68])
+    ttft, n = run("global_cache_aware")
+    assert n == 0 and ttft == pytest.approx([20.48, 10.24])
+    with pytest.raises(ValueError, match="elastic"):
+        SimConfig(prefill=4, cpp=2, pipeline_stages=2)
+
+
+def test_spf_adaptive_starvation_bound():
+    # the bound is aging_s, or the FCFS wait seen on arrival plus the slack if sooner
+    assert spf_bound_s(30.0, 4.0, 10.0) == 14.0 and spf_bound_s(30.0, 25.0, 10.0) == 30.0
+    assert cfg().fcfs_slack_s == 10.0 and cfg("global_cache_aware").fcfs_slack_s == math.inf
+    # (enqueued at, predicted s, own bound): the long one waited 15 >= 14 s, so it goes first
+    waiting = [(0.0, 40.0, spf_bound_s(30.0, 4.0, 10.0)), (5.0, 1.0, 30.0)]
+    assert spf_pick(waiting, 15.0, 30.0) == 0 and spf_pick(waiting, 13.0, 30.0) == 1

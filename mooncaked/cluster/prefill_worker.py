@@ -30,6 +30,7 @@ from .kv_push import KVPusher
 from .messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
                        PrefillReply, PrefillRequest, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
+from .prefill_queue import PrefillQueue, resolve_fcfs_slack, resolve_order
 
 log = get_logger(__name__)
 
@@ -78,6 +79,10 @@ class PrefillWorker:
         self.counters, self.activity = counters, activity
         self.requests: dict[str, PrefillLoad] = {}
         self.stages: dict[str, StagedKV] = {}
+        cs = settings.conductor    # the run order of waiting prefills (cluster/prefill_queue.py)
+        self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order), cs.prefill_aging_s,
+                                  resolve_fcfs_slack(cs.policy, cs.prefill_fcfs_slack_s))
+        self._cost = None
 
     def pending(self) -> dict[str, tuple[int, int]]:
         """rid -> (new, cached) tokens of every prefill on this node (for the report)."""
@@ -101,11 +106,13 @@ class PrefillWorker:
         self.activity.arrived.append(rid)
         t0 = time.monotonic()
         kv_stream = pusher = None
-        handed_over = False
+        handed_over = held = False
         try:
             await failpoints.ahit("node.prefill")
             if req.fetch is not None and self.store_node is not None:
                 await self._fetch(req.fetch)
+            held = await self.queue.acquire(self._predict(len(prompt) - req.prefix_tokens,
+                                                          req.prefix_tokens))
             if req.stage and 0 < len(prompt) < self.engine.max_model_len:
                 kv_stream = self.engine.layerwise_kv(len(prompt))
                 if req.push_to:
@@ -121,6 +128,9 @@ class PrefillWorker:
                         raise RuntimeError(f"engine error: {out.error}")
                     final = out
             compute_end = time.monotonic()
+            if held:
+                held = False
+                self.queue.release()
             seconds = compute_end - t0
             kv = None
             if kv_stream is not None and final.finish_reason == "length":
@@ -137,11 +147,24 @@ class PrefillWorker:
                                                   self.requests[rid].alone))
             return PrefillReply(OutputDelta.of(final), kv, seconds).to_json()
         finally:
+            if held:
+                self.queue.release()
             self.requests.pop(rid, None)
             if pusher is not None:
                 await pusher.aclose()
                 if pusher.attempted and not handed_over:
                     self._spawn(release_on(self.client, req.push_to, Release(rid, self.control_addr)))
+
+    def _predict(self, new: int, cached: int) -> float:
+        """Predicted prefill seconds, the spf queue's key: the cost model the conductor
+        places with (the profiled file, else the default), loaded on first use."""
+        if self.queue.order == "fcfs":
+            return 0.0
+        if self._cost is None:
+            from mooncaked.conductor.service import load_cost_model  # noqa: PLC0415 - cycle
+            g = self.engine.kv_geometry()
+            self._cost = load_cost_model(self.settings, g.block_bytes // max(1, g.block_size))
+        return self._cost.prefill_s(new, cached)
 
     def _pusher(self, rid: str, kv_stream: Any, decode_control: str, ttl_s: float) -> KVPusher:
         """A KVPusher whose reservation asks the decode node for a receive buffer."""

@@ -32,6 +32,14 @@ Policies (Mooncake paper, sections 4.1 and 4.2, Figure 5):
   to the queued ones it overtakes. With the cost rule a node may also wait for a prefix
   that a prefill queued there is about to store (Snapshot.pending_*): under load the
   next turn of a conversation often arrives before the previous turn has run.
+  Two more options, also defaults of ``cost_aware``: fcfs_slack_s (10 s), an adaptive
+  starvation bound for the shortest-first queue (a request also goes first once it has
+  waited the FCFS wait it saw on arrival plus the slack, `spf_bound_s`), and
+  pipeline_stages (2), elastic chunked pipeline parallelism per request (section 3.3):
+  a long prompt may run over up to that many prefill nodes with nothing queued when
+  that is predicted faster than the best single node, charging the node time the
+  pipeline holds idle to every node with requests queued (`_pipeline_choice`; needs
+  Snapshot.prefill_free_s, which only the simulator fills today).
 
 For every other policy the decode node is the one with the lowest predicted step time
 (batch + 1, context + prompt) among those with KV room (decode_rule ``step``), and the
@@ -50,6 +58,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from .cost_model import CostModel
+from .cpp_cost import CPP_MIN_TOKENS, PipelineTiming, pipeline_timing
 
 POLICIES = ("random", "load_balancing", "local_cache_aware", "global_cache_aware", "cost_aware")
 FETCH_RULES = ("threshold", "cost")
@@ -58,6 +67,10 @@ PREFILL_ORDERS = ("fcfs", "spf")
 # (fetch_rule, decode_rule, prefill_order) a policy uses unless PolicyConfig overrides them
 _RULE_DEFAULTS = {"cost_aware": ("cost", "kv_aware", "spf")}
 _PLAIN_RULES = ("threshold", "step", "fcfs")
+# PolicyConfig.pipeline_stages a policy uses unless overridden (1: never pipelines)
+_PIPELINE_DEFAULTS = {"cost_aware": 2}
+# PolicyConfig.fcfs_slack_s a policy uses unless overridden (inf: the aging bound only)
+_FCFS_SLACK_DEFAULTS = {"cost_aware": 10.0}
 
 
 def policy_defaults(policy: str) -> tuple[str, str, str]:
@@ -87,6 +100,20 @@ class PolicyConfig:
         aging_s: with "spf", a request that has waited this long (seconds) goes before
             every younger one, in arrival order: its wait is bounded (default 30 s, the
             paper's TTFT threshold).
+        fcfs_slack_s: with "spf", a request also goes first once it has waited the wait FCFS
+            would have given it (the queue ahead of it when it arrived) plus this slack,
+            seconds: an adaptive starvation bound, so no request starts much later than
+            under Algorithm 1's FCFS queues (`spf_bound_s`); inf: aging_s only; None: the
+            policy's default (10 s for cost_aware, else inf).
+        pipeline_stages: elastic chunked pipeline parallelism (paper section 3.3): the most
+            prefill nodes one request may be pipelined over when they are all idle
+            (`Snapshot.prefill_idle`); 1 never pipelines; 0 takes the policy's default
+            (1, or 2 for cost_aware). See `_pipeline_choice`.
+        pipeline_chunk_tokens, pipeline_hidden_bytes_per_token: the pipeline's chunk
+            (tokens) and the hidden state crossing a stage boundary (bytes a token;
+            LLaMA3-70B: 8192 x bf16), as `cpp_cost.pipeline_timing` takes them.
+        pipeline_min_tokens: only a request with at least this many uncached tokens is
+            pipelined (the paper: "typically above 1,000 tokens").
     Raises (constructor): ValueError on an unknown policy, rule or out-of-range value.
     """
 
@@ -100,6 +127,11 @@ class PolicyConfig:
     decode_rule: str = ""
     prefill_order: str = ""
     aging_s: float = 30.0
+    fcfs_slack_s: float | None = None
+    pipeline_stages: int = 0
+    pipeline_chunk_tokens: int = 4096
+    pipeline_hidden_bytes_per_token: int = 16384
+    pipeline_min_tokens: int = CPP_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -114,6 +146,16 @@ class PolicyConfig:
             object.__setattr__(self, name, v)
         if not self.aging_s >= 0:
             raise ValueError(f"aging_s must be >= 0, got {self.aging_s}")
+        if self.fcfs_slack_s is None:
+            object.__setattr__(self, "fcfs_slack_s", _FCFS_SLACK_DEFAULTS.get(self.policy, math.inf))
+        if not self.fcfs_slack_s >= 0:
+            raise ValueError(f"fcfs_slack_s must be >= 0, got {self.fcfs_slack_s}")
+        if self.pipeline_stages == 0:
+            object.__setattr__(self, "pipeline_stages", _PIPELINE_DEFAULTS.get(self.policy, 1))
+        if (self.pipeline_stages < 1 or self.pipeline_chunk_tokens < 1
+                or self.pipeline_hidden_bytes_per_token < 0 or self.pipeline_min_tokens < 0):
+            raise ValueError("pipeline_stages and pipeline_chunk_tokens must be >= 1, "
+                             "pipeline hidden bytes and min tokens >= 0")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.cache_balance_threshold >= 1.0:
@@ -162,7 +204,11 @@ class Snapshot:
     once a prefill queued or running there has stored them (>= prefix_blocks), and
     `pending_ready_s` predicted seconds until that prefill is done: a request may wait
     for a prefix still being computed instead of recomputing it (under load the next turn
-    of a conversation often arrives before the previous one ran).
+    of a conversation often arrives before the previous one ran);
+    `prefill_free_s` per prefill node the seconds until it can join an elastic pipeline
+    (PolicyConfig.pipeline_stages): 0 when idle, the running request's remainder when
+    nothing is queued behind it, inf when requests are queued (they keep their order); a
+    cluster that cannot pipeline leaves it empty.
     """
 
     prefill_nodes: Sequence[Hashable]
@@ -179,12 +225,14 @@ class Snapshot:
     holder_busy_s: Sequence[float] = ()
     pending_prefix_blocks: Sequence[int] = ()
     pending_ready_s: Sequence[float] = ()
+    prefill_free_s: Sequence[float] = ()
 
     def __post_init__(self) -> None:
         n, m = len(self.prefill_nodes), len(self.decode_nodes)
         if len(self.holder_nodes) != len(self.holder_prefix_blocks):
             raise ValueError("snapshot holder columns differ in length")
         if (len(self.prefill_queued_s) not in (0, n) or len(self.prefill_busy_s) not in (0, n)
+                or len(self.prefill_free_s) not in (0, n)
                 or len(self.holder_busy_s) not in (0, len(self.holder_nodes))
                 or len(self.pending_prefix_blocks) not in (0, n)
                 or len(self.pending_ready_s) != len(self.pending_prefix_blocks)):
@@ -226,6 +274,13 @@ class Placement:
     predicted_ttft_s: float
     predicted_tbt_s: float
     waits_for_pending: bool = False   # reuses blocks a prefill queued on its node will store
+    # elastic pipeline (PolicyConfig.pipeline_stages): the other stages' nodes, in stage
+    # order after `prefill` (stage 0, which stores the KV), and the pipeline's timing;
+    # predicted_prefill_s is then its latency, and all stages start together
+    # predicted_ttft_s - latency from now (predicted_queue_s: the wait for the last of
+    # them to be free)
+    helpers: tuple = ()
+    pipeline: PipelineTiming | None = None
 
 
 @dataclass(frozen=True)
@@ -328,7 +383,16 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     if used < 0:
         used = own[i]
     pf = prefill_s(used)
-    ttft = (max(xfer, queue[i]) if overlap else xfer + queue[i]) + pf
+    wait = queue[i]
+    ttft = (max(xfer, wait) if overlap else xfer + wait) + pf
+    helpers, timing = (), None
+    if cfg.pipeline_stages > 1 and snap.prefill_free_s and policy not in ("random",
+                                                                        "load_balancing"):
+        pc = _pipeline_choice(n, bs, own, snap, cost, cfg, ttft,
+                              policy in ("global_cache_aware", "cost_aware"))
+        if pc is not None:
+            i, used, xfer, fetch_from, helpers, timing, ttft, wait = pc
+            pf, pending = timing.latency_s, False
     fetch = None
     if fetch_from is not None:
         lo = own[i]
@@ -349,9 +413,9 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         return Rejection("tbt_slo", cfg.min_retry_after_s, ttft, tbt)
     return Placement(prefill=nodes[i], decode=decode, prefix_blocks=used,
                      prefix_tokens=min(used * bs, n), local_prefix_blocks=own[i], fetch=fetch,
-                     predicted_queue_s=queue[i], predicted_transfer_s=xfer,
+                     predicted_queue_s=wait, predicted_transfer_s=xfer,
                      predicted_prefill_s=pf, predicted_ttft_s=ttft, predicted_tbt_s=tbt,
-                     waits_for_pending=pending)
+                     waits_for_pending=pending, helpers=helpers, pipeline=timing)
 
 
 class QueuedWork(NamedTuple):
@@ -399,26 +463,34 @@ def spf_wait_s(queue_s: float, queued: QueuedWork | Sequence[float],
     return max(0.0, queue_s - queued.total_s()) + before
 
 
-def spf_pick(waiting: Sequence[tuple[float, float]], now: float, aging_s: float) -> int:
+def spf_bound_s(aging_s: float, fcfs_wait_s: float, fcfs_slack_s: float) -> float:
+    """A request's starvation bound on a shortest-first queue, seconds of waiting after
+    which it goes first: aging_s, or sooner the wait FCFS would have given it (the
+    predicted work ahead of it when it was enqueued) plus fcfs_slack_s."""
+    return min(aging_s, fcfs_wait_s + fcfs_slack_s)
+
+
+def spf_pick(waiting: Sequence[tuple[float, ...]], now: float, aging_s: float) -> int:
     """Which queued request a shortest-first prefill queue runs next.
 
     Args:
-        waiting: (enqueued at, predicted prefill s) of each request ready to run, in
+        waiting: (enqueued at, predicted prefill s) or (enqueued at, predicted prefill s,
+            its own starvation bound s, `spf_bound_s`) of each request ready to run, in
             arrival order (seconds on any one clock).
         now: the current time on that clock.
-        aging_s: starvation bound: a request enqueued at least aging_s ago goes first.
-    Returns: the index in `waiting`: the oldest request that has waited aging_s or more,
+        aging_s: the starvation bound of entries without their own.
+    Returns: the index in `waiting`: the oldest request that has waited its bound or more,
         else the shortest predicted prefill (the earliest among equals).
     Raises: ValueError when `waiting` is empty.
     """
     if not waiting:
         raise ValueError("nothing to pick from")
     best, key = 0, math.inf
-    for k, (enq, pred) in enumerate(waiting):
-        if now - enq >= aging_s:
+    for k, w in enumerate(waiting):
+        if now - w[0] >= (w[2] if len(w) > 2 else aging_s):
             return k                     # arrival order: the first aged one is the oldest
-        if pred < key:
-            best, key = k, pred
+        if w[1] < key:
+            best, key = k, w[1]
     return best
 
 
@@ -442,22 +514,7 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
     node or None, pending ready seconds when the choice waits for a pending prefix else
     None); the node with the lowest score wins (the first among equals).
     """
-    pbusy = snap.prefill_busy_s or [0.0] * len(own)
-    hbusy = snap.holder_busy_s or [0.0] * len(snap.holder_nodes)
-    by_len: dict[int, tuple[float, int, int]] = {}   # L -> (busy, 0 cache / 1 prefill, index)
-    for k, (L, b) in enumerate(zip(snap.holder_prefix_blocks, hbusy)):
-        if L > 0 and (L not in by_len or (b, 0, k) < by_len[L]):
-            by_len[L] = (b, 0, k)
-    for k, (L, b) in enumerate(zip(own, pbusy)):
-        if L > 0 and (L not in by_len or (b, 1, k) < by_len[L]):
-            by_len[L] = (b, 1, k)
-    lengths = sorted(by_len, reverse=True)
-    src: dict[int, tuple[float, int, int]] = {}      # L -> least busy source holding >= L
-    run = None
-    for L in lengths:
-        if run is None or by_len[L] < run:
-            run = by_len[L]
-        src[L] = run
+    lengths, src = _prefix_sources(own, snap)
     tokens = [min(L * bs, n) for L in lengths]
     best_t, best = math.inf, (0, own[0] if own else 0, 0.0, None, None)
     pend, pend_s = snap.pending_prefix_blocks, snap.pending_ready_s
@@ -487,10 +544,112 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
                 best_t, best = t, (i, choice[0], 0.0, None, pend_s[i])
             else:
                 L, x = choice
-                _, kind, k = src[L]
-                node = snap.holder_nodes[k] if kind == 0 else snap.prefill_nodes[k]
-                best_t, best = t, (i, L, x, node, None)
+                best_t, best = t, (i, L, x, _source_node(src[L], snap), None)
     return best
+
+
+def _prefix_sources(own: Sequence[int], snap: Snapshot
+                    ) -> tuple[list[int], dict[int, tuple[float, int, int]]]:
+    """The prefix lengths (blocks) held anywhere, longest first, and for each length L the
+    least busy node holding at least L as (busy s, 0 cache node / 1 prefill node, index);
+    a cache node goes before an equally busy prefill node (it spares compute)."""
+    pbusy = snap.prefill_busy_s or [0.0] * len(own)
+    hbusy = snap.holder_busy_s or [0.0] * len(snap.holder_nodes)
+    by_len: dict[int, tuple[float, int, int]] = {}   # L -> (busy, 0 cache / 1 prefill, index)
+    for k, (L, b) in enumerate(zip(snap.holder_prefix_blocks, hbusy)):
+        if L > 0 and (L not in by_len or (b, 0, k) < by_len[L]):
+            by_len[L] = (b, 0, k)
+    for k, (L, b) in enumerate(zip(own, pbusy)):
+        if L > 0 and (L not in by_len or (b, 1, k) < by_len[L]):
+            by_len[L] = (b, 1, k)
+    lengths = sorted(by_len, reverse=True)
+    src: dict[int, tuple[float, int, int]] = {}      # L -> least busy source holding >= L
+    run = None
+    for L in lengths:
+        if run is None or by_len[L] < run:
+            run = by_len[L]
+        src[L] = run
+    return lengths, src
+
+
+def _source_node(s: tuple[float, int, int], snap: Snapshot) -> Hashable:
+    _, kind, k = s
+    return snap.holder_nodes[k] if kind == 0 else snap.prefill_nodes[k]
+
+
+def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: CostModel,
+                     cfg: PolicyConfig, single_ttft_s: float, can_fetch: bool):
+    """Elastic chunked pipeline parallelism (paper section 3.3, chosen per request): run the
+    request over k = 2..cfg.pipeline_stages prefill nodes with nothing queued, when that is
+    predicted to give a lower TTFT than `single_ttft_s` (the best single-node choice).
+
+    Stage 0 (the primary, which stores the request's blocks as a single node would) is any
+    node with nothing queued, reusing its own prefix or, when `can_fetch`, fetching a longer
+    one held elsewhere (from the least busy holder). The other stages are the k - 1 other
+    such nodes free soonest (`Snapshot.prefill_free_s`); they hold their slice of the
+    layers of the reused prefix only after copying it, (k - 1) / k of its KV bytes.
+    With step = (latency - occupancy) / (k - 1) (the longest chunk's stage time plus a
+    hop), stage j joins j steps after stage 0 starts, when its first chunk arrives, and
+    is busy for the occupancy; so it may still finish other work until then. The
+    pipeline starts at t0 = max(stage 0 free, stage j free - j x step, fetch,
+    transfer((k - 1) / k x prefix)); TTFT = t0 + latency, with latency and occupancy
+    from `cpp_cost.pipeline_timing` on chunks of cfg.pipeline_chunk_tokens. Only
+    requests with at least cfg.pipeline_min_tokens uncached tokens qualify.
+    The stages' compute adds up to the single prefill's, but a stage free before it is
+    needed sits idle (reserved). Under load those node-seconds delay other requests, so
+    a candidate scores TTFT + that idle time x the number of prefill nodes with requests
+    queued (none queued: the idle time costs nobody), against the single node's TTFT;
+    the lowest score wins (the fewest stages among equals).
+    Returns: None when no pipeline is predicted faster, else (primary index, blocks used,
+        fetch seconds, fetch source or None, helper node ids in stage order,
+        PipelineTiming, TTFT s, seconds until stage 0 starts).
+    """
+    free = snap.prefill_free_s
+    cand = sorted((f, k) for k, f in enumerate(free) if math.isfinite(f))
+    kmax = min(cfg.pipeline_stages, len(cand))
+    if kmax < 2:
+        return None
+    lengths, src = _prefix_sources(own, snap) if can_fetch else ([], {})
+    memo: dict[tuple[int, int], PipelineTiming] = {}
+    queued = sum(1 for f in free if f == math.inf)   # nodes with requests waiting
+    best_t, best = single_ttft_s, None
+    best_score = single_ttft_s
+    for fi, i in cand:
+        # free times of the helpers, soonest first
+        others = [f for f, h in cand[:kmax] if h != i][:kmax - 1]
+        m = own[i]
+        mt = min(m * bs, n)
+        opts = [(m, 0.0, None)]
+        opts += [(L, src[L][0] + cost.transfer_s(min(L * bs, n) - mt), src[L])
+                 for L in lengths if L > m and min(L * bs, n) > mt]
+        for L, x, s in opts:
+            c = min(L * bs, n)
+            if n - c < max(1, cfg.pipeline_min_tokens):
+                continue
+            for k in range(2, kmax + 1):
+                tm = memo.get((c, k))
+                if tm is None:
+                    tm = memo[(c, k)] = pipeline_timing(cost, n - c, c, k,
+                                                        cfg.pipeline_chunk_tokens,
+                                                        cfg.pipeline_hidden_bytes_per_token)
+                # stage j joins j steps after stage 0 starts (its first chunk arrives
+                # then) and stays busy for the occupancy: it may finish other work first
+                step = (tm.latency_s - tm.occupancy_s) / (k - 1)
+                hs = others[:k - 1]
+                t0 = max(fi, x, cost.transfer_s(c * (k - 1) / k),
+                         max(f - j * step for j, f in enumerate(hs, 1)))
+                t = t0 + tm.latency_s
+                # node-seconds the stages sit idle, waiting for the pipeline to start
+                waste = (t0 - fi) + sum(t0 + j * step - f for j, f in enumerate(hs, 1))
+                score = t + waste * queued
+                if score < best_score:
+                    best_score, best_t, best = score, t, (i, L, x, s, k, tm, t0)
+    if best is None:
+        return None
+    i, L, x, s, k, tm, w = best
+    helpers = tuple(snap.prefill_nodes[h] for _, h in cand if h != i)[:k - 1]
+    return (i, L, x, (_source_node(s, snap) if s is not None else None), helpers, tm, best_t,
+            w)
 
 
 def choose_decode(prompt_tokens: int, max_new_tokens: int, snap: Snapshot, cost: CostModel,

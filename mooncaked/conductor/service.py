@@ -329,7 +329,12 @@ class ConductorService:
                            ttft_slo_s=math.inf if decode_only else cs.ttft_slo_s,
                            tbt_slo_s=cs.tbt_slo_s, min_retry_after_s=retry,
                            fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
-                           prefill_order="fcfs")    # the live prefill queues run FCFS
+                           # the order the prefill nodes run (cluster/prefill_queue.py); no
+                           # elastic pipelines: live CPP groups are fixed (issue 14)
+                           prefill_order=cs.prefill_order, aging_s=cs.prefill_aging_s,
+                           fcfs_slack_s=(cs.prefill_fcfs_slack_s
+                                         if cs.prefill_fcfs_slack_s >= 0 else None),
+                           pipeline_stages=1)
         if decode_only:
             # The prefill already ran: only the decode side is chosen (the prefill side is a
             # placeholder with no queue, fully cached).

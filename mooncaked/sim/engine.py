@@ -48,6 +48,7 @@ from mooncaked.conductor.policy import (
     Rejection,
     Snapshot,
     place,
+    spf_bound_s,
     spf_pick,
 )
 from mooncaked.measures import (
@@ -64,7 +65,8 @@ SIM_POLICIES = POLICIES + ("coupled",)
 _MAX_SEG_STEPS = 4096   # longest precomputed decode segment; a longer one just continues
 
 # event kinds
-_ARRIVE, _FETCH_DONE, _PF_START, _PF_DONE, _KV_READY, _SEG_END, _CP_DONE, _STAGE_FREE = range(8)
+(_ARRIVE, _FETCH_DONE, _PF_START, _PF_DONE, _KV_READY, _SEG_END, _CP_DONE, _STAGE_FREE,
+ _RESERVE_END) = range(9)
 
 
 @dataclass
@@ -86,6 +88,13 @@ class SimConfig:
     each group one placement target with `cpp` x the block cache, prefilling in chunks of
     `cpp_chunk_tokens` (conductor/cpp_cost.py; hidden states of
     `cpp_hidden_bytes_per_token` cross each stage boundary).
+    `fcfs_slack_s`: spf's adaptive starvation bound (PolicyConfig.fcfs_slack_s; None: the
+    policy's default).
+    `pipeline_stages`: elastic pipelines instead (PolicyConfig.pipeline_stages; 0 = the
+    policy's default, 1 = off): the placement may run one request over up to this many
+    prefill nodes with nothing queued, all starting when the last is free, in chunks of
+    `cpp_chunk_tokens`; the first stage stores the KV and is free after the pipeline's
+    occupancy, stage j after occupancy + j x (the longest chunk's stage time + one hop).
     """
 
     policy: str = "global_cache_aware"
@@ -113,6 +122,8 @@ class SimConfig:
     cpp: int = 1
     cpp_chunk_tokens: int = 4096
     cpp_hidden_bytes_per_token: int = 16384  # LLaMA3-70B: d_model 8192 x bf16
+    pipeline_stages: int = 0
+    fcfs_slack_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -128,6 +139,9 @@ class SimConfig:
             raise ValueError(f"cpp must divide prefill ({self.prefill}) and chunk tokens be >= 1")
         if self.cpp > 1 and self.policy == "coupled":
             raise ValueError("cpp groups are prefill instances; the coupled baseline has none")
+        if self.pipeline_stages < 0 or (self.cpp > 1 and self.pipeline_stages > 1):
+            raise ValueError("pipeline_stages must be >= 0, and elastic pipelines (> 1) "
+                             "exclude fixed cpp groups")
 
 
 @dataclass
@@ -148,7 +162,7 @@ class SimResult:
 
 class _Req:
     __slots__ = ("i", "arrival", "n", "out", "keys", "first", "cached", "need", "remaining",
-                 "segs", "done", "decode", "pf_start")
+                 "segs", "done", "decode", "pf_start", "pf_end", "bound")
 
     def __init__(self, i: int, r: TraceRequest, arrival: float, out: int):
         self.i, self.arrival, self.n, self.out, self.keys = i, arrival, r.input_tokens, out, r.keys
@@ -160,13 +174,15 @@ class _Req:
         self.done = math.nan
         self.decode = -1
         self.pf_start = 0.0
+        self.pf_end = math.nan            # an elastic pipeline's predicted end
+        self.bound = math.inf             # spf: seconds of waiting after which it goes first
 
 
 class _PNode:
     """A prefill instance (disaggregated mode)."""
 
     __slots__ = ("idx", "cache", "queue", "queued_pred", "busy_until", "running", "waiting_fetch",
-                 "_work", "pending")
+                 "_work", "pending", "reserved_until")
 
     def __init__(self, idx: int, cache_tokens: float, block_tokens: int):
         self.idx = idx
@@ -178,6 +194,7 @@ class _PNode:
         self.running: _Req | None = None
         self.waiting_fetch = False
         self._work: QueuedWork | None = None
+        self.reserved_until = 0.0         # an elastic pipeline holds the node until then
 
     def work(self) -> QueuedWork:
         """The queue as a QueuedWork, rebuilt only after the queue changed."""
@@ -228,7 +245,14 @@ class Simulator:
                                  cache_balance_threshold=cfg.cache_balance_threshold,
                                  ttft_slo_s=cfg.ttft_slo_s, tbt_slo_s=cfg.tbt_slo_s,
                                  fetch_rule=cfg.fetch_rule, decode_rule=cfg.decode_rule,
-                                 prefill_order=cfg.prefill_order, aging_s=cfg.aging_s)
+                                 prefill_order=cfg.prefill_order, aging_s=cfg.aging_s,
+                                 fcfs_slack_s=cfg.fcfs_slack_s,
+                                 pipeline_stages=1 if cfg.cpp > 1 or self.coupled
+                                 else cfg.pipeline_stages,
+                                 pipeline_chunk_tokens=cfg.cpp_chunk_tokens,
+                                 pipeline_hidden_bytes_per_token=cfg.cpp_hidden_bytes_per_token)
+        self.elastic = self.pcfg.pipeline_stages > 1
+        self.pipelined = 0
         self.spf = self.pcfg.prefill_order == "spf" and not self.coupled
         # the cost rule may wait for a prefix a queued prefill will store (Snapshot.pending_*)
         self.track_pending = (self.pcfg.fetch_rule == "cost" and not self.coupled
@@ -302,6 +326,9 @@ class Simulator:
                 a.running = None
                 if not a.waiting_fetch:
                     self._pstart(a, t)
+            elif kind == _RESERVE_END:
+                if a.running is None:
+                    self._pstart(a, t)
             elif kind == _CP_DONE:
                 self._cp_done(a, t)
             elif kind == _FETCH_DONE:
@@ -335,11 +362,14 @@ class Simulator:
         pend, pend_s = (), ()
         if self.track_pending:
             pend, pend_s = self._pending(q, t, match)
+        free = ([max(0.0, p.busy_until - t, p.reserved_until - t)
+                 if not p.queue and not p.waiting_fetch else math.inf
+                 for p in self.pnodes] if self.elastic else ())
         return Snapshot(self.pids, queue, match, self.dids,
                         [len(d.batch) + d.pending_n for d in ds],
                         [d.ctx + d.pending_ctx for d in ds],
                         [cap - d.committed for d in ds], prefill_queued_s=queued,
-                        pending_prefix_blocks=pend, pending_ready_s=pend_s)
+                        pending_prefix_blocks=pend, pending_ready_s=pend_s, prefill_free_s=free)
 
     def _pending(self, q: _Req, t: float, match: list[int]) -> tuple[list[int], list[float]]:
         """Per prefill node: the request's prefix blocks held or to be stored by a prefill
@@ -359,6 +389,8 @@ class Simulator:
             rest = max(0.0, p.busy_until - t)
             if prod is p.running:
                 r = rest
+            elif prod.pf_end == prod.pf_end:   # an elastic pipeline: done at its end
+                r = max(0.0, prod.pf_end - t)
             else:
                 before, pred = 0.0, 0.0
                 for x in p.queue:              # FCFS: everything queued before it runs first
@@ -399,9 +431,15 @@ class Simulator:
             d.pending_n += 1
             d.pending_ctx += q.n
             d.committed += q.need
+        if res.helpers:
+            self._pipeline_start(p, q, res, t)
+            return
         after = None
         if res.waits_for_pending:
             after = p.pending.get(q.keys[res.prefix_blocks - 1])
+        # spf starvation bound: aging_s, or the FCFS wait it sees now plus the slack
+        q.bound = spf_bound_s(self.pcfg.aging_s,
+                              max(0.0, p.busy_until - t) + p.queued_pred, self.pcfg.fcfs_slack_s)
         p.queue.append((q, ready, res.predicted_prefill_s, after))
         p._work = None
         if self.track_pending:
@@ -426,7 +464,7 @@ class Simulator:
         self._store(p.idx, p.cache, keys)
 
     def _pstart(self, p: _PNode, t: float) -> None:
-        if not p.queue:
+        if not p.queue or t < p.reserved_until:    # a reservation's end calls again
             return
         if self.spf:
             # shortest predicted prefill first among those whose fetched blocks are in,
@@ -440,7 +478,8 @@ class Simulator:
                     p.waiting_fetch = True
                     self._push(min(later), _PF_START, p)
                 return
-            k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2]) for k in ready_k],
+            k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2], p.queue[k][0].bound)
+                                  for k in ready_k],
                                  t, self.cfg.aging_s)]
             q, ready, pred, _ = p.queue[k]
             del p.queue[k]
@@ -472,6 +511,35 @@ class Simulator:
         p.busy_until = t + dur
         self._push(t + dur, _PF_DONE, p)
 
+    def _pipeline_start(self, p: _PNode, q: _Req, res, t: float) -> None:
+        """An elastic pipeline over p (stage 0) and res.helpers, none of which has anything
+        queued: stage 0 starts res.predicted_ttft_s - latency from now, stage j a step
+        later (policy._pipeline_choice; a helper may finish its running prefill first),
+        and all run as the placement predicted (the prefix it reuses is the placement's:
+        its fetch lands before the start). Each stage node is reserved until its part is
+        done: nothing else starts there before."""
+        tm = res.pipeline
+        start = t + max(0.0, res.predicted_ttft_s - tm.latency_s)
+        c = res.prefix_tokens
+        q.cached = c
+        self.prefill_busy_s += self.base_cost.prefill_s(q.n - c, c)
+        self.hits.append((start, c, q.n))
+        self.pipelined += 1
+        q.pf_start = start
+        q.pf_end = start + tm.latency_s
+        p.cache.touch(q.keys[:res.local_prefix_blocks])
+        k = len(res.helpers) + 1
+        step = (tm.latency_s - tm.occupancy_s) / (k - 1)
+        for j, node in enumerate([p] + [self.pnodes[h] for h in res.helpers]):
+            free = start + tm.occupancy_s + j * step
+            node.reserved_until = max(node.reserved_until, free)
+            node.busy_until = max(node.busy_until, free)
+            self._push(free, _RESERVE_END, node)
+        if self.track_pending:
+            for key in q.keys:
+                p.pending.setdefault(key, q)
+        self._push(start + tm.latency_s, _PF_DONE, p, q)
+
     def _pf_done(self, p: _PNode, t: float, pipelined: _Req | None = None) -> None:
         q = pipelined or p.running
         if pipelined is None:
@@ -493,8 +561,8 @@ class Simulator:
             # KV streams to the decode node layer by layer while the prefill runs.
             ready = max(t, q.pf_start + self.cost.transfer_s(q.n))
             self._push(ready, _KV_READY, self.dnodes[q.decode], q)
-        if pipelined is None:
-            self._pstart(p, t)
+        if pipelined is None or (p.running is None and not p.waiting_fetch):
+            self._pstart(p, t)       # a request waiting for this one's prefix may go now
 
     # ------------------------------------------------------------------ decode
 
@@ -635,6 +703,7 @@ class Simulator:
             "effective_request_capacity_by_tbt": erc,
             "prefill_compute_s_per_request": self.prefill_busy_s / len(served) if served else 0.0,
             "fetches": self.fetches, "fetched_tokens": self.fetched_tokens,
+            "pipelined": self.pipelined,
             "makespan_s": max((q.done for q in served), default=0.0),
             "sim_wall_s": wall_s,
             "cost_model": self.cost.name,
