@@ -120,6 +120,23 @@ def test_seeded_sampling_is_reproducible(engine, chats):
     assert a != c
 
 
+def test_resumed_seeded_request_continues_the_same_sequence(engine, chats):
+    """A seeded, penalised request re-run as prompt + its first k outputs with
+    output_offset = k (what the cluster front end does when a decode node dies) samples
+    exactly the undisturbed request's remaining tokens (issue 18, fault 8)."""
+    kw = {"temperature": 0.9, "top_p": 0.95, "seed": 4321, "presence_penalty": 0.6,
+          "frequency_penalty": 0.4, "repetition_penalty": 1.2, "ignore_eos": True}
+    whole = run(engine, [chats[4]], SamplingParams(max_tokens=16, **kw))[0]["tokens"]
+    k = 6
+    resumed = SamplingParams(max_tokens=16 - k, output_offset=k, **kw)
+    assert run(engine, [chats[4] + whole[:k]], resumed)[0]["tokens"] == whole[k:]
+    # without the offset the positions restart at 0 and the tail differs
+    restarted = SamplingParams(max_tokens=16 - k, **kw)
+    assert run(engine, [chats[4] + whole[:k]], restarted)[0]["tokens"] != whole[k:]
+    with pytest.raises(InvalidRequest, match="output_offset"):
+        engine.add_request("off", chats[4], SamplingParams(output_offset=len(chats[4])))
+
+
 def test_top_k_one_and_min_p_one_equal_greedy(engine, chats):
     g = run(engine, [chats[2]], GREEDY)[0]["tokens"]
     assert run(engine, [chats[2]], SamplingParams(max_tokens=12, temperature=1.0, top_k=1))[0]["tokens"] == g

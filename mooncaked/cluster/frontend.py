@@ -259,8 +259,9 @@ class ClusterFrontend:
         prefill cheap), and the stream continues from the next token, at most
         MAX_RESUMES times. The text after a resume is detokenized here over the whole
         output (stop strings spanning the resume point still stop it). Greedy output
-        equals an undisturbed run's; seeded sampling and penalties restart their
-        output positions at the resume point (not yet continued).
+        equals an undisturbed run's, and so does seeded sampling's: the streamed tokens
+        count as output (SamplingParams.output_offset) for the per-position seed, the
+        penalties and a structured-output constraint.
 
         Raises: Overloaded (429) on an early rejection; InvalidRequest for a prompt or
         parameter a node refuses; ApiError 502/503/504 when the nodes fail or time out
@@ -275,8 +276,11 @@ class ClusterFrontend:
         for resume in range(MAX_RESUMES + 1):
             p = params
             if produced:
+                # The streamed tokens are output, not prompt: seeded draws and penalties
+                # continue at their positions (SamplingParams.output_offset).
+                p = dataclasses.replace(params, output_offset=params.output_offset + len(produced))
                 if params.max_tokens is not None:
-                    p = dataclasses.replace(params, max_tokens=params.max_tokens - len(produced))
+                    p.max_tokens = params.max_tokens - len(produced)
                 det = IncrementalDetokenizer(self.tokenizer, params.stop,
                                              params.include_stop_str_in_output)
                 for t in produced:     # the text up to here; the client has `sent` chars
