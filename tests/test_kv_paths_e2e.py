@@ -159,7 +159,7 @@ def clean_slate(env):
         if cluster.procs[nid].poll() is None:
             with contextlib.suppress(OSError, RuntimeError):
                 for point in ("node.prefill", "node.kv_reserve", "kv_push.write",
-                              "store.locate"):
+                              "store.locate", "decode.kv_read"):
                     set_failpoint(cluster, nid, point, "off")
     dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
     for nid in dead:
@@ -554,6 +554,57 @@ def test_after_leader_failover(env, tokenizer):
     assert code == 200, got
     assert cached_tokens(got) == 160
     assert_same_output(got, reference(ref, prompt))
+
+
+def fired(cluster: LocalCluster, nid: str, point: str) -> int:
+    """How often failpoint `point` fired on nid (a read: a paused point stays paused)."""
+    on = control_call(cluster.control(nid), "debug.failpoint", {"name": point},
+                      timeout_s=5.0)["failpoints"]
+    return on.get(point, {}).get("fired", 0)
+
+
+def test_prefill_node_killed_with_staged_and_queued_requests(env, tokenizer):
+    """kill -9 of a prefill node (issue 18, fault 8) while one request's KV waits staged on
+    it (its prefill answered the first token; d1's READ of the stage is held at failpoint
+    decode.kv_read) and another request is held in its queue (in its prefill call). Both
+    are placed again, on the other prefill node: the staged one resumes after its first
+    token (prompt + that token), the queued one starts again. The client sees no error and
+    the single process's text, tokens and logprobs."""
+    cluster, ref = env
+    api = cluster.api_url("c1")                       # c1's front end: no push, d1 READs
+    staged = prompt_ids(tokenizer, "staged kill", 150)             # 9 full blocks
+    queued = staged + prompt_ids(tokenizer, "queued kill", 40)
+    set_failpoint(cluster, "d1", "decode.kv_read", "pause", times=1)
+    before = counters(cluster)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        f_staged = pool.submit(complete, api, staged)
+        wait_until(lambda: fired(cluster, "d1", "decode.kv_read") or f_staged.done(), 60,
+                   "d1 holding its READ of the staged KV")
+        assert not f_staged.done(), f_staged.result()
+        victim = served_by(delta(before, counters(cluster)))
+        # the queued request extends the staged prompt, so it is placed on its holder
+        wait_until(lambda: conductor(cluster)["nodes"][victim]["indexed_blocks"] >= 9, 20,
+                   f"the staged prompt's blocks indexed on {victim}")
+        set_failpoint(cluster, victim, "node.prefill", "pause", times=1)
+        f_queued = pool.submit(complete, api, queued)
+        wait_until(lambda: status(cluster, victim)["requests"]["prefill"] or f_queued.done(),
+                   30, f"a request held in {victim}'s queue")
+        assert not f_queued.done(), f_queued.result()
+        cluster.kill(victim)                                       # kill -9
+        set_failpoint(cluster, "d1", "decode.kv_read", "off")      # the READ finds it dead
+        got_staged = f_staged.result(timeout=120)
+        got_queued = f_queued.result(timeout=120)
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            set_failpoint(cluster, "d1", "decode.kv_read", "off")
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert_same_output(got_staged, reference(ref, staged))
+    assert_same_output(got_queued, reference(ref, queued))
+    log = cluster.log_tail("c1", 400_000)
+    assert re.search(r"stream_resumed.*could not read the KV staged on " + victim, log), \
+        log[-3000:]
+    assert re.search(r"prefill_replaced.*" + victim, log), log[-3000:]
 
 
 STRUCTURED_SCHEMA = {"type": "object", "properties": {

@@ -310,10 +310,11 @@ class ClusterFrontend:
                 return
             except _DecodeLost as e:
                 if resume >= MAX_RESUMES:
-                    raise ApiError(502, f"decode node {e.node} failed mid-stream and the "
-                                        f"request was resumed {MAX_RESUMES} times already: "
-                                        f"{e}", type="server_error", code="decode_failed") from e
-                exclude = (*exclude, e.node)
+                    raise ApiError(502, f"the stream broke ({e}) and the request was resumed "
+                                        f"{MAX_RESUMES} times already", type="server_error",
+                                   code="decode_failed") from e
+                if e.node_failed:
+                    exclude = (*exclude, e.node)
                 log.warning("stream_resumed", request_id=request_id, node=e.node,
                             tokens=len(produced), reason=str(e))
 
@@ -401,8 +402,9 @@ class ClusterFrontend:
                         out.num_prompt_tokens, out.num_cached_tokens = n, cached
                         done.token(cached, len(out.new_token_ids), out.finished)
                         yield out
-            except _DecodeLost:
-                staged = pushed = None   # the dead node's buffer; the stage expires (stage_ttl_s)
+            except _DecodeLost as e:
+                if e.node_failed:        # the dead node's buffer; the stage expires (stage_ttl_s)
+                    staged = pushed = None
                 raise
             finally:
                 done.log()
@@ -510,6 +512,13 @@ class ClusterFrontend:
                         text = (await r.read())[:500].decode(errors="replace")
                         if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
                             raise _Replace(f"decode node {d.node} is draining")
+                        if r.status == 502:
+                            # It could not READ the staged KV (the prefill node died after
+                            # its prefill, or the transfer failed): the client has the first
+                            # token; resume from there, the decode node is fine.
+                            raise _DecodeLost(d.node, f"it could not read the KV staged on "
+                                                      f"{pl.prefill.node}: {text}",
+                                              node_failed=False)
                         raise ApiError(502, f"decode node {d.node} refused the request "
                                             f"(HTTP {r.status}): {text}", type="server_error",
                                        code="decode_failed")
@@ -620,11 +629,15 @@ class _Replace(Exception):
 
 
 class _DecodeLost(Exception):
-    """The decode node died or hung mid-stream: `generate` resumes the request elsewhere."""
+    """The stream broke after the first token: `generate` resumes the request (prompt plus
+    the tokens streamed) on a new placement. node_failed: the decode node died or hung
+    (excluded from the new placement); False: the KV hand-over failed (the prefill node's
+    stage could not be read), so any node may serve the rest."""
 
-    def __init__(self, node: str, reason: str):
-        super().__init__(f"decode node {node} lost: {reason}")
-        self.node = node
+    def __init__(self, node: str, reason: str, node_failed: bool = True):
+        super().__init__(f"decode node {node} lost: {reason}" if node_failed
+                         else f"decode node {node}: {reason}")
+        self.node, self.node_failed = node, node_failed
 
 
 __all__ = ["ClusterFrontend", "FrontendPort", "Overloaded"]
