@@ -418,7 +418,9 @@ def test_hot_prefix_is_replicated_onto_the_cache_node(env):
     salt = fresh()
     before = conductor(cluster)
     c1_blocks = status(cluster, "c1")["store"]["dram_blocks"]
-    code, body, _ = post(f"{api}/v1/completions", completion(2, prompt, cache_salt=salt))
+    # max_tokens 1: p1 alone answers, so it is the prefix's one holder (a decode node keeps
+    # a finished request's blocks too, store.decode_offload, and would count as a replica)
+    code, body, _ = post(f"{api}/v1/completions", completion(1, prompt, cache_salt=salt))
     assert code == 200, body
     n = body["usage"]["prompt_tokens"]
     full = n // BLOCK
@@ -427,7 +429,7 @@ def test_hot_prefix_is_replicated_onto_the_cache_node(env):
     wait_until(lambda: conductor(cluster)["nodes"]["p1"]["indexed_blocks"]
                == before["nodes"]["p1"]["indexed_blocks"] + full, 10, "p1's blocks indexed")
     for _ in range(2):      # requested again: hot at conductor.hot_block_hits = 2
-        code, body, _ = post(f"{api}/v1/completions", completion(2, prompt, cache_salt=salt))
+        code, body, _ = post(f"{api}/v1/completions", completion(1, prompt, cache_salt=salt))
         assert code == 200, body
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == reusable(n)
     # the cache node fetches every full block of the prefix from p1's store, once; its store
