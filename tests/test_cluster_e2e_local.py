@@ -642,6 +642,7 @@ def test_ctl_shows_leader_nodes_cache_and_requests(env):
                for r in req.values())
 
 
+A_TOKENS, S_TOKENS = 220, 200     # long enough to be mid-stream at the kill
 SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "presence_penalty": 0.5,
            "frequency_penalty": 0.3, "repetition_penalty": 1.1}
 
@@ -651,6 +652,12 @@ def decoding(cluster: LocalCluster, nid: str) -> int:
     return len(status(cluster, nid)["requests"]["decode"])
 
 
+def batch_seen(cluster: LocalCluster, nid: str) -> int:
+    """Decode node nid's running batch as the conductor's latest report of it shows (what
+    its next placement sees)."""
+    return conductor(cluster)["nodes"][nid]["decode_batch"]
+
+
 def test_decode_node_killed_mid_stream(env):
     """kill -9 of a decode node mid-stream: the front end re-places its requests (prompt plus
     the tokens streamed so far) on the other decode node; the client sees no error, the
@@ -658,17 +665,17 @@ def test_decode_node_killed_mid_stream(env):
     the same sequence (issue 18, fault 8). The killed node had served a request through its
     own API; the other nodes' APIs still answer (fault 9).
 
-    Placement is steered, not assumed: B (a long prompt) decodes on one node first, so the
+    Placement is steered, not assumed: B (a longer prompt) decodes on one node first, so the
     conductor puts A and S, short prompts, on the other (lower predicted step time), which
     is checked before the kill."""
     cluster, ref = env
     api = cluster.api_url("c1")
     victim = None
     salt = fresh()
-    req_a = completion(300, stream=True, cache_salt=salt,
+    req_a = completion(A_TOKENS, stream=True, cache_salt=salt,
                        stream_options={"include_usage": True})
-    req_s = completion(300, stream=True, cache_salt=salt, **SAMPLED)
-    req_b = completion(200, prompt=token_ids(400), stream=True)
+    req_s = completion(S_TOKENS, stream=True, cache_salt=salt, **SAMPLED)
+    req_b = completion(150, prompt=token_ids(300), stream=True)
 
     async def first_event(s: aiohttp.ClientSession, body: dict):
         r = await s.post(f"{api}/v1/completions", data=orjson.dumps(body))
@@ -682,9 +689,13 @@ def test_decode_node_killed_mid_stream(env):
             other = wait_until(lambda: next((n for n in ("d1", "d2") if decoding(cluster, n)),
                                             None), 10, "request B decoding")
             victim = "d2" if other == "d1" else "d1"
+            wait_until(lambda: batch_seen(cluster, other) == 1, 10,
+                       f"the conductor seeing B in {other}'s batch")
             a_first, ait = await first_event(s, req_a)
             wait_until(lambda: decoding(cluster, victim), 10, f"request A decoding on {victim}",
                        lambda: _cluster_state(cluster))
+            wait_until(lambda: batch_seen(cluster, victim) == 1, 10,
+                       f"the conductor seeing A in {victim}'s batch")
             s_first, sit = await first_event(s, req_s)
             wait_until(lambda: decoding(cluster, victim) == 2, 10,
                        f"requests A and S decoding on {victim}", lambda: _cluster_state(cluster))
@@ -709,15 +720,19 @@ def test_decode_node_killed_mid_stream(env):
     try:
         a_events, s_events, b_events = asyncio.run(run())
         text = text_of(a_events)
-        assert a_events[-2]["usage"]["completion_tokens"] == 300
-        code, want, _ = post(f"{ref}/v1/completions", completion(300, cache_salt=salt), 240)
+        assert a_events[-2]["usage"]["completion_tokens"] == A_TOKENS
+
+        async def undisturbed():                            # both in one batch on the reference
+            return await asyncio.gather(
+                _post(f"{ref}/v1/completions", completion(A_TOKENS, cache_salt=salt), 240),
+                _post(f"{ref}/v1/completions", completion(S_TOKENS, cache_salt=salt, **SAMPLED),
+                      240))
+
+        (code, want, _), (s_code, s_want, _) = asyncio.run(undisturbed())
         assert code == 200, want
         assert text == want["choices"][0]["text"]          # no token lost or repeated
-        sampled = text_of(s_events)
-        code, want, _ = post(f"{ref}/v1/completions",
-                             completion(300, cache_salt=salt, **SAMPLED), 240)
-        assert code == 200, want
-        assert sampled == want["choices"][0]["text"]       # the same seeded sequence
+        assert s_code == 200, s_want
+        assert text_of(s_events) == s_want["choices"][0]["text"]   # the same seeded sequence
         assert cluster.log_tail("c1", 200_000).count("stream_resumed") >= 2
         text_of(b_events)
         # new requests avoid the dead node (re-dispatched until the conductor drops it), and
