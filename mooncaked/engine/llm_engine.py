@@ -156,8 +156,9 @@ class LLMEngine:
             kv_stream: stage the prompt's K/V layer by layer while it prefills (LayerwiseKV,
                 num_blocks = ceil(len(prompt) / block_size), this engine's geometry).
         Raises: InvalidRequest for an empty or too long prompt, an out-of-range token id, a
-            bad sampling parameter or a kv_import of the wrong shape; ValueError for a
-            duplicate request_id.
+            bad sampling parameter (params.output_offset not below the prompt's length
+            included) or a kv_import of the wrong shape; ValueError for a duplicate
+            request_id.
         """
         params.validate(self.max_logprobs)
         if params.output_offset >= len(prompt_token_ids):

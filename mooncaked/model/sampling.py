@@ -27,7 +27,7 @@ class SamplingRow:
 
     token_ids: prompt + output so far (for the repetition penalty); num_prompt_tokens
     splits it, less params.output_offset (the prompt's tail that is the request's own
-    output from before a resume): `num_output_tokens` counts from there. With
+    output from before a resume): the output starts at `output_start`. With
     params.seed set, the draw for output position p uses a generator seeded from
     (seed, p); without, torch's global generator.
     """
