@@ -7,7 +7,7 @@ import torch
 
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.llm_engine import LLMEngine
-from mooncaked.engine.types import InvalidRequest, SamplingParams
+from mooncaked.engine.types import InvalidRequest, SamplingParams, StructuredSpec
 
 from mooncaked.config import load_settings
 
@@ -135,6 +135,18 @@ def test_resumed_seeded_request_continues_the_same_sequence(engine, chats):
     assert run(engine, [chats[4] + whole[:k]], restarted)[0]["tokens"] != whole[k:]
     with pytest.raises(InvalidRequest, match="output_offset"):
         engine.add_request("off", chats[4], SamplingParams(output_offset=len(chats[4])))
+
+
+def test_resumed_structured_request_keeps_its_grammar_state(engine, chats):
+    """The structured-output matcher of a resumed request replays the output_offset tokens:
+    the constrained, seeded continuation equals the undisturbed one."""
+    spec = StructuredSpec("regex", "(red|green|blue)( (red|green|blue)){5}")
+    kw = {"temperature": 1.0, "seed": 11, "structured": spec}
+    whole = run(engine, [chats[1]], SamplingParams(max_tokens=24, **kw))[0]["tokens"]
+    k = 3
+    assert len(whole) > k + 2
+    resumed = SamplingParams(max_tokens=24 - k, output_offset=k, **kw)
+    assert run(engine, [chats[1] + whole[:k]], resumed)[0]["tokens"] == whole[k:]
 
 
 def test_top_k_one_and_min_p_one_equal_greedy(engine, chats):
