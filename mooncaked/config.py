@@ -249,10 +249,12 @@ class StoreSettings:
     event_interval_ms: float = opt(50.0, "Longest delay of a stored/evicted event before it is "
                                          "delivered to the global index, milliseconds.", min=0.1)
     event_max_keys: int = opt(1024, "Pending event keys that trigger an immediate delivery.", min=1)
-    decode_offload: bool = opt(False, "A decode node also puts finished requests' blocks "
-                                      "(prompt and output) into its store, for the next turn "
-                                      "of a conversation; they then count as holders for "
-                                      "placement and hot-block replication.")
+    decode_offload: bool = opt(True, "A decode node also puts finished requests' blocks "
+                                     "(prompt and output) into its store, for the next turn "
+                                     "of a conversation: prefill nodes fetch them from there "
+                                     "(after cache nodes), and they count as replicas for "
+                                     "hot-block replication. false: only prefill nodes "
+                                     "offload.")
 
 
 @dataclass

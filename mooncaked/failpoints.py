@@ -26,7 +26,9 @@ Points used in the code (grep ``failpoints.hit``):
 - ``node.kv_reserve``: a decode node refuses a receive buffer (the push is refused);
 - ``kv_push.write``: a prefill node's WRITE of pushed KV fails (the push fails
   part-way; the decode node READs instead);
-- ``store.locate``: a store refuses a peer's read of its blocks (a prefix fetch fails).
+- ``store.locate``: a store refuses a peer's read of its blocks (a prefix fetch fails);
+- ``decode.kv_read``: a decode node holds (or fails) its READ of a prefill node's staged
+  KV (async; a test kills the prefill node meanwhile).
 """
 
 from __future__ import annotations
@@ -145,11 +147,14 @@ async def control_handler(payload: Any) -> dict:
     """The control method `debug.failpoint` (a node registers it only when enabled()).
 
     Payload: {"name", "action": "off" | "error" | "pause", "skip": int, "times": int |
-    null}. Returns {"failpoints": status()}.
+    null}; without "action" it only reads (a paused point stays paused). Returns
+    {"failpoints": status()}.
     Raises: ValueError for a malformed payload or an unknown action.
     """
     if not isinstance(payload, dict) or not isinstance(payload.get("name"), str):
         raise ValueError("debug.failpoint needs {'name': <point>, 'action': ...}")
+    if "action" not in payload:
+        return {"failpoints": status()}
     times = payload.get("times")
     set_action(payload["name"], str(payload.get("action", "off")),
                skip=int(payload.get("skip", 0)), times=None if times is None else int(times))

@@ -6,7 +6,7 @@ conductor; a `cache` node runs no engine) would otherwise be silently ignored.
 `unused_settings` lists the keys set away from their defaults in such sections;
 the daemon logs them at start (`settings_unused`). The `all` and `prefill` roles
 offload finished requests' KV into their `[store]` as configured; `decode` does
-with `store.decode_offload`.
+unless `store.decode_offload` is false.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ UNUSED_SECTIONS: dict[str, tuple[str, ...]] = {
 
 STORE_ROLES = ("all", "prefill", "decode")
 """Roles whose engine offloads finished requests' KV blocks into the node's store
-(decode only with store.decode_offload)."""
+(decode unless store.decode_offload is false)."""
 
 
 def unused_settings(settings: Settings) -> list[str]:

@@ -418,7 +418,9 @@ def test_hot_prefix_is_replicated_onto_the_cache_node(env):
     salt = fresh()
     before = conductor(cluster)
     c1_blocks = status(cluster, "c1")["store"]["dram_blocks"]
-    code, body, _ = post(f"{api}/v1/completions", completion(2, prompt, cache_salt=salt))
+    # max_tokens 1: p1 alone answers, so it is the prefix's one holder (a decode node keeps
+    # a finished request's blocks too, store.decode_offload, and would count as a replica)
+    code, body, _ = post(f"{api}/v1/completions", completion(1, prompt, cache_salt=salt))
     assert code == 200, body
     n = body["usage"]["prompt_tokens"]
     full = n // BLOCK
@@ -427,7 +429,7 @@ def test_hot_prefix_is_replicated_onto_the_cache_node(env):
     wait_until(lambda: conductor(cluster)["nodes"]["p1"]["indexed_blocks"]
                == before["nodes"]["p1"]["indexed_blocks"] + full, 10, "p1's blocks indexed")
     for _ in range(2):      # requested again: hot at conductor.hot_block_hits = 2
-        code, body, _ = post(f"{api}/v1/completions", completion(2, prompt, cache_salt=salt))
+        code, body, _ = post(f"{api}/v1/completions", completion(1, prompt, cache_salt=salt))
         assert code == 200, body
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == reusable(n)
     # the cache node fetches every full block of the prefix from p1's store, once; its store
@@ -640,58 +642,105 @@ def test_ctl_shows_leader_nodes_cache_and_requests(env):
                for r in req.values())
 
 
+A_TOKENS, S_TOKENS = 220, 200     # long enough to be mid-stream at the kill
+SAMPLED = {"temperature": 0.8, "top_p": 0.95, "seed": 1234, "presence_penalty": 0.5,
+           "frequency_penalty": 0.3, "repetition_penalty": 1.1}
+
+
+def decoding(cluster: LocalCluster, nid: str) -> int:
+    """How many requests decode node nid is decoding now."""
+    return len(status(cluster, nid)["requests"]["decode"])
+
+
+def batch_seen(cluster: LocalCluster, nid: str) -> int:
+    """Decode node nid's running batch as the conductor's latest report of it shows (what
+    its next placement sees)."""
+    return conductor(cluster)["nodes"][nid]["decode_batch"]
+
+
 def test_decode_node_killed_mid_stream(env):
-    """kill -9 of a decode node mid-stream: the front end re-places the request (prompt plus
-    the tokens streamed so far) on the other decode node; the client sees no error and the
-    greedy text of an undisturbed run (issue 18, fault 8)."""
+    """kill -9 of a decode node mid-stream: the front end re-places its requests (prompt plus
+    the tokens streamed so far) on the other decode node; the client sees no error, the
+    greedy text of an undisturbed run, and a seeded, penalised sampled request continues
+    the same sequence (issue 18, fault 8). The killed node had served a request through its
+    own API; the other nodes' APIs still answer (fault 9).
+
+    Placement is steered, not assumed: B (a longer prompt) decodes on one node first, so the
+    conductor puts A and S, short prompts, on the other (lower predicted step time), which
+    is checked before the kill."""
     cluster, ref = env
     api = cluster.api_url("c1")
     victim = None
     salt = fresh()
-    req_a = completion(300, stream=True, cache_salt=salt,
+    req_a = completion(A_TOKENS, stream=True, cache_salt=salt,
                        stream_options={"include_usage": True})
+    req_s = completion(S_TOKENS, stream=True, cache_salt=salt, **SAMPLED)
+    req_b = completion(150, prompt=token_ids(300), stream=True)
+
+    async def first_event(s: aiohttp.ClientSession, body: dict):
+        r = await s.post(f"{api}/v1/completions", data=orjson.dumps(body))
+        it = _stream_events(r)
+        return [await anext(it)], it
 
     async def run():
         nonlocal victim
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as s:
-            a = await s.post(f"{api}/v1/completions", data=orjson.dumps(req_a))
-            ait = _stream_events(a)
-            first = await anext(ait)
-            assert first["choices"][0]["text"] is not None
-            victim = wait_until(lambda: next((n for n in ("d1", "d2")
-                                              if status(cluster, n)["requests"]["decode"]), None),
-                                10, "request A decoding")
-            other = "d2" if victim == "d1" else "d1"
-            b = await s.post(f"{api}/v1/completions",
-                             data=orjson.dumps(completion(60, stream=True)))
-            bit = _stream_events(b)
-            await anext(bit)
-            wait_until(lambda: status(cluster, other)["requests"]["decode"], 10,
-                       "request B decoding on the other node")
+            b_first, bit = await first_event(s, req_b)
+            other = wait_until(lambda: next((n for n in ("d1", "d2") if decoding(cluster, n)),
+                                            None), 10, "request B decoding")
+            victim = "d2" if other == "d1" else "d1"
+            wait_until(lambda: batch_seen(cluster, other) == 1, 10,
+                       f"the conductor seeing B in {other}'s batch")
+            a_first, ait = await first_event(s, req_a)
+            wait_until(lambda: decoding(cluster, victim), 10, f"request A decoding on {victim}",
+                       lambda: _cluster_state(cluster))
+            wait_until(lambda: batch_seen(cluster, victim) == 1, 10,
+                       f"the conductor seeing A in {victim}'s batch")
+            s_first, sit = await first_event(s, req_s)
+            wait_until(lambda: decoding(cluster, victim) == 2, 10,
+                       f"requests A and S decoding on {victim}", lambda: _cluster_state(cluster))
+            # the victim's own API serves a request too before it dies
+            code, body, _ = await _post(f"{cluster.api_url(victim)}/v1/completions",
+                                        completion(2))
+            assert code == 200, body
             cluster.kill(victim)                           # kill -9
-            a_events = await asyncio.wait_for(_collect(ait), 200)
-            b_events = await asyncio.wait_for(_collect(bit), 60)
-            return [first, *a_events], b_events
+            a_events = a_first + await asyncio.wait_for(_collect(ait), 200)
+            s_events = s_first + await asyncio.wait_for(_collect(sit), 200)
+            b_events = b_first + await asyncio.wait_for(_collect(bit), 100)
+            return a_events, s_events, b_events
+
+    def text_of(events: list) -> str:
+        errors = [e for e in events if isinstance(e, dict) and "error" in e]
+        assert not errors, errors
+        assert events[-1] == "[DONE]"
+        chunks = [e for e in events[:-1] if e["choices"]]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        return "".join(e["choices"][0]["text"] for e in chunks)
 
     try:
-        a_events, b_events = asyncio.run(run())
-        errors = [e for e in a_events if isinstance(e, dict) and "error" in e]
-        assert not errors, errors
-        assert a_events[-1] == "[DONE]"
-        chunks = [e for e in a_events[:-1] if e["choices"]]
-        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert a_events[-2]["usage"]["completion_tokens"] == 300
-        text = "".join(e["choices"][0]["text"] for e in chunks)
-        code, want, _ = post(f"{ref}/v1/completions", completion(300, cache_salt=salt), 240)
+        a_events, s_events, b_events = asyncio.run(run())
+        text = text_of(a_events)
+        assert a_events[-2]["usage"]["completion_tokens"] == A_TOKENS
+
+        async def undisturbed():                            # both in one batch on the reference
+            return await asyncio.gather(
+                _post(f"{ref}/v1/completions", completion(A_TOKENS, cache_salt=salt), 240),
+                _post(f"{ref}/v1/completions", completion(S_TOKENS, cache_salt=salt, **SAMPLED),
+                      240))
+
+        (code, want, _), (s_code, s_want, _) = asyncio.run(undisturbed())
         assert code == 200, want
         assert text == want["choices"][0]["text"]          # no token lost or repeated
-        assert "stream_resumed" in cluster.log_tail("c1", 200_000)
-        assert b_events[-1] == "[DONE]"
-        assert b_events[-2]["choices"][0]["finish_reason"] == "length"
-        # new requests avoid the dead node (re-dispatched until the conductor drops it)
-        code, body, _ = post(f"{api}/v1/completions", completion(4))
-        assert code == 200, body
-        assert body["usage"]["completion_tokens"] == 4
+        assert s_code == 200, s_want
+        assert text_of(s_events) == s_want["choices"][0]["text"]   # the same seeded sequence
+        assert cluster.log_tail("c1", 200_000).count("stream_resumed") >= 2
+        text_of(b_events)
+        # new requests avoid the dead node (re-dispatched until the conductor drops it), and
+        # every other node's API answers
+        for front in ("c1", "p1", "d2" if victim == "d1" else "d1"):
+            code, body, _ = post(f"{cluster.api_url(front)}/v1/completions", completion(4))
+            assert code == 200, (front, body)
+            assert body["usage"]["completion_tokens"] == 4
     finally:
         if victim is not None:
             restore(cluster, victim)

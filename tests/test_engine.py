@@ -7,7 +7,7 @@ import torch
 
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.llm_engine import LLMEngine
-from mooncaked.engine.types import InvalidRequest, SamplingParams
+from mooncaked.engine.types import InvalidRequest, SamplingParams, StructuredSpec
 
 from mooncaked.config import load_settings
 
@@ -118,6 +118,35 @@ def test_seeded_sampling_is_reproducible(engine, chats):
     c = run(engine, [chats[3]], SamplingParams(max_tokens=16, temperature=1.0, seed=99))[0]["tokens"]
     assert a == b
     assert a != c
+
+
+def test_resumed_seeded_request_continues_the_same_sequence(engine, chats):
+    """A seeded, penalised request re-run as prompt + its first k outputs with
+    output_offset = k (what the cluster front end does when a decode node dies) samples
+    exactly the undisturbed request's remaining tokens (issue 18, fault 8)."""
+    kw = {"temperature": 0.9, "top_p": 0.95, "seed": 4321, "presence_penalty": 0.6,
+          "frequency_penalty": 0.4, "repetition_penalty": 1.2, "ignore_eos": True}
+    whole = run(engine, [chats[4]], SamplingParams(max_tokens=16, **kw))[0]["tokens"]
+    k = 6
+    resumed = SamplingParams(max_tokens=16 - k, output_offset=k, **kw)
+    assert run(engine, [chats[4] + whole[:k]], resumed)[0]["tokens"] == whole[k:]
+    # without the offset the positions restart at 0 and the tail differs
+    restarted = SamplingParams(max_tokens=16 - k, **kw)
+    assert run(engine, [chats[4] + whole[:k]], restarted)[0]["tokens"] != whole[k:]
+    with pytest.raises(InvalidRequest, match="output_offset"):
+        engine.add_request("off", chats[4], SamplingParams(output_offset=len(chats[4])))
+
+
+def test_resumed_structured_request_keeps_its_grammar_state(engine, chats):
+    """The structured-output matcher of a resumed request replays the output_offset tokens:
+    the constrained, seeded continuation equals the undisturbed one."""
+    spec = StructuredSpec("regex", "(red|green|blue)( (red|green|blue)){5}")
+    kw = {"temperature": 1.0, "seed": 11, "structured": spec}
+    whole = run(engine, [chats[1]], SamplingParams(max_tokens=24, **kw))[0]["tokens"]
+    k = 3
+    assert len(whole) > k + 2
+    resumed = SamplingParams(max_tokens=24 - k, output_offset=k, **kw)
+    assert run(engine, [chats[1] + whole[:k]], resumed)[0]["tokens"] == whole[k:]
 
 
 def test_top_k_one_and_min_p_one_equal_greedy(engine, chats):

@@ -52,6 +52,11 @@ def test_pause_holds_until_set_again(enabled):
         for _ in range(5):
             await asyncio.sleep(0)
         seen.append("still paused" if not task.done() else "ran through")
+        # the control method without an action only reads: the point stays paused
+        assert (await failpoints.control_handler({"name": "q"}))["failpoints"]["q"] == \
+            {"action": "pause", "hits": 1, "fired": 1}
+        await asyncio.sleep(0)
+        assert not task.done()
         failpoints.hit("q")                    # a thread's hit never blocks on a pause
         failpoints.set_action("q", "off")
         await asyncio.wait_for(task, 5)

@@ -159,7 +159,7 @@ def clean_slate(env):
         if cluster.procs[nid].poll() is None:
             with contextlib.suppress(OSError, RuntimeError):
                 for point in ("node.prefill", "node.kv_reserve", "kv_push.write",
-                              "store.locate"):
+                              "store.locate", "decode.kv_read"):
                     set_failpoint(cluster, nid, point, "off")
     dead = [n for n, p in cluster.procs.items() if p.poll() is not None]
     for nid in dead:
@@ -266,11 +266,32 @@ async def _post(url: str, payload: dict, timeout: float = 120.0) -> tuple[int, d
             return r.status, orjson.loads(await r.read())
 
 
-def complete(url: str, prompt: list[int], salt: str | None = None) -> dict:
+def complete(url: str, prompt: list[int], salt: str | None = None, **kw) -> dict:
     """One greedy completion; returns the response body (asserts 200)."""
-    code, out = asyncio.run(_post(url, body(prompt, salt)))
+    code, out = asyncio.run(_post(url, body(prompt, salt, **kw)))
     assert code == 200, out
     return out
+
+
+def indexed(cluster: LocalCluster) -> dict[str, int]:
+    """Blocks the conductor's index holds per node."""
+    return {n: v["indexed_blocks"] for n, v in conductor(cluster)["nodes"].items()}
+
+
+def prefill_only(cluster: LocalCluster, url: str, prompt: list[int], salt: str | None = None,
+                 new_blocks: int | None = None) -> str:
+    """A request the prefill node answers alone (max_tokens 1: no decode node), so that the
+    prefill node is the one holder of the prompt's blocks (a decode node keeps a finished
+    request's blocks too, store.decode_offload). Returns that node once the index has its
+    `new_blocks` new blocks (default: every full block of the prompt), so that the next
+    placement sees them."""
+    before, idx = counters(cluster), indexed(cluster)
+    complete(url, prompt, salt, max_tokens=1)
+    node = served_by(delta(before, counters(cluster)))
+    want = len(prompt) // BLOCK if new_blocks is None else new_blocks
+    wait_until(lambda: indexed(cluster)[node] - idx[node] >= want, 10,
+               f"{node}'s new blocks indexed")
+    return node
 
 
 _REF: dict[tuple, dict] = {}
@@ -436,9 +457,7 @@ def test_prefix_fetched_from_the_other_prefill_node(env, tokenizer):
     shared = prompt_ids(tokenizer, "fetch from prefill", 170)      # 10 full blocks
     held = shared + prompt_ids(tokenizer, "fetch held", 60)
     prompt = shared + prompt_ids(tokenizer, "fetch tail", 45)
-    before = counters(cluster)
-    complete(api, shared)
-    holder = served_by(delta(before, counters(cluster)))
+    holder = prefill_only(cluster, api, shared)
     with occupied(cluster, api, holder, held) as held_out:
         before = counters(cluster)
         got = complete(api, prompt)
@@ -459,7 +478,9 @@ def test_hot_prefix_replicated_onto_the_cache_node_is_fetched_from_it(env, token
     before = counters(cluster)
     repl = conductor(cluster)["replication"]
     for i in range(4):                   # hot at conductor.hot_block_hits = 4
-        complete(api, hot + prompt_ids(tokenizer, f"hot variant {i}", 20))
+        # 12 full blocks, the first 11 hot: a repeat on the holder adds one
+        prefill_only(cluster, api, hot + prompt_ids(tokenizer, f"hot variant {i}", 20),
+                     new_blocks=None if i == 0 else 1)
     holder = served_by(delta(before, counters(cluster)), requests=4)
     wait_until(lambda: conductor(cluster)["replication"]["blocks"] - repl["blocks"] >= 11
                and conductor(cluster)["nodes"]["c1"]["indexed_blocks"] >= 11, 20,
@@ -512,9 +533,7 @@ def test_failed_fetch_recomputes_the_same_text(env, tokenizer):
     api = cluster.api_url("d1")
     shared = prompt_ids(tokenizer, "failed fetch", 175)            # 10 full blocks
     prompt = shared + prompt_ids(tokenizer, "failed fetch tail", 50)
-    before = counters(cluster)
-    complete(api, shared)
-    holder = served_by(delta(before, counters(cluster)))
+    holder = prefill_only(cluster, api, shared)
     with occupied(cluster, api, holder, shared + prompt_ids(tokenizer, "ff held", 30)):
         set_failpoint(cluster, holder, "store.locate", "error")
         before = counters(cluster)
@@ -554,6 +573,82 @@ def test_after_leader_failover(env, tokenizer):
     assert code == 200, got
     assert cached_tokens(got) == 160
     assert_same_output(got, reference(ref, prompt))
+
+
+def test_next_turn_fetches_the_output_blocks_from_the_decode_node(env, tokenizer):
+    """The decode node keeps a finished request's blocks, prompt and output
+    (store.decode_offload, issue 18 fault 1): the next turn of the conversation (prompt +
+    answer + a new message) gets the answer's full blocks from it instead of recomputing
+    them; the prefill node holds only the prompt's."""
+    cluster, ref = env
+    api = cluster.api_url("d1")
+    prompt = prompt_ids(tokenizer, "next turn", 40)              # 2 full blocks
+    idx = indexed(cluster)["d1"]
+    first = complete(api, prompt, return_tokens_as_token_ids=True)
+    answer = [int(t.removeprefix("token_id:")) for t in first["choices"][0]["logprobs"]["tokens"]]
+    assert len(answer) == OUT
+    # 40 + 32 tokens, the last one without KV: 4 full blocks offloaded on d1 and indexed
+    wait_until(lambda: indexed(cluster)["d1"] - idx == 4, 10,
+               "d1's blocks of the finished request indexed")
+    turn = prompt + answer + prompt_ids(tokenizer, "next turn question", 30)
+    before = counters(cluster)
+    got = complete(api, turn)
+    d = delta(before, counters(cluster))
+    p = served_by(d)
+    assert cached_tokens(got) == 64                    # 4 blocks: 2 of them the answer's
+    assert d["d1"]["served"] >= 2 and d[p]["fetched_blocks"] == d["d1"]["served"], d
+    assert_same_output(got, reference(ref, turn))
+
+
+def fired(cluster: LocalCluster, nid: str, point: str) -> int:
+    """How often failpoint `point` fired on nid (a read: a paused point stays paused)."""
+    on = control_call(cluster.control(nid), "debug.failpoint", {"name": point},
+                      timeout_s=5.0)["failpoints"]
+    return on.get(point, {}).get("fired", 0)
+
+
+def test_prefill_node_killed_with_staged_and_queued_requests(env, tokenizer):
+    """kill -9 of a prefill node (issue 18, fault 8) while one request's KV waits staged on
+    it (its prefill answered the first token; d1's READ of the stage is held at failpoint
+    decode.kv_read) and another request is held in its queue (in its prefill call). Both
+    are placed again, on the other prefill node: the staged one resumes after its first
+    token (prompt + that token), the queued one starts again. The client sees no error and
+    the single process's text, tokens and logprobs."""
+    cluster, ref = env
+    api = cluster.api_url("c1")                       # c1's front end: no push, d1 READs
+    staged = prompt_ids(tokenizer, "staged kill", 150)             # 9 full blocks
+    queued = staged + prompt_ids(tokenizer, "queued kill", 40)
+    set_failpoint(cluster, "d1", "decode.kv_read", "pause", times=1)
+    before, idx = counters(cluster), indexed(cluster)
+    pool = concurrent.futures.ThreadPoolExecutor(2)
+    try:
+        f_staged = pool.submit(complete, api, staged)
+        wait_until(lambda: fired(cluster, "d1", "decode.kv_read") or f_staged.done(), 60,
+                   "d1 holding its READ of the staged KV")
+        assert not f_staged.done(), f_staged.result()
+        victim = served_by(delta(before, counters(cluster)))
+        # the queued request extends the staged prompt, so it is placed on its holder
+        wait_until(lambda: indexed(cluster)[victim] - idx[victim] >= 9, 20,
+                   f"the staged prompt's blocks indexed on {victim}")
+        set_failpoint(cluster, victim, "node.prefill", "pause", times=1)
+        f_queued = pool.submit(complete, api, queued)
+        wait_until(lambda: status(cluster, victim)["requests"]["prefill"] or f_queued.done(),
+                   30, f"a request held in {victim}'s queue")
+        assert not f_queued.done(), f_queued.result()
+        cluster.kill(victim)                                       # kill -9
+        set_failpoint(cluster, "d1", "decode.kv_read", "off")      # the READ finds it dead
+        got_staged = f_staged.result(timeout=120)
+        got_queued = f_queued.result(timeout=120)
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            set_failpoint(cluster, "d1", "decode.kv_read", "off")
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert_same_output(got_staged, reference(ref, staged))
+    assert_same_output(got_queued, reference(ref, queued))
+    log = cluster.log_tail("c1", 400_000)
+    assert re.search(r"stream_resumed.*could not read the KV staged on " + victim, log), \
+        log[-3000:]
+    assert re.search(r"prefill_replaced.*" + victim, log), log[-3000:]
 
 
 STRUCTURED_SCHEMA = {"type": "object", "properties": {

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from mooncaked.engine.types import SamplingParams
+from mooncaked.engine.types import InvalidRequest, SamplingParams
 from mooncaked.model.sampling import SamplingRow, apply_penalties, sample, sampling_probs
 
 LN2 = math.log(2.0)
@@ -400,3 +400,24 @@ def test_logprobs_of_a_greedy_token_is_the_top_alternative():
     assert [t for t, _ in lp.top] == torch.argsort(ref, descending=True)[:5].tolist()
     assert max(abs(v - float(ref[t])) for t, v in lp.top) < 1e-6
     assert abs(sum(math.exp(float(x)) for x in ref) - 1.0) < 1e-9
+
+
+# ---------------------------------------------------------------------------- resumed requests
+
+
+def test_output_offset_counts_the_prompts_tail_as_output():
+    """A request resumed with its first outputs appended to the prompt
+    (SamplingParams.output_offset = how many) gets the same penalties and the same seeded
+    draw as the undisturbed request; without the offset it gets neither."""
+    p = {"frequency_penalty": 0.5, "presence_penalty": 0.75, "repetition_penalty": 2.0}
+    want = penalised(params(**p))
+    resumed = PROMPT + OUTPUT[:2]
+    got = penalised(params(**p, output_offset=2), prompt=resumed, output=OUTPUT[2:])
+    assert got.tolist() == want.tolist()
+    assert penalised(params(**p), prompt=resumed, output=OUTPUT[2:]).tolist() != want.tolist()
+    for seed in range(20):
+        g = SamplingRow(params(seed=seed), PROMPT + OUTPUT, len(PROMPT)).generator
+        r = SamplingRow(params(seed=seed, output_offset=2), PROMPT + OUTPUT, len(PROMPT) + 2)
+        assert torch.equal(g.get_state(), r.generator.get_state())
+    with pytest.raises(InvalidRequest, match="output_offset"):
+        params(output_offset=-1).validate()

@@ -150,6 +150,7 @@ class DecodeWorker:
         if pushed_here and buf is not None:
             self.counters.received_pushed += 1
             return buf
+        await failpoints.ahit("decode.kv_read")    # tests: hold the READ (kill its source)
         t0 = time.monotonic()
         buf = torch.empty(list(kv.shape), dtype=getattr(torch, kv.dtype))
         seg = self.transfer.add_peer_segment(kv.descriptor)

@@ -259,8 +259,9 @@ class ClusterFrontend:
         prefill cheap), and the stream continues from the next token, at most
         MAX_RESUMES times. The text after a resume is detokenized here over the whole
         output (stop strings spanning the resume point still stop it). Greedy output
-        equals an undisturbed run's; seeded sampling and penalties restart their
-        output positions at the resume point (not yet continued).
+        equals an undisturbed run's, and so does seeded sampling's: the streamed tokens
+        count as output (SamplingParams.output_offset) for the per-position seed, the
+        penalties and a structured-output constraint.
 
         Raises: Overloaded (429) on an early rejection; InvalidRequest for a prompt or
         parameter a node refuses; ApiError 502/503/504 when the nodes fail or time out
@@ -275,8 +276,11 @@ class ClusterFrontend:
         for resume in range(MAX_RESUMES + 1):
             p = params
             if produced:
+                # The streamed tokens are output, not prompt: seeded draws and penalties
+                # continue at their positions (SamplingParams.output_offset).
+                p = dataclasses.replace(params, output_offset=params.output_offset + len(produced))
                 if params.max_tokens is not None:
-                    p = dataclasses.replace(params, max_tokens=params.max_tokens - len(produced))
+                    p.max_tokens = params.max_tokens - len(produced)
                 det = IncrementalDetokenizer(self.tokenizer, params.stop,
                                              params.include_stop_str_in_output)
                 for t in produced:     # the text up to here; the client has `sent` chars
@@ -306,10 +310,11 @@ class ClusterFrontend:
                 return
             except _DecodeLost as e:
                 if resume >= MAX_RESUMES:
-                    raise ApiError(502, f"decode node {e.node} failed mid-stream and the "
-                                        f"request was resumed {MAX_RESUMES} times already: "
-                                        f"{e}", type="server_error", code="decode_failed") from e
-                exclude = (*exclude, e.node)
+                    raise ApiError(502, f"the stream broke ({e}) and the request was resumed "
+                                        f"{MAX_RESUMES} times already", type="server_error",
+                                   code="decode_failed") from e
+                if e.node_failed:
+                    exclude = (*exclude, e.node)
                 log.warning("stream_resumed", request_id=request_id, node=e.node,
                             tokens=len(produced), reason=str(e))
 
@@ -397,8 +402,9 @@ class ClusterFrontend:
                         out.num_prompt_tokens, out.num_cached_tokens = n, cached
                         done.token(cached, len(out.new_token_ids), out.finished)
                         yield out
-            except _DecodeLost:
-                staged = pushed = None   # the dead node's buffer; the stage expires (stage_ttl_s)
+            except _DecodeLost as e:
+                if e.node_failed:        # the dead node's buffer; the stage expires (stage_ttl_s)
+                    staged = pushed = None
                 raise
             finally:
                 done.log()
@@ -506,6 +512,13 @@ class ClusterFrontend:
                         text = (await r.read())[:500].decode(errors="replace")
                         if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
                             raise _Replace(f"decode node {d.node} is draining")
+                        if r.status == 502:
+                            # It could not READ the staged KV (the prefill node died after
+                            # its prefill, or the transfer failed): the client has the first
+                            # token; resume from there, the decode node is fine.
+                            raise _DecodeLost(d.node, f"it could not read the KV staged on "
+                                                      f"{pl.prefill.node}: {text}",
+                                              node_failed=False)
                         raise ApiError(502, f"decode node {d.node} refused the request "
                                             f"(HTTP {r.status}): {text}", type="server_error",
                                        code="decode_failed")
@@ -616,11 +629,15 @@ class _Replace(Exception):
 
 
 class _DecodeLost(Exception):
-    """The decode node died or hung mid-stream: `generate` resumes the request elsewhere."""
+    """The stream broke after the first token: `generate` resumes the request (prompt plus
+    the tokens streamed) on a new placement. node_failed: the decode node died or hung
+    (excluded from the new placement); False: the KV hand-over failed (the prefill node's
+    stage could not be read), so any node may serve the rest."""
 
-    def __init__(self, node: str, reason: str):
-        super().__init__(f"decode node {node} lost: {reason}")
-        self.node = node
+    def __init__(self, node: str, reason: str, node_failed: bool = True):
+        super().__init__(f"decode node {node} lost: {reason}" if node_failed
+                         else f"decode node {node}: {reason}")
+        self.node, self.node_failed = node, node_failed
 
 
 __all__ = ["ClusterFrontend", "FrontendPort", "Overloaded"]

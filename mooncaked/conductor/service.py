@@ -351,8 +351,12 @@ class ConductorService:
             free = v.free_kv_tokens if v.reported_at else \
                 int((v.info.get("model") or {}).get("kv_capacity_tokens", 0))   # not reported yet
             dfree.append(free - infl)
-        holders = [] if decode_only else [v.node_id for v in self._eligible("cache", set(), now)
-                                          if v.control]
+        # Fetch sources besides the prefill nodes: cache nodes, then decode nodes (their
+        # stores hold finished requests' prompt + output, store.decode_offload: the next
+        # turn of a conversation). Cache nodes first: on a tie one of them serves the fetch.
+        holders = [] if decode_only else [
+            v.node_id for role in ("cache", "decode") for v in self._eligible(role, set(), now)
+            if v.control and (role == "cache" or v.info.get("store"))]
         snap = Snapshot(*snap_pre, decode_nodes=[v.node_id for v in dec], decode_batch=dbatch,
                         decode_context_tokens=dctx, decode_free_kv_tokens=dfree,
                         holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders))

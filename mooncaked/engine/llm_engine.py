@@ -156,10 +156,14 @@ class LLMEngine:
             kv_stream: stage the prompt's K/V layer by layer while it prefills (LayerwiseKV,
                 num_blocks = ceil(len(prompt) / block_size), this engine's geometry).
         Raises: InvalidRequest for an empty or too long prompt, an out-of-range token id, a
-            bad sampling parameter or a kv_import of the wrong shape; ValueError for a
-            duplicate request_id.
+            bad sampling parameter (params.output_offset not below the prompt's length
+            included) or a kv_import of the wrong shape; ValueError for a duplicate
+            request_id.
         """
         params.validate(self.max_logprobs)
+        if params.output_offset >= len(prompt_token_ids):
+            raise InvalidRequest("output_offset must be less than the prompt's length", "output_offset")
+        earlier = list(prompt_token_ids[len(prompt_token_ids) - params.output_offset:])
         if first_token is not None:
             if kv_import is None or kv_import.num_tokens != len(prompt_token_ids):
                 raise InvalidRequest("first_token needs kv_import covering the whole prompt", "kv")
@@ -193,7 +197,8 @@ class LLMEngine:
                                      f"{kv_stream.dtype}; expected {want} {self.dtype}", "kv")
         grammar = None
         if params.structured is not None:   # the spec, re-played over tokens sampled elsewhere
-            grammar = self.grammars.matcher(params.structured, [] if first_token is None else [first_token])
+            grammar = self.grammars.matcher(params.structured,
+                                            earlier + ([] if first_token is None else [first_token]))
         detok = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         seq = Sequence(request_id, prompt_token_ids, params, self.salt(cache_salt), max_tokens, detok)
         seq.grammar = grammar

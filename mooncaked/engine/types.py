@@ -50,6 +50,12 @@ class SamplingParams:
     length. `logprobs` None returns no logprobs; k >= 0 returns the sampled token's
     logprob and the top k alternatives (from the model's raw distribution).
     `structured` constrains the output (StructuredSpec; None: free text).
+    `output_offset` (tokens, internal: the public API leaves it 0) says that the prompt's
+    last `output_offset` tokens are this request's own output, streamed before it was
+    resumed on other nodes (cluster/frontend.py re-places a request whose decode node
+    died with prompt + streamed tokens): the seeded draw of each position and the
+    presence/frequency penalties count them as output, so a resumed request samples
+    what the undisturbed one would have; a structured-output matcher replays them.
     """
 
     max_tokens: int | None = 16
@@ -67,6 +73,7 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     structured: StructuredSpec | None = None
+    output_offset: int = 0
 
     def __post_init__(self) -> None:
         # A spec that crossed a node boundary as JSON arrives as a dict (messages.py).
@@ -90,6 +97,8 @@ class SamplingParams:
              f"must be in [0, {max_logprobs}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+            (isinstance(self.output_offset, int) and self.output_offset >= 0, "output_offset",
+             "must be a non-negative integer"),
             (self.structured is None or self.structured.kind in StructuredSpec.KINDS,
              "structured_outputs", f"kind must be one of {', '.join(StructuredSpec.KINDS)}"),
         ]

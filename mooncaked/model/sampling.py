@@ -26,8 +26,10 @@ class SamplingRow:
     """One sequence's inputs to sampling.
 
     token_ids: prompt + output so far (for the repetition penalty); num_prompt_tokens
-    splits it. With params.seed set, the draw for output position p uses a generator
-    seeded from (seed, p); without, torch's global generator.
+    splits it, less params.output_offset (the prompt's tail that is the request's own
+    output from before a resume): the output starts at `output_start`. With
+    params.seed set, the draw for output position p uses a generator seeded from
+    (seed, p); without, torch's global generator.
     """
 
     params: SamplingParams
@@ -35,12 +37,18 @@ class SamplingRow:
     num_prompt_tokens: int
 
     @property
+    def output_start(self) -> int:
+        """Index in token_ids of the request's first output token (a resumed request's
+        earlier output counts: params.output_offset)."""
+        return max(0, self.num_prompt_tokens - self.params.output_offset)
+
+    @property
     def generator(self) -> torch.Generator | None:
         """A generator for this row's draw: seeded per (request seed, output position)."""
         seed = self.params.seed
         if seed is None:
             return None
-        position = len(self.token_ids) - self.num_prompt_tokens
+        position = len(self.token_ids) - self.output_start
         return torch.Generator().manual_seed((seed * 1_000_003 + position) % (1 << 63))
 
 
@@ -51,7 +59,8 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
     prompt or the output has its logit l replaced by l / r if l > 0, else by l * r (so a
     logit of exactly 0 stays 0). Then frequency f and presence q (OpenAI's definition,
     vllm apply_penalties): l -= f * count(token in output) + q * [token in output]; prompt
-    tokens do not count for these two.
+    tokens do not count for these two (a resumed request's earlier output, the prompt's
+    last params.output_offset tokens, does).
 
     Args:
         logits: [vocab] float tensor (fp32 in the engine); modified in place.
@@ -63,8 +72,9 @@ def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> torch.Tensor:
         seen = torch.tensor(sorted(set(row.token_ids)), dtype=torch.long, device=logits.device)
         vals = logits[seen]
         logits[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
-    if (p.presence_penalty or p.frequency_penalty) and len(row.token_ids) > row.num_prompt_tokens:
-        out = torch.tensor(row.token_ids[row.num_prompt_tokens:], dtype=torch.long, device=logits.device)
+    start = row.output_start
+    if (p.presence_penalty or p.frequency_penalty) and len(row.token_ids) > start:
+        out = torch.tensor(row.token_ids[start:], dtype=torch.long, device=logits.device)
         counts = torch.bincount(out, minlength=logits.shape[0]).to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     return logits
