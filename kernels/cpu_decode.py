@@ -112,10 +112,14 @@ def _make_kernel(bf16: bool, D: int, G: int):
             _prefetch(kv, base + e)
 
     @numba.njit(**_JIT)
-    def kernel(q, kf, k_off, vf, v_off, block_size, block_stride, token_stride, head_stride,
+    def kernel(q, qscale, kf, k_off, vf, v_off, block_size, block_stride, token_stride, head_stride,
                tables, lens, out):  # pragma: no cover - compiled
         num_seqs, num_heads = q.shape[0], q.shape[1]
         num_kv = num_heads // G
+        qs_u = np.empty((num_heads, D), np.uint32)
+        qs = qs_u.view(np.float32)
+        o_f = np.empty(D, np.float32)
+        o_u = o_f.view(np.uint32)
         max_len = 0
         for s in range(num_seqs):
             max_len = max(max_len, lens[s])
@@ -128,6 +132,15 @@ def _make_kernel(bf16: bool, D: int, G: int):
         for s in range(num_seqs):
             n = lens[s]
             _row_offsets(tables, s, n, block_size, block_stride, token_stride, rows)
+            for i in range(num_heads):  # q widened to fp32 and scaled by scale * log2 e
+                if bf16:
+                    for d in range(D):
+                        qs_u[i, d] = np.uint32(q[s, i, d]) << np.uint32(16)
+                    for d in range(D):
+                        qs[i, d] *= qscale
+                else:
+                    for d in range(D):
+                        qs[i, d] = q[s, i, d] * qscale
             # pass 1: scores (log2 units: q carries scale * log2 e), each K row read once
             for t in range(n):
                 if t + block_size < n:  # the next page's row, a page ahead (pages lie anywhere)
@@ -137,7 +150,7 @@ def _make_kernel(bf16: bool, D: int, G: int):
                     for j in range(G):
                         a = np.float32(0.0)
                         for d in range(D):
-                            a += q[s, h * G + j, d] * row[d]
+                            a += qs[h * G + j, d] * row[d]
                         scores[h * G + j, t] = a
             # softmax numerators (fp32), normalised at the end
             for i in range(num_heads):
@@ -164,8 +177,16 @@ def _make_kernel(bf16: bool, D: int, G: int):
                 for t in range(n):
                     tot += scores[i, t]
                 inv = np.float32(1.0) / tot
-                for d in range(D):
-                    out[s, i, d] = acc[i, d] * inv
+                if bf16:  # round to nearest even, as torch's fp32 -> bf16 cast
+                    for d in range(D):
+                        o_f[d] = acc[i, d] * inv
+                    for d in range(D):
+                        u = o_u[d]
+                        out[s, i, d] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+                                                 >> np.uint32(16))
+                else:
+                    for d in range(D):
+                        out[s, i, d] = acc[i, d] * inv
 
     return kernel
 
@@ -177,6 +198,11 @@ _DTYPES = (torch.bfloat16, torch.float32)
 def supports(dtype: torch.dtype) -> bool:
     """Whether this kernel handles a cache of `dtype` (bf16 and fp32; others use the reference)."""
     return dtype in _DTYPES
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    """A NumPy view (no copy); bf16 as its uint16 bits (NumPy has no bf16)."""
+    return (t.view(torch.uint16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
 def _flat(cache: torch.Tensor) -> np.ndarray:
@@ -201,7 +227,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables: int32 [num_seqs, max_blocks_per_seq]; context_lens: int32 [num_seqs],
             each >= 1 (the query token's own K/V already written).
         scale: softmax scale.
-    Returns: [num_seqs, num_heads, head_dim], q's dtype (computed in fp32).
+    Returns: [num_seqs, num_heads, head_dim] in the cache's dtype (the model's; computed
+        in fp32, q converted to the cache's dtype first if it differs).
     Raises: ValueError for a cache dtype other than bf16/fp32 (check `supports` first) or
         a layout it cannot read in place.
     """
@@ -215,9 +242,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kernel = _KERNELS.get(key)
     if kernel is None:
         kernel = _KERNELS[key] = _make_kernel(*key)
-    qf = (q.detach().float() * (scale * _LOG2E)).contiguous()
-    out = torch.empty(qf.shape, dtype=torch.float32)
+    q = q.detach().to(k_cache.dtype)  # a no-op when q is already in the cache's dtype
+    out = torch.empty(q.shape, dtype=k_cache.dtype)
+    kf = _flat(k_cache)
+    same = k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr()
     sb, st, sh, _ = k_cache.stride()
-    kernel(qf.numpy(), _flat(k_cache), k_cache.storage_offset(), _flat(v_cache), v_cache.storage_offset(),
-           k_cache.shape[1], sb, st, sh, block_tables.numpy(), context_lens.numpy(), out.numpy())
-    return out.to(q.dtype)
+    kernel(_np(q), np.float32(scale * _LOG2E), kf, k_cache.storage_offset(),
+           kf if same else _flat(v_cache), v_cache.storage_offset(),
+           k_cache.shape[1], sb, st, sh, block_tables.numpy(), context_lens.numpy(), _np(out))
+    return out
