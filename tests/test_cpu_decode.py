@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mooncaked.kernels import attention_ops, cpu_decode, cpu_ops, reference
+from mooncaked.kernels import attention_ops, cpu_decode, cpu_fused, cpu_ops, reference
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_decode_matches_reference(dtype):
+@pytest.mark.parametrize("dtype,hd,group", [(torch.float32, 64, 3), (torch.bfloat16, 64, 3),
+                                            (torch.bfloat16, 32, 1)])
+def test_cpu_decode_matches_reference(dtype, hd, group):
+    # head_dim and the GQA group are compile-time constants of the kernel: two shapes
     g = torch.Generator().manual_seed(0)
-    bs, kv_heads, hd, group, layers = 16, 3, 64, 3, 2
+    bs, kv_heads, layers = 16, 3, 2
     lens = [1, 15, 16, 17, 100, 250]
     need = [-(-n // bs) for n in lens]
     num_blocks = sum(need) + 5
@@ -37,3 +39,21 @@ def test_cpu_backend_selection():
     assert attention_ops("cpu", "cpu") is cpu_ops
     assert attention_ops("cpu", "torch") is reference
     assert cpu_decode.supports(torch.bfloat16) and not cpu_decode.supports(torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_fused_write_kv_and_rms_norm_match_torch(dtype):
+    g = torch.Generator().manual_seed(1)
+    cache = torch.zeros(12, 2, 2, 16, 3, 64, dtype=dtype)
+    want = cache.clone()
+    qkv = torch.randn(5, 960, generator=g).to(dtype)  # k, v as the model passes them: strided views
+    k, v = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)
+    slots = torch.tensor([3, -1, 17, 191, 40], dtype=torch.long)
+    cpu_fused.write_kv(k, v, cache[:, 1, 0], cache[:, 1, 1], slots)
+    reference.write_kv(k, v, want[:, 1, 0], want[:, 1, 1], slots)
+    assert torch.equal(cache, want) and cache.abs().sum() > 0
+    x = torch.randn(7, 576, generator=g).to(dtype) * 3
+    w = torch.randn(576, generator=g).to(dtype)
+    got, ref = cpu_fused.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)

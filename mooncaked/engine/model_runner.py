@@ -10,6 +10,7 @@ import torch
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.sampling import SamplingRow, sample
 
+from . import hugepages
 from .cuda_graph import CudaGraphRunner, decode_inputs, graph_buckets
 from .device_step import needs_host_sampling, upload, upload_step
 from .scheduler_output import ScheduledSeq, SchedulerOutput
@@ -46,8 +47,8 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.ops = model.ops
-        self.kv_cache = torch.zeros(kv_cache_shape(model, num_blocks, block_size),
-                                    dtype=model.dtype, device=model.device)
+        self.kv_cache = hugepages.zeros(kv_cache_shape(model, num_blocks, block_size),
+                                        model.dtype, model.device)
         self.graphs: CudaGraphRunner | None = None  # enable_cuda_graphs
 
     def enable_cuda_graphs(self, max_batch: int, max_num_seqs: int, max_model_len: int) -> tuple[int, ...]:

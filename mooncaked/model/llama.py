@@ -152,6 +152,9 @@ class LlamaModel:
         return F.embedding(input_ids, self.embed)
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        fused = getattr(self.ops, "rms_norm", None)  # one Numba call on the CPU (kernels/cpu_fused.py)
+        if fused is not None:
+            return fused(x, weight, self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
     def _rotary(self, qk: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
