@@ -120,12 +120,15 @@ def test_policy_ordering_on_the_conversation_trace(shared_trace):
 def test_sweep_finds_a_higher_capacity_for_disaggregation(shared_trace):
     trace = load_trace(shared_trace, limit=400)
     out = capacity_sweep(trace, SimConfig(prefill=10, decode=6, cache_tokens=3e6, replica_ranks=()),
-                         ["coupled", "global_cache_aware"], [0.1], target=0.9, bisections=3)
+                         ["coupled", "global_cache_aware"], [0.1], target=0.9, bisections=3,
+                         scan_points=4)
     c = out["results"]["coupled"]["0.1"]
     g = out["results"]["global_cache_aware"]["0.1"]
     assert g["effective_request_capacity"] >= 0.9 and c["effective_request_capacity"] >= 0.9
     assert g["arrival_rate_rps"] > c["arrival_rate_rps"] > 0
     assert out["ratio_vs_coupled"]["global_cache_aware"]["0.1"] > 1
+    assert g["highest_passing_rps"] >= g["arrival_rate_rps"] and g["highest_passing_share"] >= 0.9
+    assert 0 < g["conservative_rps"] <= g["highest_passing_rps"]
 
 
 def _mooncake(*args):
