@@ -8,7 +8,8 @@ wall time of the `cpp.prefill` call (tokens in, greedy first token out), control
 and transfers included.
 
 Baseline: one LLMEngine (the prefill node's engine: scheduler, chunked prefill at
-`engine.max_num_batched_tokens`, prefix caching with a fresh cache salt per rep) in its
+`engine.max_num_batched_tokens`, also when idle (`engine.idle_prefill_tokens` set equal, so
+both sides prefill in chunks of the same size), prefix caching with a fresh cache salt per rep) in its
 own process with one torch thread: time from add_request to the first token.
 
 Prompts of 1k, 2k, 4k and 7k random tokens (a fresh prompt per rep, the same prompt on
@@ -46,7 +47,10 @@ def _single_worker(conn, kv_cache_bytes: int, max_batched: int) -> None:
     from mooncaked.engine.types import SamplingParams  # noqa: PLC0415
 
     engine = LLMEngine(load_settings(None, {"model.num_threads": 1, "engine.kv_cache_bytes": kv_cache_bytes,
-                                            "engine.max_num_batched_tokens": max_batched}))
+                                            "engine.max_num_batched_tokens": max_batched,
+                                            # chunks of max_batched even when idle: both sides
+                                            # prefill in chunks of the same size
+                                            "engine.idle_prefill_tokens": max_batched}))
     conn.send("ready")
     n = 0
     while True:

@@ -104,6 +104,10 @@ class EngineSettings:
     max_num_seqs: int = opt(64, "Most requests running at once.", min=1)
     max_num_batched_tokens: int = opt(512, "Token budget of one step (decodes + prefill chunks).",
                                       min=1)
+    idle_prefill_tokens: int = opt(2048, "Token budget of a step with no running decode (a "
+                                         "prefill node, an idle engine): with no decode to stall, "
+                                         "a long prompt runs in fewer, larger chunks. 0: "
+                                         "max_num_batched_tokens always.", min=0)
     enable_prefix_caching: bool = opt(True, "Reuse KV blocks of equal prefixes.")
     preemption_mode: str = opt("recompute", "What to do when blocks run out.",
                                choices=("recompute",))

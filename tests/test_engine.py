@@ -51,7 +51,7 @@ def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, sal
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(make_settings(**{"engine.max_num_batched_tokens": 256}))
+    return LLMEngine(make_settings(**{"engine.max_num_batched_tokens": 256, "engine.idle_prefill_tokens": 0}))
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,8 @@ def test_batched_equals_alone_and_chunked_prefill(engine, chats, alone):
     together = [r["tokens"] for r in run(engine, chats[:4], GROW)]
     assert together == alone
     # A tiny step budget forces prefill in chunks interleaved with decodes.
-    small = LLMEngine(make_settings(**{"engine.max_num_batched_tokens": 7}))
+    small = LLMEngine(make_settings(**{"engine.max_num_batched_tokens": 7,
+                                       "engine.idle_prefill_tokens": 0}))
     assert [r["tokens"] for r in run(small, chats[:4], GROW)] == alone
 
 

@@ -69,7 +69,8 @@ TEST_COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.3, 0.002)),
                       decode=PolyModel(((0, 0), (1, 0), (0, 1)), (0.05, 0.001, 1e-5)),
                       transfer=TransferModel(1e9), kv_bytes_per_token=BLOCK_BYTES // BLOCK,
                       name="test", meta={"source": "test"})
-ENGINE = {"engine.max_num_batched_tokens": CHUNK, "engine.kv_cache_bytes": 256 << 20}
+ENGINE = {"engine.max_num_batched_tokens": CHUNK, "engine.idle_prefill_tokens": 0,
+          "engine.kv_cache_bytes": 256 << 20}
 
 SENTENCES = [
     "The river bends twice before it reaches the old mill.",

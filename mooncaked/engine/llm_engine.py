@@ -100,7 +100,8 @@ class LLMEngine:
         graph_buckets = self.runner.enable_cuda_graphs(es.cuda_graph_max_batch, es.max_num_seqs,
                                                        self.max_model_len)
         self.block_manager = BlockManager(num_blocks, es.block_size, es.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, es.max_num_seqs, es.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.block_manager, es.max_num_seqs, es.max_num_batched_tokens,
+                                   es.idle_prefill_tokens)
         self.max_logprobs = es.max_logprobs
         self.grammars = GrammarBackend(self.tokenizer.hf, cfg.vocab_size, sorted(self.tokenizer.eos_token_ids))
         self.seqs: dict[str, Sequence] = {}
