@@ -423,7 +423,7 @@ class ClusterFrontend:
             raise ApiError(504, f"prefill node {p.node} did not answer within the request's "
                                 f"time", type="server_error", code="timeout") from e
         except RpcError as e:
-            if e.remote_type == "NodeDraining":
+            if e.remote_type in ("NodeDraining", "StageFailure"):   # StageFailure: a CPP group
                 raise _Replace(str(e), e.remote_message or f"{p.node} is draining") from e
             if e.remote_type == "InvalidRequest":
                 raise InvalidRequest(e.remote_message, e.remote_param) from e

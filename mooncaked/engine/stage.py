@@ -58,6 +58,27 @@ def split_layers(num_layers: int, num_stages: int, weights: list[float] | None =
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
+def model_num_layers(path) -> int:
+    """The model's layer count from its metadata alone (config.json's num_hidden_layers, or
+    a GGUF file's llama.block_count), without loading weights.
+    Raises: ModelLoadError when the metadata lacks it or cannot be read."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
+
+    p = Path(path)
+    try:
+        if p.is_dir():
+            import json  # noqa: PLC0415
+            return int(json.loads((p / "config.json").read_text())["num_hidden_layers"])
+        import gguf  # noqa: PLC0415
+        reader = gguf.GGUFReader(str(p))
+        field = reader.fields["llama.block_count"]
+        return int(field.parts[field.data[0]][0])
+    except (OSError, KeyError, ValueError, IndexError) as e:
+        raise ModelLoadError(f"{p}: cannot read the layer count: {e}") from e
+
+
 @dataclass
 class _StageSeq:
     blocks: list[int] = field(default_factory=list)
