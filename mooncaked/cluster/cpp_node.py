@@ -165,7 +165,11 @@ class CppStageWorker:
             body = {"request_id": rid, "token_ids": prompt, "chunk_tokens": self.cpp.chunk_tokens,
                     "kv_target": kv_target,
                     "sampling": None if greedy else {"params": params_to_json(p), "prompt": prompt}}
-            r = await self.server.prefill(body)
+            try:
+                r = await self.server.prefill(body)
+            except StageFailure as ex:
+                raise StageFailure(f"CPP group {self.cpp.group} failed ({self._names(str(ex))}): "
+                                   f"{ex}") from ex
             seconds = time.monotonic() - t0
             token = int(r["token_id"])
             out = self._first_output(token, r["stages"][-1].get("logprob"), req)
@@ -188,6 +192,17 @@ class CppStageWorker:
             self.requests.pop(rid, None)
             if reserved:
                 node.spawn(release_on(node.client, req.push_to, Release(rid, node.control_addr)))
+
+    def _names(self, text: str) -> str:
+        """The group's stages named in `text` (by control address) as node ids, e.g.
+        "the hop to stage 1 g0s1", so an error names the node, not only its address."""
+        out = []
+        for nid, m in self.node.members.items():
+            c = stage_info(m.info)
+            if c and c["group"] == self.cpp.group and m.info.get("control") and \
+                    m.info["control"] in text and nid != self.node.node_id:
+                out.append(f"the hop to stage {c['stage']} {nid}")
+        return ", ".join(out) or f"at stage {self.cpp.stage} {self.node.node_id} or after"
 
     def _geometry(self, num_tokens: int) -> list[int]:
         """Layer-major shape of a request's KV for the whole model."""

@@ -55,9 +55,13 @@ def split_groups(prefill: Sequence[Any]) -> tuple[list[Any], list[Group]]:
     """(single prefill nodes, complete groups) of the live prefill NodeViews (each with
     `.info`). A group counts only when stages 0..stages-1 are all among `prefill` and
     agree on `stages`; stages of an incomplete group are dropped (they cannot run a
-    request alone)."""
+    request alone), and so is a node without a member record (no control address)."""
     singles, by_group = [], {}
     for v in prefill:
+        if not v.info.get("control"):
+            # known only from its report (its member record not seen yet, e.g. right after a
+            # restart): whether it is a stage is unknown, and it cannot be reached anyway
+            continue
         c = stage_info(v.info)
         if c is None:
             singles.append(v)

@@ -1,0 +1,190 @@
+"""End to end: a chunked-pipeline-parallel (CPP) group of two stage nodes inside a cluster of
+real `mooncaked serve` processes on loopback (issue 14).
+
+One module-scoped cluster: g0s0 and g0s1 (prefill nodes configured as stages 0 and 1 of
+group g0, as `mooncake up --prefill 3 --cpp 2` names them), prefill0 (a single prefill node)
+and decode0 (the API every test talks to). Chunks of 32 tokens and `cpp_min_tokens` = 64
+with the fixed default cost model: a 64+-token prompt is predicted faster on the group, a
+shorter one on prefill0. Which node prefilled is read from the conductor's `placed`
+counters. Tests run in any order: each starts with every node healthy and undrained
+(autouse fixture) and undoes its drains; the kill test restarts the stage it killed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import orjson
+import pytest
+
+from mooncaked.cluster.launcher import LocalCluster, cluster_specs, control_call
+
+BIN = Path(sys.executable).parent
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+READY_TIMEOUT_S = 300.0
+WAIT_S = 60.0          # generous: the suite shares two cores with other work
+FREE_S = 5.0           # "within a few seconds": what a dead stage's peers take to free a request
+NODES = ("g0s0", "g0s1", "prefill0", "decode0")
+LONG = " ".join(f"item{i}" for i in range(60))           # ~170 tokens: the group's
+SHORT = "Hello there"                                   # a few tokens: prefill0's
+
+
+def wait_until(pred, timeout_s: float, what: str):
+    """pred() once truthy, polled for at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)   # poll interval
+
+
+def http(method: str, url: str, body: dict | None = None, timeout_s: float = 120.0
+         ) -> tuple[int, dict]:
+    """(status, JSON body) of one request; HTTP errors are answers too."""
+    req = urllib.request.Request(url, method=method, headers={"Content-Type": "application/json"},
+                                 data=orjson.dumps(body) if body is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, orjson.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cpp")
+    settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
+                "cluster.poll_interval_s": 0.1, "cluster.drain_timeout_s": 5.0,
+                "conductor.refit_cost_model": False,      # placement stays what the default predicts
+                "conductor.cpp_min_tokens": 64, "cpp.chunk_tokens": 32, "cpp.idle_timeout_s": 2.0,
+                "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 32 << 20,
+                "model.num_threads": 1}
+    nodes = cluster_specs(cache=0, prefill=3, decode=1, cpp=2)
+    assert [n.node_id for n in nodes] == list(NODES)
+    cl = LocalCluster(tmp / "c", nodes, settings=settings)
+    with cl:
+        yield cl
+
+
+@pytest.fixture(autouse=True)
+def healthy(cluster):
+    """Before each test: every node answers /health 200 (not draining, joined)."""
+    wait_until(lambda: all(http("GET", f"{cluster.api_url(n)}/health")[0] == 200 for n in NODES),
+               WAIT_S, "every node healthy")
+    yield
+
+
+def complete(cl: LocalCluster, prompt: str, max_tokens: int = 10, **extra) -> tuple[int, dict]:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return http("POST", f"{cl.api_url('decode0')}/v1/completions", body)
+
+
+def placed(cl: LocalCluster) -> dict[str, int]:
+    st = wait_until(cl.status, WAIT_S, "the conductor's status")
+    return {n: v["placed"] for n, v in st["nodes"].items()}
+
+
+def set_draining(cl: LocalCluster, node: str, draining: bool) -> None:
+    """Drains (or undrains) node and waits until the conductor knows."""
+    control_call(cl.control(node), "node.drain" if draining else "node.undrain")
+    wait_until(lambda: (cl.status() or {}).get("nodes", {}).get(node, {}).get("draining")
+               is draining, WAIT_S, f"the conductor to see {node} draining={draining}")
+
+
+def test_ctl_status_lists_the_group_its_stages_and_layers(cluster):
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "-c",
+                          str(cluster.write_ctl_config())], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "g0s" in line and " g0 " in line]
+    assert len(rows) == 2, out.stdout
+    assert "0/2" in rows[0] and "0-14 (15 of 30)" in rows[0], rows
+    assert "1/2" in rows[1] and "15-29 (15 of 30)" in rows[1], rows
+    s0, s1 = (control_call(cluster.control(n), "node.status")["cpp"] for n in ("g0s0", "g0s1"))
+    assert (s0["layers"], s1["layers"]) == ([0, 15], [15, 30])
+    assert control_call(cluster.control("prefill0"), "node.status")["cpp"] is None
+
+
+def test_cpp_output_equals_the_single_nodes(cluster):
+    """Greedy and seeded-sampled output through the group = through prefill0 (the same
+    prompt, the group drained the second time)."""
+    before = placed(cluster)
+    s, greedy_cpp = complete(cluster, LONG, 12)
+    s2, sampled_cpp = complete(cluster, LONG, 8, temperature=0.9, seed=11)
+    assert (s, s2) == (200, 200), (greedy_cpp, sampled_cpp)
+    after = placed(cluster)
+    assert after["g0s0"] - before["g0s0"] == 2 and after["prefill0"] == before["prefill0"]
+    set_draining(cluster, "g0s0", True)
+    try:
+        s, greedy_one = complete(cluster, LONG, 12)
+        s2, sampled_one = complete(cluster, LONG, 8, temperature=0.9, seed=11)
+        assert (s, s2) == (200, 200), (greedy_one, sampled_one)
+        assert placed(cluster)["prefill0"] - after["prefill0"] == 2
+    finally:
+        set_draining(cluster, "g0s0", False)
+    assert greedy_cpp["usage"]["completion_tokens"] == 12
+    assert greedy_cpp["choices"][0]["text"] == greedy_one["choices"][0]["text"]
+    assert sampled_cpp["choices"][0]["text"] == sampled_one["choices"][0]["text"]
+    # a short prompt goes to the single node (below cpp_min_tokens)
+    before = placed(cluster)
+    assert complete(cluster, SHORT, 4)[0] == 200
+    assert placed(cluster)["prefill0"] - before["prefill0"] == 1
+
+
+def test_a_group_alone_serves_short_prompts(cluster):
+    set_draining(cluster, "prefill0", True)
+    try:
+        before = placed(cluster)
+        s, body = complete(cluster, SHORT, 4)
+        assert s == 200 and body["usage"]["completion_tokens"] == 4, body
+        assert placed(cluster)["g0s0"] - before["g0s0"] == 1
+    finally:
+        set_draining(cluster, "prefill0", False)
+
+
+def test_kill_of_a_stage_mid_request_is_a_clear_error_and_frees_everything(cluster):
+    """kill -9 of stage 1 while a long prompt is in the pipeline: with no single prefill
+    node to re-run it (prefill0 drained) the client gets a 503 naming the group's failure,
+    and stage 0 and the decode node hold nothing of the request within a few seconds."""
+    set_draining(cluster, "prefill0", True)
+    result: dict = {}
+    prompt = " ".join(f"entry{i}" for i in range(330))     # ~1,000 tokens: ~30 chunks
+    t = threading.Thread(target=lambda: result.update(r=complete(cluster, prompt, 4)))
+    try:
+        t.start()
+        wait_until(lambda: control_call(cluster.control("g0s1"), "node.status")["cpp"]["requests"],
+                   WAIT_S, "the request to reach stage 1")
+        cluster.kill("g0s1")
+        t.join(WAIT_S)
+        assert not t.is_alive()
+        status, body = result["r"]
+        assert status == 503, body
+        msg = body["error"]["message"]
+        assert "CPP group g0 failed" in msg and "g0s1" in msg, msg
+
+        def nothing_held() -> bool:
+            s0 = control_call(cluster.control("g0s0"), "node.status")
+            d = control_call(cluster.control("decode0"), "node.status")
+            return (not s0["cpp"]["requests"] and not s0["cpp"]["stage_pages"]
+                    and not s0["requests"]["prefill"] and d["requests"]["receiving"] == 0
+                    and not d["requests"]["decode"])
+        wait_until(nothing_held, FREE_S, "stage 0 and the decode node to free the request")
+    finally:
+        t.join(WAIT_S)
+        set_draining(cluster, "prefill0", False)
+        cluster.restart_node("g0s1", READY_TIMEOUT_S)
+    # the group serves again once the conductor has its restarted stage's record
+
+    def served_by_group() -> bool:
+        before = placed(cluster)
+        assert complete(cluster, LONG, 4)[0] == 200
+        return placed(cluster)["g0s0"] - before["g0s0"] == 1
+    wait_until(served_by_group, WAIT_S, "a request served by the group again")
