@@ -6,7 +6,9 @@ group g0, as `mooncake up --prefill 3 --cpp 2` names them), prefill0 (a single p
 and decode0 (the API every test talks to). Chunks of 32 tokens and `cpp_min_tokens` = 64
 with the fixed default cost model: a 64+-token prompt is predicted faster on the group, a
 shorter one on prefill0. Which node prefilled is read from the conductor's `placed`
-counters. Tests run in any order: each starts with every node healthy and undrained
+counters; every long prompt carries a fresh cache salt, so no single node holds a prefix of
+it (a cached prefix below cpp_min_tokens uncached rightly keeps a request off the group).
+Tests run in any order: each starts with every node healthy and undrained
 (autouse fixture) and undoes its drains; the kill test restarts the stage it killed.
 """
 
@@ -18,6 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import uuid
 from pathlib import Path
 
 import orjson
@@ -102,7 +105,7 @@ def set_draining(cl: LocalCluster, node: str, draining: bool) -> None:
 def test_ctl_status_lists_the_group_its_stages_and_layers(cluster):
     out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "-c",
                           str(cluster.write_ctl_config())], capture_output=True, text=True,
-                         timeout=120)
+                         timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "g0s" in line and " g0 " in line]
     assert len(rows) == 2, out.stdout
@@ -116,16 +119,18 @@ def test_ctl_status_lists_the_group_its_stages_and_layers(cluster):
 def test_cpp_output_equals_the_single_nodes(cluster):
     """Greedy and seeded-sampled output through the group = through prefill0 (the same
     prompt, the group drained the second time)."""
+    greedy = {"cache_salt": uuid.uuid4().hex}          # fresh: no node holds a prefix of it
+    sampled = {"cache_salt": uuid.uuid4().hex, "temperature": 0.9, "seed": 11}
     before = placed(cluster)
-    s, greedy_cpp = complete(cluster, LONG, 12)
-    s2, sampled_cpp = complete(cluster, LONG, 8, temperature=0.9, seed=11)
+    s, greedy_cpp = complete(cluster, LONG, 12, **greedy)
+    s2, sampled_cpp = complete(cluster, LONG, 8, **sampled)
     assert (s, s2) == (200, 200), (greedy_cpp, sampled_cpp)
     after = placed(cluster)
     assert after["g0s0"] - before["g0s0"] == 2 and after["prefill0"] == before["prefill0"]
     set_draining(cluster, "g0s0", True)
     try:
-        s, greedy_one = complete(cluster, LONG, 12)
-        s2, sampled_one = complete(cluster, LONG, 8, temperature=0.9, seed=11)
+        s, greedy_one = complete(cluster, LONG, 12, **greedy)
+        s2, sampled_one = complete(cluster, LONG, 8, **sampled)
         assert (s, s2) == (200, 200), (greedy_one, sampled_one)
         assert placed(cluster)["prefill0"] - after["prefill0"] == 2
     finally:
@@ -150,10 +155,11 @@ def test_a_group_alone_serves_short_prompts(cluster):
         set_draining(cluster, "prefill0", False)
 
 
-def test_kill_of_a_stage_mid_request_is_a_clear_error_and_frees_everything(cluster):
-    """kill -9 of stage 1 while a long prompt is in the pipeline: with no single prefill
-    node to re-run it (prefill0 drained) the client gets a 503 naming the group's failure,
-    and stage 0 and the decode node hold nothing of the request within a few seconds."""
+@pytest.mark.parametrize(("dead", "other"), [("g0s1", "g0s0"), ("g0s0", "g0s1")])
+def test_kill_of_a_stage_mid_request_is_a_clear_error_and_frees_everything(cluster, dead, other):
+    """kill -9 of a stage while a long prompt is in the pipeline: with no single prefill
+    node to re-run it (prefill0 drained) the client gets a 503 naming the dead stage, and
+    the other stage and the decode node hold nothing of the request within a few seconds."""
     set_draining(cluster, "prefill0", True)
     result: dict = {}
     prompt = " ".join(f"entry{i}" for i in range(330))     # ~1,000 tokens: ~30 chunks
@@ -162,29 +168,31 @@ def test_kill_of_a_stage_mid_request_is_a_clear_error_and_frees_everything(clust
         t.start()
         wait_until(lambda: control_call(cluster.control("g0s1"), "node.status")["cpp"]["requests"],
                    WAIT_S, "the request to reach stage 1")
-        cluster.kill("g0s1")
+        cluster.kill(dead)
         t.join(WAIT_S)
         assert not t.is_alive()
         status, body = result["r"]
         assert status == 503, body
         msg = body["error"]["message"]
-        assert "CPP group g0 failed" in msg and "g0s1" in msg, msg
+        assert dead in msg, msg
+        if dead == "g0s1":     # stage 0 answered: it names the group and the hop that failed
+            assert "CPP group g0 failed (the hop to stage 1 g0s1)" in msg, msg
 
         def nothing_held() -> bool:
-            s0 = control_call(cluster.control("g0s0"), "node.status")
+            s = control_call(cluster.control(other), "node.status")
             d = control_call(cluster.control("decode0"), "node.status")
-            return (not s0["cpp"]["requests"] and not s0["cpp"]["stage_pages"]
-                    and not s0["requests"]["prefill"] and d["requests"]["receiving"] == 0
+            return (not s["cpp"]["requests"] and not s["cpp"]["stage_pages"]
+                    and not s["requests"]["prefill"] and d["requests"]["receiving"] == 0
                     and not d["requests"]["decode"])
-        wait_until(nothing_held, FREE_S, "stage 0 and the decode node to free the request")
+        wait_until(nothing_held, FREE_S, f"{other} and the decode node to free the request")
     finally:
         t.join(WAIT_S)
         set_draining(cluster, "prefill0", False)
-        cluster.restart_node("g0s1", READY_TIMEOUT_S)
+        cluster.restart_node(dead, READY_TIMEOUT_S)
     # the group serves again once the conductor has its restarted stage's record
 
     def served_by_group() -> bool:
         before = placed(cluster)
-        assert complete(cluster, LONG, 4)[0] == 200
+        assert complete(cluster, LONG, 4, cache_salt=uuid.uuid4().hex)[0] == 200
         return placed(cluster)["g0s0"] - before["g0s0"] == 1
     wait_until(served_by_group, WAIT_S, "a request served by the group again")

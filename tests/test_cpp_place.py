@@ -68,7 +68,7 @@ def test_short_prompt_stays_on_the_single_node_but_a_group_alone_serves_it():
     assert r.prefill == "a0"
     _, r = _place(40, False)                                # no single node: one chunk on the group
     assert isinstance(r, Placement) and r.prefill == "a0"
-    singles, groups = split_groups([view("p")])
+    _, groups = split_groups([view("p")])
     assert place_with_groups(Rejection("ttft_slo", 1.0), groups, PlacementRequest([], 10, 1),
                              Snapshot(["p"], [0.0], [0]), COST, PolicyConfig(block_size=16), None,
                              1000, queue_s).reason == "ttft_slo"

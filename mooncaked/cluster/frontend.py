@@ -365,6 +365,10 @@ class ClusterFrontend:
                         log.warning("prefill_replaced", request_id=request_id,
                                     node=pl.prefill.node, reason=str(e))
                         replaced.append(e.reason)
+                        # a receive buffer the failed node (or CPP stage 0) reserved on the
+                        # decode node is freed now, not at its TTL
+                        port.spawn(port.release(pl.decode.control,
+                                                Release(request_id, pl.prefill.control)))
                         place_req = dataclasses.replace(
                             place_req, exclude=(*place_req.exclude, pl.prefill.node))
                 if pre is None:
