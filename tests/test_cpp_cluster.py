@@ -118,15 +118,21 @@ def test_ctl_status_lists_the_group_its_stages_and_layers(cluster):
 
 def test_cpp_output_equals_the_single_nodes(cluster):
     """Greedy and seeded-sampled output through the group = through prefill0 (the same
-    prompt, the group drained the second time)."""
+    prompt, the group drained the second time); the same prompt again on the group reuses
+    every full block but the last token's (cached_tokens > 0) with the same output."""
     greedy = {"cache_salt": uuid.uuid4().hex}          # fresh: no node holds a prefix of it
     sampled = {"cache_salt": uuid.uuid4().hex, "temperature": 0.9, "seed": 11}
     before = placed(cluster)
     s, greedy_cpp = complete(cluster, LONG, 12, **greedy)
     s2, sampled_cpp = complete(cluster, LONG, 8, **sampled)
-    assert (s, s2) == (200, 200), (greedy_cpp, sampled_cpp)
+    s3, again = complete(cluster, LONG, 12, **greedy)      # a prefix hit on every stage
+    assert (s, s2, s3) == (200, 200, 200), (greedy_cpp, sampled_cpp, again)
     after = placed(cluster)
-    assert after["g0s0"] - before["g0s0"] == 2 and after["prefill0"] == before["prefill0"]
+    assert after["g0s0"] - before["g0s0"] == 3 and after["prefill0"] == before["prefill0"]
+    assert greedy_cpp["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    n = again["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert again["choices"][0]["text"] == greedy_cpp["choices"][0]["text"]
     set_draining(cluster, "g0s0", True)
     try:
         s, greedy_one = complete(cluster, LONG, 12, **greedy)

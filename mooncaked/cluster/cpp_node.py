@@ -29,9 +29,14 @@ and the other stages release theirs when their `cpp.hold` connection drops
 group) on a single prefill node when one exists, else answers 503 naming the failure.
 Stages after 0 refuse `node.prefill` (the conductor never names them).
 
+Prefix reuse: each stage keeps its layers of a finished request's full blocks in its pages
+under their block keys (StageEngine.match / release, LRU when pages run out). Stage 0
+sends the prompt's keys down the chain with the reservations; each stage matches its
+cache, the least match of any stage is the request's cached prefix (every stage
+recomputes from there), and the reply's num_cached_tokens says how much was reused.
+
 Not supported on a group (stage 0 refuses with StageFailure, so the request is re-placed
-on a single prefill node): structured output (the grammar mask needs the engine). Prefix
-reuse per stage is not built: a group always computes the whole prompt.
+on a single prefill node): structured output (the grammar mask needs the engine).
 """
 
 from __future__ import annotations
@@ -163,7 +168,7 @@ class CppStageWorker:
             greedy = p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 \
                 and not p.presence_penalty and not p.frequency_penalty
             body = {"request_id": rid, "token_ids": prompt, "chunk_tokens": self.cpp.chunk_tokens,
-                    "kv_target": kv_target,
+                    "kv_target": kv_target, "keys": [k.hex() for k in self._keys(prompt, req)],
                     "sampling": None if greedy else {"params": params_to_json(p), "prompt": prompt}}
             try:
                 r = await self.server.prefill(body)
@@ -171,8 +176,9 @@ class CppStageWorker:
                 raise StageFailure(f"CPP group {self.cpp.group} failed ({self._names(str(ex))}): "
                                    f"{ex}") from ex
             seconds = time.monotonic() - t0
-            token = int(r["token_id"])
-            out = self._first_output(token, r["stages"][-1].get("logprob"), req)
+            token, cached = int(r["token_id"]), int(r.get("cached_tokens", 0))
+            out = dataclasses.replace(self._first_output(token, r["stages"][-1].get("logprob"), req),
+                                      num_cached_tokens=cached)
             if not out.finished and kv_target is not None:
                 g = self._geometry(len(prompt))
                 kv = KVHandle(kv_target["descriptor"], tuple(g), str(e.dtype).removeprefix("torch."),
@@ -183,15 +189,24 @@ class CppStageWorker:
             elif not out.finished:
                 # the API node wants KV it would READ: a group has no stage segment
                 out = dataclasses.replace(out, finished=True, finish_reason="length")
-            node.activity.done.append(PrefillDone(rid, seconds, len(prompt), 0, False))
+            node.activity.done.append(PrefillDone(rid, seconds, len(prompt) - cached, cached, False))
             log.info("cpp_prefill_done", request_id=rid, group=self.cpp.group, tokens=len(prompt),
-                     seconds=round(seconds, 4),
+                     cached_tokens=cached, seconds=round(seconds, 4),
                      stage_compute_s=[s["compute_s"] for s in r["stages"]])
             return PrefillReply(out, kv, seconds).to_json()
         finally:
             self.requests.pop(rid, None)
             if reserved:
                 node.spawn(release_on(node.client, req.push_to, Release(rid, node.control_addr)))
+
+    def _keys(self, prompt: list[int], req: PrefillRequest) -> list[bytes]:
+        """The prompt's block keys as the cluster computes them (frontend.block_keys: model
+        id, block size, KV dtype, cache_salt), for the stages' prefix caches; none when the
+        model nodes' block size differs from this stage's (no reuse then)."""
+        m = self.node.model_info()
+        if not m or int(m.get("block_size", 0)) != self.engine.block_size:
+            return []
+        return self.node.frontend.block_keys(prompt, req.cache_salt)
 
     def _names(self, text: str) -> str:
         """The group's stages named in `text` (by control address) as node ids, e.g.

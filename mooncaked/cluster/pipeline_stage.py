@@ -230,16 +230,22 @@ class StageServer:
         chunk = int(body.get("chunk_tokens", 512))
         if chunk < 1:
             raise ValueError("chunk_tokens must be >= 1")
+        keys = _keys(body)
         req = self._new(rid, len(ids), bool(body.get("keep", False)))
         req.kv_target = body.get("kv_target")
         req.sampling = body.get("sampling")
         req.waiting = True
-        tokens = torch.tensor(ids, dtype=torch.long)
-        for s in range(0, len(ids), chunk):
-            e = min(s + chunk, len(ids))
-            self._queue.put_nowait((rid, s, e, e == len(ids), tokens[s:e]))
         try:
-            return await req.result
+            start = 0
+            if keys:   # the blocks every stage holds need no compute: start after them
+                own = self.stage.match(rid, keys)
+                down = own if self.stage.is_last else await self._reserve_next(rid, req, keys)
+                start = min(own, down, (len(ids) - 1) // self.stage.block_size) * self.stage.block_size
+            tokens = torch.tensor(ids, dtype=torch.long)
+            for s in range(start, len(ids), chunk):
+                e = min(s + chunk, len(ids))
+                self._queue.put_nowait((rid, s, e, e == len(ids), tokens[s:e]))
+            return {**await req.result, "cached_tokens": start}
         finally:
             if not req.keep:
                 self._release(rid)
@@ -250,12 +256,22 @@ class StageServer:
         rid, n = str(body["request_id"]), int(body["num_tokens"])
         if not self.free_slots:
             raise StageFailure(f"{self.name}: no free receive slot")
+        keys = _keys(body)
         req = self._new(rid, n, bool(body.get("keep", False)))
         req.kv_target = body.get("kv_target")
         req.sampling = body.get("sampling")
         req.slot = self.free_slots.pop()
+        cached = None
+        if keys:    # match here, then down the chain: the answer is the least any stage holds
+            try:
+                cached = self.stage.match(rid, keys)
+                if not self.stage.is_last:
+                    cached = min(cached, await self._reserve_next(rid, req, keys))
+            except Exception:
+                self._release(rid, "reserve failed")
+                raise
         return {"descriptor": self.transfer.segment_descriptor(self.segment),
-                "offset": req.slot * self.max_tokens * self.row_bytes}
+                "offset": req.slot * self.max_tokens * self.row_bytes, "cached_blocks": cached}
 
     async def _on_hold(self, body: dict) -> dict:
         rid = str(body["request_id"])
@@ -413,16 +429,7 @@ class StageServer:
             if req.result.done():
                 return
             if req.next_offset is None:
-                if self.next_resolver is not None:
-                    self.next_addr = self.next_resolver() or self.next_addr
-                if not self.next_addr:
-                    raise StageFailure(f"{self.name}: the next stage has not joined")
-                r = await self.client.call(self.next_addr, "cpp.reserve",
-                                           {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
-                                            "kv_target": req.kv_target, "sampling": req.sampling})
-                req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
-                req.next_offset = int(r["offset"])
-                req.hold = asyncio.create_task(self._hold(rid, req))
+                await self._reserve_next(rid, req)
             await self.transfer.write(req.next_segment, req.next_offset + s * self.row_bytes,
                                       hidden.contiguous())
             body = {"request_id": rid, "start": s, "end": e, "last": last}
@@ -437,6 +444,24 @@ class StageServer:
         except Exception as ex:  # noqa: BLE001 - dead or failing next stage: the request ends here
             self._fail(rid, StageFailure(f"{self.name} -> {self.next_addr}: {ex}"))
 
+    async def _reserve_next(self, rid: str, req: _Req, keys: list[bytes] | None = None) -> int:
+        """`cpp.reserve` on the next stage (a slot for rid's hidden states, and with `keys`
+        its prefix match down the chain); starts holding it. Returns the blocks every later
+        stage holds of `keys` (0 without keys). Raises StageFailure, RpcError."""
+        if self.next_resolver is not None:
+            self.next_addr = self.next_resolver() or self.next_addr
+        if not self.next_addr:
+            raise StageFailure(f"{self.name}: the next stage has not joined")
+        body = {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
+                "kv_target": req.kv_target, "sampling": req.sampling}
+        if keys:
+            body["keys"] = [k.hex() for k in keys]
+        r = await self.client.call(self.next_addr, "cpp.reserve", body)
+        req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
+        req.next_offset = int(r["offset"])
+        req.hold = asyncio.create_task(self._hold(rid, req))
+        return int(r.get("cached_blocks") or 0)
+
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
@@ -446,6 +471,15 @@ class StageServer:
                     continue
                 if now - req.touched > self.idle_timeout_s:
                     self._release(rid, "idle")
+
+
+def _keys(body: dict) -> list[bytes]:
+    """The optional `keys` of a cpp.prefill / cpp.reserve body: the prompt's block keys
+    (hex) for the stages' prefix cache. Raises ValueError for a malformed list."""
+    raw = body.get("keys") or []
+    if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
+        raise ValueError("keys must be a list of hex strings")
+    return [bytes.fromhex(k) for k in raw]
 
 
 def start_stage_process(layers: range, next_addr: str = "", *, max_tokens: int = 8192,
