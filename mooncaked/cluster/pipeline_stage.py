@@ -3,12 +3,16 @@ stage over the transfer engine (chunked pipeline parallelism, Mooncake section 3
 
 Protocol (every call a ControlServer method; hidden states never travel over RPC):
 
-    caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target}
-                         -> {token_id, num_tokens, stages: [{node, layers, compute_s,
-                             kv_pushed_bytes}...]}
-    stage k -> stage k+1 cpp.reserve {request_id, num_tokens}
-                         -> {descriptor, offset}: a receive slot of num_tokens rows of
-                            [hidden_size] in the stage dtype, in segment "<name>/hidden"
+    caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target,
+                                      sampling, keys}
+                         -> {token_id, num_tokens, cached_tokens, stages: [{node, layers,
+                             compute_s, kv_pushed_bytes, logprob (last)}...]}
+    stage k -> stage k+1 cpp.reserve {request_id, num_tokens, kv_target, sampling, keys}
+                         -> {descriptor, offset, cached_blocks}: a receive slot of
+                            num_tokens rows of [hidden_size] in the stage dtype, in segment
+                            "<name>/hidden"; with `keys` (the prompt's block keys, hex) the
+                            stage matches its prefix cache and reserves down the chain at
+                            once, answering the least match of it and every later stage
     stage k  WRITE       hidden rows [start, end) of a chunk -> that slot (transfer engine)
     stage k -> stage k+1 cpp.hold {request_id}: open for the request's life on stage k+1;
                          if stage k dies, the connection drops, the handler is cancelled
