@@ -281,9 +281,10 @@ class ConductorSettings:
     cost_model: str = opt("", "Cost model JSON written by `mooncaked profile`; empty means "
                               "<node.state_dir>/cost_model.json.")
     refit_cost_model: bool = opt(True, "Refit the prefill and decode-step models from the "
-                                       "nodes' timed prefills and steps while serving; false "
-                                       "keeps the loaded cost model fixed (reproducible "
-                                       "placement).")
+                                       "nodes' timed prefills and steps while serving (and "
+                                       "scale each CPP group's pipelined prediction by its "
+                                       "measured prefills); false keeps the loaded cost model "
+                                       "fixed (reproducible placement).")
     hot_block_hits: int = opt(2, "A prefix reused by this many placements is hot: the conductor "
                                  "has a cache node replicate its blocks into the pool (paper "
                                  "section 4.2); 0 disables.", min=0)

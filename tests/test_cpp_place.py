@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
-from mooncaked.conductor.cpp_place import place_with_groups, split_groups
+from mooncaked.conductor.cpp_place import GroupLearner, place_with_groups, split_groups
 from mooncaked.conductor.load import NodeView, queue_s
 from mooncaked.conductor.policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
 
@@ -31,15 +31,15 @@ def test_split_groups_keeps_complete_groups_and_single_nodes():
              view("b1", "b", 1),                                      # b lacks stage 0
              view("c0", "c", 0, 3), view("c1", "c", 1, 2),            # c's sizes disagree
              view("r")]
-    nodes[-1].info.pop("control")                                     # known only by report
+    nodes[-1].info.pop("control")                   # known only by report: a single node
     singles, groups = split_groups(nodes)
-    assert [v.node_id for v in singles] == ["p"]
+    assert [v.node_id for v in singles] == ["p", "r"]
     assert [g.name for g in groups] == ["a"]
     assert [v.node_id for v in groups[0].stages] == ["a0", "a1"] and groups[0].head.node_id == "a0"
     assert groups[0].chunk_tokens == 256
 
 
-def _place(n: int, with_single: bool, min_tokens: int = 1000):
+def _place(n: int, with_single: bool, min_tokens: int = 1000, learner=None):
     singles, groups = split_groups([view("p"), view("a0", "a", 0), view("a1", "a", 1)])
     if not with_single:
         singles = []
@@ -50,7 +50,7 @@ def _place(n: int, with_single: bool, min_tokens: int = 1000):
                     decode_free_kv_tokens=[100_000])
     single = place(req, snap, COST, cfg, random.Random(0)) if singles else None
     return single, place_with_groups(single, groups, req, snap, COST, cfg, random.Random(0),
-                                     min_tokens, queue_s)
+                                     min_tokens, queue_s, learner)
 
 
 def test_long_prompt_goes_to_the_group_when_predicted_faster():
@@ -72,3 +72,23 @@ def test_short_prompt_stays_on_the_single_node_but_a_group_alone_serves_it():
     assert place_with_groups(Rejection("ttft_slo", 1.0), groups, PlacementRequest([], 10, 1),
                              Snapshot(["p"], [0.0], [0]), COST, PolicyConfig(block_size=16), None,
                              1000, queue_s).reason == "ttft_slo"
+
+
+def test_the_group_learns_its_pipelined_time_from_measured_prefills():
+    lr = GroupLearner(alpha=0.5)
+    _, r = _place(2000, True)
+    assert r.prefill == "a0"
+    for i in range(8):       # the group measures 3x its prediction, one request at a time
+        lr.predicted(f"r{i}", "a", r.predicted_prefill_s * lr.scale("a"))
+        lr.observe(f"r{i}", 3 * r.predicted_prefill_s)
+    assert abs(lr.scale("a") - 3.0) < 0.05 and lr.status()["a"]["samples"] == 8
+    lr.predicted("x", "a", 1.0)
+    lr.predicted("y", "a", 1.0)          # overlapped: neither is a sample
+    lr.observe("x", 100.0)
+    lr.observe("y", 100.0)
+    lr.predicted("z", "a", 1.0)
+    lr.observe("z", 100.0, cached_tokens=32)     # a prefix hit: not a sample either
+    assert lr.status()["a"]["samples"] == 8
+    # at 3x its model the group no longer beats the single node: the request stays there
+    single2, r = _place(2000, True, learner=lr)
+    assert r is single2 and r.prefill == "p"

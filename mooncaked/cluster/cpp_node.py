@@ -137,17 +137,18 @@ class CppStageWorker:
     async def handle(self, payload: Any) -> dict:
         """`node.prefill` on stage 0: PrefillRequest -> PrefillReply through the pipeline.
 
-        Raises: NodeDraining; MessageError for a malformed body; ValueError on a stage
-        other than 0 or for a prompt over cpp.max_tokens; StageFailure when a stage fails
-        or dies, or the decode node refuses the receive buffer (the API node re-places it).
+        Raises: NodeDraining; MessageError for a malformed body; ValueError for an empty
+        prompt or one over cpp.max_tokens; StageFailure on a stage other than 0, when a
+        stage fails or dies, or the decode node refuses the receive buffer (the API node
+        re-places it).
         """
         req = PrefillRequest.from_json(payload)
         node, e = self.node, self.engine
         if node.draining:
             raise NodeDraining(f"{node.node_id} is draining")
-        if not e.is_first:
-            raise ValueError(f"{node.node_id} is stage {self.cpp.stage} of group {self.cpp.group}: "
-                             f"requests enter at stage 0")
+        if not e.is_first:     # StageFailure: the API node places the request again elsewhere
+            raise StageFailure(f"{node.node_id} is stage {self.cpp.stage} of group "
+                               f"{self.cpp.group}: requests enter at stage 0")
         if req.params.structured is not None:
             raise StageFailure(f"group {self.cpp.group} cannot run structured output (the grammar "
                                f"mask needs a whole engine)")

@@ -46,7 +46,7 @@ from mooncaked.log import get_logger
 from . import cost_store
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
-from .cpp_place import place_with_groups, split_groups
+from .cpp_place import GroupLearner, place_with_groups, split_groups
 from .load import INFLIGHT_TTL_S, InflightDecode, InflightPrefill, NodeView, apply_load, queue_s
 from .refit import CostModelRefitter
 from .replication import HotBlockReplicator
@@ -126,6 +126,7 @@ class ConductorService:
         self._started_mono = time.monotonic()
         self.placed = 0
         self.rejected: dict[str, int] = {}
+        self.cpp_learner = GroupLearner()    # CPP groups: measured / predicted prefill time
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self._cost_task: asyncio.Task | None = None
@@ -243,6 +244,8 @@ class ConductorService:
         self._apply_events(v, r.events, r.store_seq)
         for d in r.done:
             self.model.observe_prefill(d)
+            if self.settings.conductor.refit_cost_model:   # false: predictions stay fixed
+                self.cpp_learner.observe(d.rid, d.seconds, d.cached)
         for step in r.decode_steps:
             self.model.observe_step(*step)
 
@@ -357,7 +360,10 @@ class ConductorService:
         result = place(preq, snap, cost, cfg, self.rng) if pre or decode_only else None
         if groups and not decode_only:
             result = place_with_groups(result, groups, preq, snap, cost, cfg, self.rng,
-                                       cs.cpp_min_tokens, queue_s)
+                                       cs.cpp_min_tokens, queue_s, self.cpp_learner)
+            for g in groups:
+                if isinstance(result, Placement) and result.prefill == g.head.node_id:
+                    self.cpp_learner.predicted(rid, g.name, result.predicted_prefill_s)
         if isinstance(result, Rejection):
             return self._reject(result)
         if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
@@ -449,6 +455,7 @@ class ConductorService:
             "leader": self.node_id, "since": self.started_at, "placed": self.placed,
             "rejected": dict(self.rejected), "indexed_keys": len(self.index), "nodes": nodes,
             "policy": self.settings.conductor.policy,
+            "cpp_groups": self.cpp_learner.status(),
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},
             "replication": {**self.replicated, "in_flight": self.replicator.in_flight(),
