@@ -460,7 +460,12 @@ class StageServer:
                 "kv_target": req.kv_target, "sampling": req.sampling}
         if keys:
             body["keys"] = [k.hex() for k in keys]
-        r = await self.client.call(self.next_addr, "cpp.reserve", body)
+        try:
+            r = await self.client.call(self.next_addr, "cpp.reserve", body)
+        except PeerUnavailable:
+            # A pooled connection to a next stage that was restarted (same address) fails
+            # once; the reservation never reached the new process, so asking again is safe.
+            r = await self.client.call(self.next_addr, "cpp.reserve", body)
         req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
         req.next_offset = int(r["offset"])
         req.hold = asyncio.create_task(self._hold(rid, req))

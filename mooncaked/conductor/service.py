@@ -455,7 +455,9 @@ class ConductorService:
             "leader": self.node_id, "since": self.started_at, "placed": self.placed,
             "rejected": dict(self.rejected), "indexed_keys": len(self.index), "nodes": nodes,
             "policy": self.settings.conductor.policy,
-            "cpp_groups": self.cpp_learner.status(),
+            "cpp_groups": {"complete": {g.name: [v.node_id for v in g.stages] for g in split_groups(
+                               [v for v in self.nodes.values() if v.role == "prefill"])[1]},
+                           "learned": self.cpp_learner.status()},
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},
             "replication": {**self.replicated, "in_flight": self.replicator.in_flight(),
