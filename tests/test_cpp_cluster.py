@@ -158,8 +158,10 @@ def test_cpp_output_equals_the_single_nodes(cluster):
     finally:
         set_draining(cluster, "g0s0", False)
     assert greedy_cpp["usage"]["completion_tokens"] == 12
-    assert greedy_cpp["choices"][0]["text"] == greedy_one["choices"][0]["text"]
-    assert sampled_cpp["choices"][0]["text"] == sampled_one["choices"][0]["text"]
+    assert greedy_cpp["choices"][0]["text"] == greedy_one["choices"][0]["text"], (greedy_cpp,
+                                                                                 greedy_one)
+    assert sampled_cpp["choices"][0]["text"] == sampled_one["choices"][0]["text"], (sampled_cpp,
+                                                                                   sampled_one)
     # a short prompt goes to the single node (below cpp_min_tokens)
     before = placed(cluster)
     assert complete(cluster, SHORT, 4)[0] == 200
