@@ -144,6 +144,30 @@ def _stall_table(v: dict) -> None:
         _table("stalls (ms)", ["node", "measure", "count", "p50", "p99", "max"], rows)
 
 
+def _group_table(v: dict) -> None:
+    """CPP groups (cluster/cpp_node.py): each stage's node, its layers, weights and the
+    requests it holds; a group missing a stage is marked incomplete (not placed on)."""
+    rows, groups = [], {}
+    for nid, n in v["nodes"].items():
+        c = n["info"].get("cpp")
+        if c:
+            groups.setdefault(c["group"], []).append((c["stage"], nid, n))
+    for g, members in sorted(groups.items()):
+        members.sort(key=lambda t: t[0])
+        stages = members[0][2]["info"]["cpp"]["stages"]
+        complete = [s for s, _, _ in members] == list(range(stages))
+        for s, nid, n in members:
+            c, st = n["info"]["cpp"], (n.get("status") or {}).get("cpp") or {}
+            lo, hi = c["layers"]
+            rows.append([g, f"{s}/{stages}" + ("" if complete else " (incomplete)"), nid,
+                         f"{lo}-{hi - 1} ({hi - lo} of {c.get('num_layers', '?')})",
+                         _bytes(c.get("weight_bytes")), c.get("chunk_tokens"), _health(n),
+                         len(st.get("requests", [])) if st else None])
+    if rows:
+        _table("CPP groups", ["group", "stage", "node", "layers", "weights", "chunk", "health",
+                              "requests"], rows)
+
+
 @ctl_app.command()
 def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
            state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
@@ -162,6 +186,7 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
                      (info.get("model") or {}).get("name")])
     _table(f"cluster ({v['backend']} backend), leader: {v['leader'] or 'none'}",
            ["node", "role", "health", "version", "api", "pid", "uptime", "model"], rows)
+    _group_table(v)
     _stall_table(v)
     c = v["conductor"]
     if "error" in c:

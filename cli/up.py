@@ -27,6 +27,10 @@ def up(
     coupled: int = typer.Option(0, min=0, help="Instead of prefill and decode nodes, N coupled "
                                 "nodes of role all (prefill and decode in one engine, "
                                 "vLLM-style) under the same conductor and front end."),
+    cpp: int = typer.Option(0, min=0, help="Chunked pipeline parallelism: the prefill nodes "
+                            "form groups of N stages, each holding 1/N of the layers "
+                            "(--prefill 2 --cpp 2: one group of two stages; a remainder stays "
+                            "single prefill nodes)."),
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML settings every node "
                                           "starts from."),
     workdir: Optional[Path] = typer.Option(None, help="Configs, logs and state (default: a "
@@ -54,7 +58,11 @@ def up(
     except ValueError as e:
         typer.echo(f"mooncake up: {e}", err=True)
         raise typer.Exit(2) from None
-    nodes = cluster_specs(cache, prefill, decode, coupled, port)
+    try:
+        nodes = cluster_specs(cache, prefill, decode, coupled, port, cpp)
+    except ValueError as e:
+        typer.echo(f"mooncake up: {e}", err=True)
+        raise typer.Exit(2) from None
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="mooncake-up-")) if own else workdir
     # die_with_parent: if `mooncake up` is killed (even kill -9), its nodes and etcd get
@@ -74,8 +82,10 @@ def up(
         typer.echo(f"ready: {cluster.api_url(front)}/v1  (OpenAI API, model "
                    f"{_model(cluster, front)})")
         for n in nodes:
+            stage = (f" (group {n.settings['cpp.group']}, stage {n.settings['cpp.stage']})"
+                     if "cpp.group" in n.settings else "")
             typer.echo(f"  {n.node_id:10s} {n.role:8s} {cluster.api_url(n.node_id)}  "
-                       f"log {cluster.log_path(n.node_id)}")
+                       f"log {cluster.log_path(n.node_id)}{stage}")
         typer.echo("every node above serves the same API (any one may die; the others "
                    "keep answering, and a new conductor is elected)")
         typer.echo(f"inspect: mooncake ctl status -c {ctl}")

@@ -287,9 +287,10 @@ class ConductorSettings:
     cost_model: str = opt("", "Cost model JSON written by `mooncaked profile`; empty means "
                               "<node.state_dir>/cost_model.json.")
     refit_cost_model: bool = opt(True, "Refit the prefill and decode-step models from the "
-                                       "nodes' timed prefills and steps while serving; false "
-                                       "keeps the loaded cost model fixed (reproducible "
-                                       "placement).")
+                                       "nodes' timed prefills and steps while serving (and "
+                                       "scale each CPP group's pipelined prediction by its "
+                                       "measured prefills); false keeps the loaded cost model "
+                                       "fixed (reproducible placement).")
     hot_block_hits: int = opt(2, "A prefix reused by this many placements is hot: the conductor "
                                  "has a cache node replicate its blocks into the pool (paper "
                                  "section 4.2); 0 disables.", min=0)
@@ -323,8 +324,37 @@ class ConductorSettings:
                                     "hot_block_hits times) | cost (its observed reuse rate over "
                                     "replication_horizon_s saves more prefill time than the copy "
                                     "costs).", choices=("count", "cost"))
+    cpp_min_tokens: int = opt(1000, "A prompt whose uncached part has at least this many "
+                                    "tokens may go to a CPP group (when the group's predicted "
+                                    "TTFT beats the best single prefill node's); the paper's "
+                                    "threshold is 'typically above 1,000' (section 3.3).",
+                              min=1)
     replication_horizon_s: float = opt(60.0, "With replication = cost: how far ahead observed "
                                              "reuse is expected to continue, seconds.", min=0.0)
+
+
+@dataclass
+class CppSettings:
+    """Chunked pipeline parallelism (paper section 3.3): this prefill node as one stage of a group."""
+
+    group: str = opt("", "Name of the CPP group this prefill node is a stage of; empty: a plain "
+                         "prefill node. A stage loads only its layers and is placed as part "
+                         "of its group (`mooncake up --prefill 2 --cpp 2`).")
+    stage: int = opt(0, "This node's position in its group, 0 = first (embedding); the "
+                        "last stage holds the final norm and LM head.", min=0, max=255)
+    stages: int = opt(2, "Stages in the group; every stage of a group must agree.",
+                      min=1, max=256)
+    layer_weights: list[float] = opt([], "Each stage's share of the layers, e.g. from a "
+                                         "profile so that stages take equal time "
+                                         "([1.0, 1.2]); empty: an even split. Every stage of a "
+                                         "group must agree.")
+    chunk_tokens: int = opt(512, "Tokens per pipeline chunk: smaller chunks shorten the fill "
+                                 "and drain bubble, larger ones use each forward pass better "
+                                 "(docs/benchmarks.md, bench cpp).", min=1)
+    max_tokens: int = opt(8192, "Longest prompt a stage takes, tokens (its receive slots for "
+                                "hidden states are this many rows).", min=1)
+    idle_timeout_s: float = opt(5.0, "A stage releases a request nobody holds or touches for "
+                                     "this long (its upstream stage died), seconds.", min=0.1)
 
 
 @dataclass
@@ -340,6 +370,7 @@ class Settings:
     transfer: TransferSettings = field(default_factory=TransferSettings)
     store: StoreSettings = field(default_factory=StoreSettings)
     conductor: ConductorSettings = field(default_factory=ConductorSettings)
+    cpp: CppSettings = field(default_factory=CppSettings)
 
 
 # ---------------------------------------------------------------------------- loading

@@ -37,6 +37,14 @@ def check_settings(settings: Settings, where: str) -> None:
     if bool(cs.etcd_cert_file) != bool(cs.etcd_key_file):
         key = "cluster.etcd_key_file" if cs.etcd_cert_file else "cluster.etcd_cert_file"
         raise ConfigError(where, key, "etcd_cert_file and etcd_key_file go together")
+    cpp = settings.cpp
+    if cpp.group and cpp.stage >= cpp.stages:
+        raise ConfigError(where, "cpp.stage", f"{cpp.stage} is not below cpp.stages ({cpp.stages})")
+    if cpp.layer_weights and (len(cpp.layer_weights) != cpp.stages
+                              or any(w <= 0 for w in cpp.layer_weights)):
+        raise ConfigError(where, "cpp.layer_weights",
+                          f"expected {cpp.stages} positive shares (cpp.stages), got "
+                          f"{cpp.layer_weights}")
     if settings.server.port and cs.rpc_port and settings.server.port == cs.rpc_port \
             and settings.server.host == cs.rpc_host:
         raise ConfigError(where, "cluster.rpc_port",

@@ -150,11 +150,13 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     role = settings.node.role
     engine = None
     try:
-        if role in ("prefill", "decode", "all"):    # all: a coupled node (cluster.coupled)
+        # all: a coupled node (cluster.coupled); a CPP stage (cpp.group) loads only its
+        # layers itself (cluster/cpp_node.py), so it starts like a cache node here
+        if role in ("prefill", "decode", "all") and not (role == "prefill" and settings.cpp.group):
             from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
             engine = AsyncLLM.from_settings(settings)
             tokenizer = engine.tokenizer
-        else:   # cache: the API front end needs the tokenizer only
+        else:   # cache, CPP stage: the API front end needs the tokenizer only
             from mooncaked.model.tokenizer import Tokenizer  # noqa: PLC0415
             from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
             tokenizer = Tokenizer(resolve_model_path(settings.model.path), [])

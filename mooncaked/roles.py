@@ -16,10 +16,10 @@ import dataclasses
 from mooncaked.config import Settings
 
 UNUSED_SECTIONS: dict[str, tuple[str, ...]] = {
-    "all": ("cluster", "transfer", "conductor"),
+    "all": ("cluster", "transfer", "conductor", "cpp"),
     "prefill": (),
-    "decode": (),
-    "cache": ("engine",),
+    "decode": ("cpp",),
+    "cache": ("engine", "cpp"),
 }
 """Sections of Settings that a role never reads."""
 

@@ -370,6 +370,10 @@ class ClusterFrontend:
                         log.warning("prefill_replaced", request_id=request_id,
                                     node=pl.prefill.node, reason=str(e))
                         replaced.append(e.reason)
+                        # a receive buffer the failed node (or CPP stage 0) reserved on the
+                        # decode node is freed now, not at its TTL
+                        port.spawn(port.release(pl.decode.control,
+                                                Release(request_id, pl.prefill.control)))
                         place_req = dataclasses.replace(
                             place_req, exclude=(*place_req.exclude, pl.prefill.node))
                 if pre is None:
@@ -429,7 +433,7 @@ class ClusterFrontend:
             raise ApiError(504, f"prefill node {p.node} did not answer within the request's "
                                 f"time", type="server_error", code="timeout") from e
         except RpcError as e:
-            if e.remote_type == "NodeDraining":
+            if e.remote_type in ("NodeDraining", "StageFailure"):   # StageFailure: a CPP group
                 raise _Replace(str(e), e.remote_message or f"{p.node} is draining") from e
             if e.remote_type == "InvalidRequest":
                 raise InvalidRequest(e.remote_message, e.remote_param) from e

@@ -56,17 +56,26 @@ class NodeSpec:
 
 
 def cluster_specs(cache: int = 1, prefill: int = 1, decode: int = 1, coupled: int = 0,
-                  port: int = 0) -> list[NodeSpec]:
+                  port: int = 0, cpp: int = 0) -> list[NodeSpec]:
     """The nodes `mooncake up` starts: cache nodes (the first serves the public API on
     `port`, 0: a free one), then either prefill and decode nodes or, with coupled > 0,
-    that many coupled nodes (role all, cluster.coupled) instead. Without cache nodes the
-    first model node serves the API on `port`."""
+    that many coupled nodes (role all, cluster.coupled) instead. With cpp = N > 1 the
+    prefill nodes form prefill // N CPP groups of N stages ("g0", "g1", ...; nodes
+    "g0s0", "g0s1", ...), the remainder staying single prefill nodes. Without cache nodes
+    the first model node serves the API on `port`.
+    Raises: ValueError when cpp > 1 exceeds prefill."""
     nodes = [NodeSpec("cache", f"cache{i}", port=port if i == 0 else 0) for i in range(cache)]
     if coupled:
         model = [NodeSpec("all", f"coupled{i}", settings={"cluster.coupled": True})
                  for i in range(coupled)]
     else:
-        model = [NodeSpec("prefill", f"prefill{i}") for i in range(prefill)]
+        groups = prefill // cpp if cpp > 1 else 0
+        if cpp > 1 and not groups:
+            raise ValueError(f"--cpp {cpp} needs at least {cpp} prefill nodes (--prefill)")
+        model = [NodeSpec("prefill", f"g{g}s{k}", settings={"cpp.group": f"g{g}", "cpp.stage": k,
+                                                            "cpp.stages": cpp})
+                 for g in range(groups) for k in range(cpp)]
+        model += [NodeSpec("prefill", f"prefill{i}") for i in range(prefill - groups * cpp)]
         model += [NodeSpec("decode", f"decode{i}") for i in range(decode)]
     if not cache and model:
         model[0].port = port

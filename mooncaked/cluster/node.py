@@ -264,7 +264,11 @@ class ClusterNode:
             offload = self.role == "prefill" or self.settings.store.decode_offload
             self.engine.attach_store(self.store if offload else None)
         is_draining = lambda: self.draining  # noqa: E731
-        if self.role == "prefill":
+        if self.role == "prefill" and self.settings.cpp.group:    # a CPP stage (cpp_node.py)
+            from .cpp_node import CppStageWorker  # noqa: PLC0415
+            self.prefill = CppStageWorker(self)
+            await self.prefill.start()
+        elif self.role == "prefill":
             self.prefill = PrefillWorker(self.node_id, control_addr, self.settings, self.engine,
                                          self.transfer, self.store_node, self.client,
                                          is_draining, self.spawn, self.kv_transfer,
@@ -342,7 +346,8 @@ class ClusterNode:
                 "store": store, "transfer": {"host": self.transfer.advertise_host,
                                              "port": self.transfer.port,
                                              "backend": self.transfer.backend},
-                "draining": self.draining}
+                "draining": self.draining,
+                "cpp": self.prefill.info() if hasattr(self.prefill, "info") else None}
 
     async def _reregister(self) -> None:
         self.info = self._info()
@@ -485,6 +490,7 @@ class ClusterNode:
                              "receiving": len(self.decode.buffers) if self.decode else 0,
                              "refused": self.decode.admission.refused if self.decode else 0},
                 "kv_transfer": self.kv_transfer.as_dict(),
+                "cpp": self.prefill.status() if hasattr(self.prefill, "status") else None,
                 "stalls": node_metrics().summary()}
 
     async def _h_drain(self, payload: Any) -> dict:

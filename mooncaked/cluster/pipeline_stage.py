@@ -3,12 +3,16 @@ stage over the transfer engine (chunked pipeline parallelism, Mooncake section 3
 
 Protocol (every call a ControlServer method; hidden states never travel over RPC):
 
-    caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target}
-                         -> {token_id, num_tokens, stages: [{node, layers, compute_s,
-                             kv_pushed_bytes}...]}
-    stage k -> stage k+1 cpp.reserve {request_id, num_tokens}
-                         -> {descriptor, offset}: a receive slot of num_tokens rows of
-                            [hidden_size] in the stage dtype, in segment "<name>/hidden"
+    caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target,
+                                      sampling, keys}
+                         -> {token_id, num_tokens, cached_tokens, stages: [{node, layers,
+                             compute_s, kv_pushed_bytes, logprob (last)}...]}
+    stage k -> stage k+1 cpp.reserve {request_id, num_tokens, kv_target, sampling, keys}
+                         -> {descriptor, offset, cached_blocks}: a receive slot of
+                            num_tokens rows of [hidden_size] in the stage dtype, in segment
+                            "<name>/hidden"; with `keys` (the prompt's block keys, hex) the
+                            stage matches its prefix cache and reserves down the chain at
+                            once, answering the least match of it and every later stage
     stage k  WRITE       hidden rows [start, end) of a chunk -> that slot (transfer engine)
     stage k -> stage k+1 cpp.hold {request_id}: open for the request's life on stage k+1;
                          if stage k dies, the connection drops, the handler is cancelled
@@ -48,6 +52,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import contextlib
 import select
 import subprocess
 import sys
@@ -92,6 +97,7 @@ class _Req:
     push: asyncio.Task | None = None     # this stage's KV WRITE to kv_target
     held: bool = False                   # the upstream stage holds a cpp.hold call open
     hold: asyncio.Task | None = None     # our cpp.hold call on the next stage
+    sampling: dict | None = None         # {params, prompt} for the last stage's pick; None: greedy
 
 
 class StageServer:
@@ -106,18 +112,26 @@ class StageServer:
         idle_timeout_s: a request untouched this long is released (a dead peer upstream).
         rpc_timeout_s: bound on each call to the next stage (the last chunk's call waits
             for the whole downstream prefill, so it gets max(rpc_timeout_s, 600)).
+        transfer, control, client: a cluster node's started TransferEngine, ControlServer
+            and ControlClient to share (cluster/cpp_node.py); None: the server makes and
+            owns its own (a stand-alone stage process).
+        next_resolver: returns the next stage's control address as the cluster sees it now
+            (None while unknown); asked before each request leaves this stage.
     """
 
     def __init__(self, stage: StageEngine, name: str, next_addr: str | None, max_tokens: int = 8192,
                  slots: int = 2, idle_timeout_s: float = 5.0, rpc_timeout_s: float = 30.0,
-                 transfer_settings: TransferSettings | None = None):
-        if (next_addr is None) != stage.is_last:
+                 transfer_settings: TransferSettings | None = None, *, transfer=None, control=None,
+                 client=None, next_resolver=None):
+        if next_resolver is None and (next_addr is None) != stage.is_last:
             raise ValueError("exactly the last stage has no next stage")
         self.stage, self.name, self.next_addr = stage, name, next_addr
+        self.next_resolver = None if stage.is_last else next_resolver
         self.max_tokens, self.idle_timeout_s, self.rpc_timeout_s = max_tokens, idle_timeout_s, rpc_timeout_s
-        self.transfer = TransferEngine(transfer_settings, node_id=name)
-        self.control = ControlServer()
-        self.client = ControlClient(timeout_s=rpc_timeout_s)
+        self._own = transfer is None
+        self.transfer = transfer if transfer is not None else TransferEngine(transfer_settings, node_id=name)
+        self.control = control if control is not None else ControlServer()
+        self.client = client if client is not None else ControlClient(timeout_s=rpc_timeout_s)
         self.reqs: dict[str, _Req] = {}
         self.free_slots = list(range(slots))
         self.row_bytes = stage.hidden_size * stage.dtype.itemsize
@@ -133,11 +147,16 @@ class StageServer:
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         """Starts the transfer engine, the receive segment, the worker and the control
-        server; returns the control address "host:port"."""
-        await self.transfer.start()
+        server; returns the control address "host:port". With a shared (cluster node's)
+        transfer engine and control server, only the segment and the worker start; returns
+        ""."""
+        if self._own:
+            await self.transfer.start()
         if self.hidden is not None:
             self.transfer.register_segment(self.segment, self.hidden)
         self._tasks = [asyncio.create_task(self._worker()), asyncio.create_task(self._sweep())]
+        if not self._own:
+            return ""
         h, p = await self.control.start(host, port)
         self.address = f"{h}:{p}"
         log.info("cpp_stage_started", node=self.name, layers=f"{self.stage.layers.start}:"
@@ -148,12 +167,36 @@ class StageServer:
         """Stops serving and frees everything. Never raises."""
         for t in self._tasks:
             t.cancel()
-        await self.control.stop()
-        await self.client.close()
-        await self.transfer.close()
+        for rid in list(self.reqs):
+            self._release(rid, "stopping")
+        if self._own:
+            await self.control.stop()
+            await self.client.close()
+            await self.transfer.close()
+        elif self.hidden is not None:
+            with contextlib.suppress(Exception):
+                self.transfer.unregister_segment(self.segment)
+        self._compute.shutdown(wait=False, cancel_futures=True)
+
+    def close(self) -> None:
+        """Synchronous stop of a StageServer that shares a cluster node's transfer engine
+        and control server (the node closes those): cancels the worker, releases every
+        request, withdraws the receive segment. Never raises."""
+        for t in self._tasks:
+            t.cancel()
+        for rid in list(self.reqs):
+            self._release(rid, "stopping")
+        if self.hidden is not None:
+            with contextlib.suppress(Exception):
+                self.transfer.unregister_segment(self.segment)
         self._compute.shutdown(wait=False, cancel_futures=True)
 
     # -- requests
+
+    def release(self, rid: str, why: str = "asked") -> bool:
+        """Frees rid on this stage (its slot, pages; the next stage through the dropped
+        hold); False when it held nothing of it."""
+        return self._release(rid, why)
 
     def _release(self, rid: str, why: str = "done") -> bool:
         req = self.reqs.pop(rid, None)
@@ -180,6 +223,10 @@ class StageServer:
         self.reqs[rid] = req
         return req
 
+    async def prefill(self, body: dict) -> dict:
+        """`cpp.prefill` called in-process (a cluster node's stage 0): same body and answer."""
+        return await self._on_prefill(body)
+
     async def _on_prefill(self, body: dict) -> dict:
         if not self.stage.is_first:
             raise ValueError(f"{self.name} is not the first stage")
@@ -187,15 +234,22 @@ class StageServer:
         chunk = int(body.get("chunk_tokens", 512))
         if chunk < 1:
             raise ValueError("chunk_tokens must be >= 1")
+        keys = _keys(body)
         req = self._new(rid, len(ids), bool(body.get("keep", False)))
         req.kv_target = body.get("kv_target")
+        req.sampling = body.get("sampling")
         req.waiting = True
-        tokens = torch.tensor(ids, dtype=torch.long)
-        for s in range(0, len(ids), chunk):
-            e = min(s + chunk, len(ids))
-            self._queue.put_nowait((rid, s, e, e == len(ids), tokens[s:e]))
         try:
-            return await req.result
+            start = 0
+            if keys:   # the blocks every stage holds need no compute: start after them
+                own = self.stage.match(rid, keys)
+                down = own if self.stage.is_last else await self._reserve_next(rid, req, keys)
+                start = min(own, down, (len(ids) - 1) // self.stage.block_size) * self.stage.block_size
+            tokens = torch.tensor(ids, dtype=torch.long)
+            for s in range(start, len(ids), chunk):
+                e = min(s + chunk, len(ids))
+                self._queue.put_nowait((rid, s, e, e == len(ids), tokens[s:e]))
+            return {**await req.result, "cached_tokens": start}
         finally:
             if not req.keep:
                 self._release(rid)
@@ -206,11 +260,22 @@ class StageServer:
         rid, n = str(body["request_id"]), int(body["num_tokens"])
         if not self.free_slots:
             raise StageFailure(f"{self.name}: no free receive slot")
+        keys = _keys(body)
         req = self._new(rid, n, bool(body.get("keep", False)))
         req.kv_target = body.get("kv_target")
+        req.sampling = body.get("sampling")
         req.slot = self.free_slots.pop()
+        cached = None
+        if keys:    # match here, then down the chain: the answer is the least any stage holds
+            try:
+                cached = self.stage.match(rid, keys)
+                if not self.stage.is_last:
+                    cached = min(cached, await self._reserve_next(rid, req, keys))
+            except Exception:
+                self._release(rid, "reserve failed")
+                raise
         return {"descriptor": self.transfer.segment_descriptor(self.segment),
-                "offset": req.slot * self.max_tokens * self.row_bytes}
+                "offset": req.slot * self.max_tokens * self.row_bytes, "cached_blocks": cached}
 
     async def _on_hold(self, body: dict) -> dict:
         rid = str(body["request_id"])
@@ -290,10 +355,32 @@ class StageServer:
                 req.push = asyncio.create_task(self._push_kv(rid, req, me))
             if self.stage.is_last:
                 if want_logits:
-                    token = int(torch.argmax(out))
+                    try:
+                        token, logprob = self._pick(req, out)
+                    except Exception as ex:  # noqa: BLE001 - bad sampling parameters
+                        self._fail(rid, StageFailure(f"{self.name}: sampling {rid}: {ex}"))
+                        continue
+                    me["logprob"] = logprob
                     req.send = asyncio.create_task(self._finish_last(req, token, me))
                 continue
             req.send = asyncio.create_task(self._send(rid, req, req.send, s, e, last, out, me))
+
+    @staticmethod
+    def _pick(req: _Req, logits: torch.Tensor) -> tuple[int, list | None]:
+        """The first output token from the last prompt position's fp32 logits [vocab]:
+        argmax without `sampling`, else the engine's sampler (model/sampling.py) with the
+        request's SamplingParams over its prompt. Returns (token, [token, logprob, top] or
+        None when no logprobs were asked for)."""
+        if req.sampling is None:
+            return int(torch.argmax(logits)), None
+        from mooncaked.model.sampling import SamplingRow, sample  # noqa: PLC0415
+
+        from .messages import params_from_json  # noqa: PLC0415
+        params = params_from_json(req.sampling["params"])
+        prompt = list(req.sampling.get("prompt") or [])
+        tokens, lps = sample(logits.float().unsqueeze(0).clone(), [SamplingRow(params, prompt, len(prompt))])
+        lp = lps[0]
+        return tokens[0], None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
 
     async def _finish_last(self, req: _Req, token: int, me: dict) -> None:
         try:
@@ -346,12 +433,7 @@ class StageServer:
             if req.result.done():
                 return
             if req.next_offset is None:
-                r = await self.client.call(self.next_addr, "cpp.reserve",
-                                           {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
-                                            "kv_target": req.kv_target})
-                req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
-                req.next_offset = int(r["offset"])
-                req.hold = asyncio.create_task(self._hold(rid, req))
+                await self._reserve_next(rid, req)
             await self.transfer.write(req.next_segment, req.next_offset + s * self.row_bytes,
                                       hidden.contiguous())
             body = {"request_id": rid, "start": s, "end": e, "last": last}
@@ -366,6 +448,29 @@ class StageServer:
         except Exception as ex:  # noqa: BLE001 - dead or failing next stage: the request ends here
             self._fail(rid, StageFailure(f"{self.name} -> {self.next_addr}: {ex}"))
 
+    async def _reserve_next(self, rid: str, req: _Req, keys: list[bytes] | None = None) -> int:
+        """`cpp.reserve` on the next stage (a slot for rid's hidden states, and with `keys`
+        its prefix match down the chain); starts holding it. Returns the blocks every later
+        stage holds of `keys` (0 without keys). Raises StageFailure, RpcError."""
+        if self.next_resolver is not None:
+            self.next_addr = self.next_resolver() or self.next_addr
+        if not self.next_addr:
+            raise StageFailure(f"{self.name}: the next stage has not joined")
+        body = {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
+                "kv_target": req.kv_target, "sampling": req.sampling}
+        if keys:
+            body["keys"] = [k.hex() for k in keys]
+        try:
+            r = await self.client.call(self.next_addr, "cpp.reserve", body)
+        except PeerUnavailable:
+            # A pooled connection to a next stage that was restarted (same address) fails
+            # once; the reservation never reached the new process, so asking again is safe.
+            r = await self.client.call(self.next_addr, "cpp.reserve", body)
+        req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
+        req.next_offset = int(r["offset"])
+        req.hold = asyncio.create_task(self._hold(rid, req))
+        return int(r.get("cached_blocks") or 0)
+
     async def _sweep(self) -> None:
         while True:
             await asyncio.sleep(SWEEP_INTERVAL_S)
@@ -375,6 +480,15 @@ class StageServer:
                     continue
                 if now - req.touched > self.idle_timeout_s:
                     self._release(rid, "idle")
+
+
+def _keys(body: dict) -> list[bytes]:
+    """The optional `keys` of a cpp.prefill / cpp.reserve body: the prompt's block keys
+    (hex) for the stages' prefix cache. Raises ValueError for a malformed list."""
+    raw = body.get("keys") or []
+    if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
+        raise ValueError("keys must be a list of hex strings")
+    return [bytes.fromhex(k) for k in raw]
 
 
 def start_stage_process(layers: range, next_addr: str = "", *, max_tokens: int = 8192,

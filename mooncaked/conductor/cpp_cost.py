@@ -66,25 +66,30 @@ class PipelinedCostModel(CostModel):
     stages: int = 1
     chunk_tokens: int = 4096
     hidden_bytes_per_token: int = 16384
+    scale: float = 1.0      # measured / predicted pipelined time of this group (GroupLearner)
 
     @classmethod
-    def of(cls, base: CostModel, stages: int, chunk_tokens: int, hidden_bytes_per_token: int
-           ) -> PipelinedCostModel:
-        """Wraps `base` (copied field by field). Raises ValueError for stages/chunk < 1."""
-        if stages < 1 or chunk_tokens < 1 or hidden_bytes_per_token < 0:
-            raise ValueError("stages and chunk_tokens must be >= 1, hidden bytes >= 0")
+    def of(cls, base: CostModel, stages: int, chunk_tokens: int, hidden_bytes_per_token: int,
+           scale: float = 1.0) -> PipelinedCostModel:
+        """Wraps `base` (copied field by field); `scale` multiplies the pipelined times.
+        Raises ValueError for stages/chunk < 1 or scale <= 0."""
+        if stages < 1 or chunk_tokens < 1 or hidden_bytes_per_token < 0 or not scale > 0:
+            raise ValueError("stages and chunk_tokens must be >= 1, hidden bytes >= 0, scale > 0")
         fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(CostModel)}
         return cls(**fields, stages=stages, chunk_tokens=chunk_tokens,
-                   hidden_bytes_per_token=hidden_bytes_per_token)
+                   hidden_bytes_per_token=hidden_bytes_per_token, scale=scale)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_base", CostModel(self.prefill, self.decode, self.transfer, self.kv_bytes_per_token,
                                                     self.name, self.meta))
 
     def timing(self, new_tokens: float, cached_tokens: float) -> PipelineTiming:
-        """pipeline_timing with this model's group."""
-        return pipeline_timing(self._base, new_tokens, cached_tokens, self.stages, self.chunk_tokens,
-                               self.hidden_bytes_per_token)
+        """pipeline_timing with this model's group (times multiplied by `scale`)."""
+        t = pipeline_timing(self._base, new_tokens, cached_tokens, self.stages, self.chunk_tokens,
+                            self.hidden_bytes_per_token)
+        if self.scale == 1.0:
+            return t
+        return PipelineTiming(t.latency_s * self.scale, t.occupancy_s * self.scale, t.chunks)
 
     def prefill_s(self, new_tokens: float, cached_tokens: float) -> float:
         """The group's pipelined prefill latency, seconds."""

@@ -46,6 +46,7 @@ from mooncaked.log import get_logger
 from . import cost_store
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
+from .cpp_place import GroupLearner, place_with_groups, split_groups
 from .load import INFLIGHT_TTL_S, InflightDecode, InflightPrefill, NodeView, apply_load, queue_s
 from .refit import CostModelRefitter
 from .replication import HotBlockReplicator
@@ -125,6 +126,7 @@ class ConductorService:
         self._started_mono = time.monotonic()
         self.placed = 0
         self.rejected: dict[str, int] = {}
+        self.cpp_learner = GroupLearner()    # CPP groups: measured / predicted prefill time
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self._cost_task: asyncio.Task | None = None
@@ -242,6 +244,8 @@ class ConductorService:
         self._apply_events(v, r.events, r.store_seq)
         for d in r.done:
             self.model.observe_prefill(d)
+            if self.settings.conductor.refit_cost_model:   # false: predictions stay fixed
+                self.cpp_learner.observe(d.rid, d.seconds, d.cached)
         for step in r.decode_steps:
             self.model.observe_step(*step)
 
@@ -307,17 +311,18 @@ class ConductorService:
         cost = self._cost()
         cs = self.settings.conductor
         pre = self._eligible("prefill", exclude, now)
+        pre, groups = split_groups(pre)      # CPP stages are placed as groups (cpp_place.py)
         dec = self._eligible("decode", exclude, now)
         retry = cs.min_retry_after_s
-        if not pre and not dec and not decode_only:
+        if not pre and not groups and not dec and not decode_only:
             # v.control: a node known only from a report (its member record gone, e.g. its
             # lease expired while it stalled) cannot be reached until it registers again.
             coupled = [v for v in self._eligible("all", exclude, now) if v.control]
             if coupled:
                 return self._place_coupled(req, coupled, cost, now)
-        if (not pre and not decode_only) or not dec:
-            reason = "no_decode_node" if pre or decode_only else "no_prefill_node"
-            role = "decode" if pre or decode_only else "prefill"
+        if (not pre and not groups and not decode_only) or not dec:
+            reason = "no_decode_node" if pre or groups or decode_only else "no_prefill_node"
+            role = "decode" if pre or groups or decode_only else "prefill"
             drained = sorted(v.node_id for v in self.nodes.values()
                              if v.role == role and v.draining)
             detail = (f"{', '.join(drained)} {'is' if len(drained) == 1 else 'are'} draining"
@@ -360,7 +365,14 @@ class ConductorService:
         snap = Snapshot(*snap_pre, decode_nodes=[v.node_id for v in dec], decode_batch=dbatch,
                         decode_context_tokens=dctx, decode_free_kv_tokens=dfree,
                         holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders))
-        result = place(PlacementRequest(keys, n, max_new), snap, cost, cfg, self.rng)
+        preq = PlacementRequest(keys, n, max_new)
+        result = place(preq, snap, cost, cfg, self.rng) if pre or decode_only else None
+        if groups and not decode_only:
+            result = place_with_groups(result, groups, preq, snap, cost, cfg, self.rng,
+                                       cs.cpp_min_tokens, queue_s, self.cpp_learner)
+            for g in groups:
+                if isinstance(result, Placement) and result.prefill == g.head.node_id:
+                    self.cpp_learner.predicted(rid, g.name, result.predicted_prefill_s)
         if isinstance(result, Rejection):
             return self._reject(result)
         if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
@@ -452,6 +464,9 @@ class ConductorService:
             "leader": self.node_id, "since": self.started_at, "placed": self.placed,
             "rejected": dict(self.rejected), "indexed_keys": len(self.index), "nodes": nodes,
             "policy": self.settings.conductor.policy,
+            "cpp_groups": {"complete": {g.name: [v.node_id for v in g.stages] for g in split_groups(
+                               [v for v in self.nodes.values() if v.role == "prefill"])[1]},
+                           "learned": self.cpp_learner.status()},
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},
             "replication": {**self.replicated, "in_flight": self.replicator.in_flight(),

@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -58,10 +60,33 @@ def split_layers(num_layers: int, num_stages: int, weights: list[float] | None =
     return [range(a, b) for a, b in itertools.pairwise(bounds)]
 
 
+def model_num_layers(path) -> int:
+    """The model's layer count from its metadata alone (config.json's num_hidden_layers, or
+    a GGUF file's llama.block_count), without loading weights.
+    Raises: ModelLoadError when the metadata lacks it or cannot be read."""
+    from pathlib import Path  # noqa: PLC0415
+
+    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
+
+    p = Path(path)
+    try:
+        if p.is_dir():
+            import json  # noqa: PLC0415
+            return int(json.loads((p / "config.json").read_text())["num_hidden_layers"])
+        import gguf  # noqa: PLC0415
+        reader = gguf.GGUFReader(str(p))
+        field = reader.fields["llama.block_count"]
+        return int(field.parts[field.data[0]][0])
+    except (OSError, KeyError, ValueError, IndexError) as e:
+        raise ModelLoadError(f"{p}: cannot read the layer count: {e}") from e
+
+
 @dataclass
 class _StageSeq:
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens whose K/V of this stage's layers are in the pages
+    keys: list[bytes] = field(default_factory=list)   # block keys of the prompt's full blocks
+    ran: bool = False    # a chunk ran (before that, matched blocks beyond `start` may be unpinned)
 
 
 class StageOutOfPages(RuntimeError):
@@ -110,6 +135,16 @@ class StageEngine:
                                     dtype=self.dtype, device=dev)
         self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[str, _StageSeq] = {}
+        # The stage's prefix cache: its layers of finished full blocks, by block key. A
+        # cached block is shared by reference count; at 0 it waits in `lru` (oldest
+        # first) and is reused for new pages only when no free page is left.
+        self.cached: dict[bytes, int] = {}
+        self.key_of: dict[int, bytes] = {}
+        self.refs: dict[int, int] = {}
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        # pages are taken in the compute thread (run_chunk) and matched / released from the
+        # caller's event loop: one lock over the page books
+        self._pages = threading.RLock()
         self.load_s = time.monotonic() - t0
         self.pid = os.getpid()
 
@@ -118,14 +153,58 @@ class StageEngine:
         return self.cfg.hidden_size
 
     def num_free_blocks(self) -> int:
-        return len(self.free_blocks)
+        """Pages a request may take: free ones and cached ones nobody uses."""
+        return len(self.free_blocks) + len(self.lru)
+
+    def _take_page(self) -> int:
+        if self.free_blocks:
+            return self.free_blocks.pop()
+        block, _ = self.lru.popitem(last=False)          # evict the least recently used
+        del self.cached[self.key_of.pop(block)]
+        self.refs.pop(block, None)
+        return block
 
     def _ensure_pages(self, seq: _StageSeq, end: int) -> None:
+        with self._pages:
+            self._ensure_pages_locked(seq, end)
+
+    def _ensure_pages_locked(self, seq: _StageSeq, end: int) -> None:
         need = cdiv(end, self.block_size) - len(seq.blocks)
-        if need > len(self.free_blocks):
-            raise StageOutOfPages(f"need {need} pages, {len(self.free_blocks)} free")
+        if need > self.num_free_blocks():
+            raise StageOutOfPages(f"need {need} pages, {self.num_free_blocks()} free")
         for _ in range(need):
-            seq.blocks.append(self.free_blocks.pop())
+            seq.blocks.append(self._take_page())
+
+    def _unref(self, block: int) -> None:
+        """Drops one use of a page: a cached page goes to the LRU at 0, any other is freed."""
+        if block in self.key_of:
+            self.refs[block] -= 1
+            if self.refs[block] == 0:
+                self.lru[block] = None
+        else:
+            self.free_blocks.append(block)
+
+    def match(self, request_id: str, keys: list[bytes]) -> int:
+        """Starts request_id on the cached pages of its longest cached prefix (block keys of
+        its full blocks, in order; store/keys.py) and remembers the keys for `release`.
+        Returns the blocks matched (their tokens need no compute on this stage).
+        Raises ValueError when the request already has pages."""
+        with self._pages:
+            return self._match_locked(request_id, keys)
+
+    def _match_locked(self, request_id: str, keys: list[bytes]) -> int:
+        if request_id in self.seqs:
+            raise ValueError(f"{request_id} already has pages on this stage")
+        seq = self.seqs[request_id] = _StageSeq(keys=list(keys))
+        for key in keys:
+            block = self.cached.get(key)
+            if block is None:
+                break
+            self.refs[block] += 1
+            self.lru.pop(block, None)
+            seq.blocks.append(block)
+        seq.num_tokens = len(seq.blocks) * self.block_size
+        return len(seq.blocks)
 
     @torch.inference_mode()
     def run_chunk(self, request_id: str, start: int, inputs: torch.Tensor,
@@ -145,6 +224,14 @@ class StageEngine:
             StageOutOfPages when the pages are full.
         """
         seq = self.seqs.setdefault(request_id, _StageSeq())
+        if not seq.ran and start < seq.num_tokens and start % self.block_size == 0:
+            # matched more than another stage: recompute from `start` like every stage
+            keep = start // self.block_size
+            with self._pages:
+                for block in seq.blocks[keep:]:
+                    self._unref(block)
+                del seq.blocks[keep:]
+            seq.num_tokens = start
         if start != seq.num_tokens:
             raise ValueError(f"{request_id}: chunk starts at {start}, stage has {seq.num_tokens} tokens")
         if want_logits and not self.is_last:
@@ -166,7 +253,7 @@ class StageEngine:
         else:
             x = inputs.to(device=dev, dtype=self.dtype)
         hidden = self.model.forward(x, pos, meta, self.kv_cache)
-        seq.num_tokens = end
+        seq.num_tokens, seq.ran = end, True
         if want_logits:
             return self.model.logits(hidden[-1:])[0]
         return hidden
@@ -178,11 +265,22 @@ class StageEngine:
         return self.kv_cache[torch.tensor(seq.blocks, dtype=torch.long)].clone()
 
     def release(self, request_id: str) -> bool:
-        """Frees the request's pages; False when it held none."""
+        """Frees the request's pages, keeping its full blocks whose K/V this stage has
+        computed (or matched) in the prefix cache under their keys; False when it held none."""
+        with self._pages:
+            return self._release_locked(request_id)
+
+    def _release_locked(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
-        self.free_blocks.extend(reversed(seq.blocks))
+        full = min(len(seq.keys), seq.num_tokens // self.block_size)
+        for i, block in enumerate(seq.blocks):
+            if i < full and block not in self.key_of and seq.keys[i] not in self.cached:
+                self.cached[seq.keys[i]] = block            # newly computed: cache it
+                self.key_of[block] = seq.keys[i]
+                self.refs[block] = 1
+            self._unref(block)
         return True
 
 

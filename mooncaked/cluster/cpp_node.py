@@ -1,0 +1,280 @@
+"""A prefill node that is one stage of a chunked-pipeline-parallel (CPP) group (Mooncake
+section 3.3): the cluster side of `pipeline_stage.StageServer`.
+
+A prefill node with `cpp.group` set loads only its layers (`StageEngine`, layers from
+`split_layers(num_layers, cpp.stages, cpp.layer_weights)`; no full engine, no store) and
+registers like any node, its record carrying `cpp` = {group, stage, stages, layers,
+chunk_tokens, hidden_bytes_per_token, weight_bytes}. The conductor sees a group once
+every stage has joined (conductor/cpp_place.py) and places a request on the group by
+naming stage 0 as the prefill node; the API node then calls `node.prefill` on stage 0
+as on any prefill node. The StageServer's `cpp.*` handlers sit on the node's own control
+server (cluster token), its hidden-state segment on the node's transfer engine, and each
+stage finds the next one in the membership (group, stage + 1).
+
+`node.prefill` on stage 0 (`CppStageWorker.handle`):
+1. reserves a receive buffer on the decode node (`node.kv_reserve`, the whole model's
+   layer-major shape [num_layers, blocks, 2, block_size, kv_heads, head_dim]), owned by
+   stage 0; its descriptor travels down the chain as `kv_target`;
+2. runs the prompt through the pipeline in `cpp.chunk_tokens` chunks; each stage WRITEs its
+   own layers' KV (one contiguous byte range of that buffer) after its last chunk, so the
+   one receive buffer takes layer ranges from every stage;
+3. answers `PrefillReply` with the first token (the last stage samples it with the
+   request's SamplingParams) and `KVHandle.pushed` = True: the decode node admits from the
+   buffer as from a single prefill node's push.
+
+Faults: a stage that dies mid-request ends the request on stage 0 with `StageFailure`
+(the hop named); stage 0 releases its part and the decode node's receive buffer at once,
+and the other stages release theirs when their `cpp.hold` connection drops
+(pipeline_stage.py). The API node re-places a request whose group failed (excluding the
+group) on a single prefill node when one exists, else answers 503 naming the failure.
+Stages after 0 refuse `node.prefill` (the conductor never names them).
+
+Prefix reuse: each stage keeps its layers of a finished request's full blocks in its pages
+under their block keys (StageEngine.match / release, LRU when pages run out). Stage 0
+sends the prompt's keys down the chain with the reservations; each stage matches its
+cache, the least match of any stage is the request's cached prefix (every stage
+recomputes from there), and the reply's num_cached_tokens says how much was reused.
+
+Not supported on a group (stage 0 refuses with StageFailure, so the request is re-placed
+on a single prefill node): structured output (the grammar mask needs the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any
+
+from mooncaked.conductor.cpp_place import stage_info
+from mooncaked.log import get_logger
+from mooncaked.utils import cdiv
+
+from .messages import (KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
+                       PrefillReply, PrefillRequest, Release, params_to_json)
+from .node_state import NodeDraining, release_on
+from .pipeline_stage import StageFailure, StageServer
+from .prefill_worker import PrefillLoad
+
+log = get_logger(__name__)
+
+RECEIVE_SLOTS = 4   # requests in flight through one stage at once (hidden-state receive slots)
+
+
+class CppStageWorker:
+    """The prefill side of a stage node (see the module doc); stands where PrefillWorker
+    stands on a plain prefill node (node.prefill, node.release, reports, status).
+
+    Args:
+        node: the ClusterNode (its settings, control server, transfer engine, clients,
+            members and tokenizer are shared).
+    Use: `await start()` after the node's transfer engine started and before it
+    registers (`info()` goes into the member record); `close()` at the end.
+    Raises (start): ModelLoadError for a bad model; ValueError for a split that does not fit.
+    """
+
+    def __init__(self, node: Any):
+        self.node = node
+        self.settings = node.settings
+        self.cpp = node.settings.cpp
+        self.requests: dict[str, PrefillLoad] = {}
+        self.stages: dict[str, Any] = {}        # no staged KV segments: the push is the path
+        self.engine: Any = None                 # StageEngine
+        self.server: StageServer | None = None
+
+    async def start(self) -> None:
+        """Loads this stage's layers (in a thread: seconds) and starts its StageServer."""
+        from mooncaked.engine.stage import StageEngine, model_num_layers, split_layers  # noqa: PLC0415
+        from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
+
+        s, cpp = self.settings, self.cpp
+        path = resolve_model_path(s.model.path)
+        layers = split_layers(model_num_layers(path), cpp.stages, cpp.layer_weights or None)[cpp.stage]
+        threads = s.model.num_threads or 1
+        self.engine = await asyncio.to_thread(
+            StageEngine, path, layers, dtype=s.model.dtype, kv_cache_bytes=s.engine.kv_cache_bytes,
+            block_size=s.engine.block_size, max_positions=cpp.max_tokens, num_threads=threads,
+            device=s.model.device)
+        n = self.node
+        self.server = StageServer(self.engine, n.node_id, None, max_tokens=cpp.max_tokens,
+                                  slots=RECEIVE_SLOTS, idle_timeout_s=cpp.idle_timeout_s,
+                                  rpc_timeout_s=s.cluster.rpc_timeout_s, transfer=n.transfer,
+                                  control=n.control, client=n.data_client,
+                                  next_resolver=self.next_stage)
+        await self.server.start()
+        log.info("cpp_stage_joined", node=n.node_id, group=cpp.group, stage=cpp.stage,
+                 stages=cpp.stages, layers=f"{layers.start}:{layers.stop}",
+                 weight_bytes=self.engine.weight_bytes)
+
+    def info(self) -> dict:
+        """The member record's `cpp` entry."""
+        e, cpp = self.engine, self.cpp
+        return {"group": cpp.group, "stage": cpp.stage, "stages": cpp.stages,
+                "layers": [e.layers.start, e.layers.stop], "num_layers": e.cfg.num_layers,
+                "chunk_tokens": cpp.chunk_tokens, "max_tokens": cpp.max_tokens,
+                "hidden_bytes_per_token": e.hidden_size * e.dtype.itemsize,
+                "weight_bytes": e.weight_bytes}
+
+    def next_stage(self) -> str | None:
+        """Control address of the next stage of this group, as the membership has it."""
+        for m in self.node.members.values():
+            c = stage_info(m.info)
+            if c and c["group"] == self.cpp.group and c["stage"] == self.cpp.stage + 1:
+                return m.info.get("control") or None
+        return None
+
+    def pending(self) -> dict[str, tuple[int, int]]:
+        """rid -> (new, cached) tokens of the requests this group runs (stage 0 only)."""
+        return {rid: (r.new, r.cached) for rid, r in self.requests.items()}
+
+    def status(self) -> dict:
+        """This stage's layers, weights, pages and the requests it holds (node.status)."""
+        e, srv = self.engine, self.server
+        return {**self.info(), "requests": sorted(srv.reqs), "stage_pages": sorted(e.seqs),
+                "free_blocks": e.num_free_blocks(), "free_slots": len(srv.free_slots),
+                "next": srv.next_addr}
+
+    async def handle(self, payload: Any) -> dict:
+        """`node.prefill` on stage 0: PrefillRequest -> PrefillReply through the pipeline.
+
+        Raises: NodeDraining; MessageError for a malformed body; ValueError for an empty
+        prompt or one over cpp.max_tokens; StageFailure on a stage other than 0, when a
+        stage fails or dies, or the decode node refuses the receive buffer (the API node
+        re-places it).
+        """
+        req = PrefillRequest.from_json(payload)
+        node, e = self.node, self.engine
+        if node.draining:
+            raise NodeDraining(f"{node.node_id} is draining")
+        if not e.is_first:     # StageFailure: the API node places the request again elsewhere
+            raise StageFailure(f"{node.node_id} is stage {self.cpp.stage} of group "
+                               f"{self.cpp.group}: requests enter at stage 0")
+        if req.params.structured is not None:
+            raise StageFailure(f"group {self.cpp.group} cannot run structured output (the grammar "
+                               f"mask needs a whole engine)")
+        rid, prompt = req.rid, list(req.prompt)
+        if not prompt:
+            raise ValueError("empty prompt")
+        self.requests[rid] = PrefillLoad(len(prompt), 0, False)
+        node.activity.arrived.append(rid)
+        t0 = time.monotonic()
+        reserved = False
+        try:
+            kv_target = kv = None
+            if req.stage and req.push_to:
+                desc = await self._reserve(rid, len(prompt), req)
+                reserved = True
+                kv_target = {"descriptor": desc}
+            p = req.params
+            greedy = p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 \
+                and not p.presence_penalty and not p.frequency_penalty
+            body = {"request_id": rid, "token_ids": prompt, "chunk_tokens": self.cpp.chunk_tokens,
+                    "kv_target": kv_target, "keys": [k.hex() for k in self._keys(prompt, req)],
+                    "sampling": None if greedy else {"params": params_to_json(p), "prompt": prompt}}
+            try:
+                r = await self.server.prefill(body)
+            except StageFailure as ex:
+                raise StageFailure(f"CPP group {self.cpp.group} failed ({self._names(str(ex))}): "
+                                   f"{ex}") from ex
+            seconds = time.monotonic() - t0
+            token, cached = int(r["token_id"]), int(r.get("cached_tokens", 0))
+            out = dataclasses.replace(self._first_output(token, r["stages"][-1].get("logprob"), req),
+                                      num_cached_tokens=cached)
+            if not out.finished and kv_target is not None:
+                g = self._geometry(len(prompt))
+                kv = KVHandle(kv_target["descriptor"], tuple(g), str(e.dtype).removeprefix("torch."),
+                              len(prompt), True,
+                              {"bytes": sum(s["kv_pushed_bytes"] for s in r["stages"]),
+                               "stages": r["stages"]})
+                reserved = False          # the decode node takes it over
+            elif not out.finished:
+                # the API node wants KV it would READ: a group has no stage segment
+                out = dataclasses.replace(out, finished=True, finish_reason="length")
+            node.activity.done.append(PrefillDone(rid, seconds, len(prompt) - cached, cached, False))
+            log.info("cpp_prefill_done", request_id=rid, group=self.cpp.group, tokens=len(prompt),
+                     cached_tokens=cached, seconds=round(seconds, 4),
+                     stage_compute_s=[s["compute_s"] for s in r["stages"]])
+            return PrefillReply(out, kv, seconds).to_json()
+        finally:
+            self.requests.pop(rid, None)
+            if reserved:
+                node.spawn(release_on(node.client, req.push_to, Release(rid, node.control_addr)))
+
+    def _keys(self, prompt: list[int], req: PrefillRequest) -> list[bytes]:
+        """The prompt's block keys as the cluster computes them (frontend.block_keys: model
+        id, block size, KV dtype, cache_salt), for the stages' prefix caches; none when the
+        model nodes' block size differs from this stage's (no reuse then)."""
+        m = self.node.model_info()
+        if not m or int(m.get("block_size", 0)) != self.engine.block_size:
+            return []
+        return self.node.frontend.block_keys(prompt, req.cache_salt)
+
+    def _names(self, text: str) -> str:
+        """The group's stages named in `text` (by control address) as node ids, e.g.
+        "the hop to stage 1 g0s1", so an error names the node, not only its address."""
+        out = []
+        for nid, m in self.node.members.items():
+            c = stage_info(m.info)
+            if c and c["group"] == self.cpp.group and m.info.get("control") and \
+                    m.info["control"] in text and nid != self.node.node_id:
+                out.append(f"the hop to stage {c['stage']} {nid}")
+        return ", ".join(out) or f"at stage {self.cpp.stage} {self.node.node_id} or after"
+
+    def _geometry(self, num_tokens: int) -> list[int]:
+        """Layer-major shape of a request's KV for the whole model."""
+        e = self.engine
+        return [e.cfg.num_layers, cdiv(num_tokens, e.block_size), 2, e.block_size,
+                e.cfg.num_kv_heads, e.cfg.head_dim]
+
+    async def _reserve(self, rid: str, num_tokens: int, req: PrefillRequest) -> dict:
+        """A receive buffer on the decode node for every stage's layers (owner: stage 0).
+        Raises StageFailure when the decode node refuses."""
+        node = self.node
+        ask = KVReservation(rid, node.control_addr, tuple(self._geometry(num_tokens)),
+                            str(self.engine.dtype).removeprefix("torch."), req.ttl_s)
+        try:
+            r = await node.client.call(req.push_to, "node.kv_reserve", ask.to_json())
+        except Exception as ex:  # noqa: BLE001 - RpcError, unreachable: the request is re-placed
+            raise StageFailure(f"group {self.cpp.group}: the decode node gave no receive buffer: "
+                               f"{ex}") from ex
+        return KVReserved.from_json(r).descriptor
+
+    def _first_output(self, token: int, logprob: list | None, req: PrefillRequest) -> OutputDelta:
+        """The first token as the engine would emit it: its text (held back while a
+        character is incomplete, as the decode node's detokenizer does), finished when it is
+        an end-of-sequence token or the request wants no more tokens."""
+        from mooncaked.engine.detokenizer import IncrementalDetokenizer  # noqa: PLC0415
+        from mooncaked.engine.types import TokenLogprob  # noqa: PLC0415
+
+        p, tok = req.params, self.node.tokenizer
+        detok = IncrementalDetokenizer(tok, p.stop, p.include_stop_str_in_output)
+        text = detok.add(token)
+        finished, reason, stop_reason = True, "stop", None      # as LLMEngine._check_stop
+        if not p.ignore_eos and token in tok.eos_token_ids:
+            pass
+        elif token in (p.stop_token_ids or ()):
+            stop_reason = token
+        elif detok.stopped is not None:
+            stop_reason = detok.stopped
+        elif not req.stage:
+            reason = "length"
+        else:
+            finished, reason = False, None
+        lps = None if logprob is None else (TokenLogprob(int(logprob[0]), float(logprob[1]),
+                                                         [(int(a), float(b)) for a, b in logprob[2]]),)
+        return OutputDelta((token,), text, lps, finished, reason, stop_reason, 1, 0, None,
+                           time.time())
+
+    def release_stage(self, rid: str) -> bool:
+        """`node.release`: frees rid on this stage if it still holds it."""
+        if self.server is None or rid not in self.server.reqs:
+            return False
+        return self.server.release(rid, "asked")
+
+    def close(self) -> None:
+        """Stops the stage (at shutdown): its requests are released."""
+        if self.server is not None:
+            self.server.close()
+
+
+__all__ = ["CppStageWorker", "RECEIVE_SLOTS"]

@@ -1,0 +1,234 @@
+"""End to end: a chunked-pipeline-parallel (CPP) group of two stage nodes inside a cluster of
+real `mooncaked serve` processes on loopback (issue 14).
+
+One module-scoped cluster: g0s0 and g0s1 (prefill nodes configured as stages 0 and 1 of
+group g0, as `mooncake up --prefill 3 --cpp 2` names them), prefill0 (a single prefill node)
+and decode0 (the API every test talks to). Chunks of 32 tokens and `cpp_min_tokens` = 64
+with the fixed default cost model: a 64+-token prompt is predicted faster on the group, a
+shorter one on prefill0. Which node prefilled is read from the API node's `request_done`
+log line; every long prompt carries a fresh cache salt, so no single node holds a prefix of
+it (a cached prefix below cpp_min_tokens uncached rightly keeps a request off the group).
+Tests run in any order: each starts with every node healthy and undrained
+(autouse fixture) and undoes its drains; the kill test restarts the stage it killed.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+import orjson
+import pytest
+
+from mooncaked.cluster.launcher import LocalCluster, cluster_specs, control_call
+
+BIN = Path(sys.executable).parent
+MODEL = "SmolLM2-135M-Instruct.Q4_1"
+READY_TIMEOUT_S = 300.0
+WAIT_S = 60.0          # generous: the suite shares two cores with other work
+FREE_S = 5.0           # "within a few seconds": what a dead stage's peers take to free a request
+NODES = ("g0s0", "g0s1", "prefill0", "decode0")
+LONG = " ".join(f"item{i}" for i in range(60))           # ~170 tokens: the group's
+SHORT = "Hello there"                                   # a few tokens: prefill0's
+
+
+def wait_until(pred, timeout_s: float, what: str):
+    """pred() once truthy, polled for at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        v = pred()
+        if v:
+            return v
+        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
+        time.sleep(0.05)   # poll interval
+
+
+def http(method: str, url: str, body: dict | None = None, timeout_s: float = 120.0
+         ) -> tuple[int, dict]:
+    """(status, JSON body) of one request; HTTP errors are answers too."""
+    req = urllib.request.Request(url, method=method, headers={"Content-Type": "application/json"},
+                                 data=orjson.dumps(body) if body is not None else None)
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, orjson.loads(r.read() or b"{}")
+    except urllib.error.HTTPError as e:
+        return e.code, orjson.loads(e.read() or b"{}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cpp")
+    settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
+                "cluster.poll_interval_s": 0.1, "cluster.drain_timeout_s": 5.0,
+                "conductor.refit_cost_model": False,      # placement stays what the default predicts
+                "conductor.cpp_min_tokens": 64, "cpp.chunk_tokens": 32, "cpp.idle_timeout_s": 2.0,
+                "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 32 << 20,
+                "model.num_threads": 1}
+    nodes = cluster_specs(cache=0, prefill=3, decode=1, cpp=2)
+    assert [n.node_id for n in nodes] == list(NODES)
+    cl = LocalCluster(tmp / "c", nodes, settings=settings)
+    with cl:
+        yield cl
+
+
+@pytest.fixture(autouse=True)
+def healthy(cluster):
+    """Before each test: every node answers /health 200 (not draining, joined), and the
+    conductor sees group g0 complete (a restarted stage's member record has reached it)."""
+    wait_until(lambda: all(http("GET", f"{cluster.api_url(n)}/health")[0] == 200 for n in NODES),
+               WAIT_S, "every node healthy")
+    wait_until(lambda: ((cluster.status() or {}).get("cpp_groups") or {}).get("complete")
+               == {"g0": ["g0s0", "g0s1"]}, WAIT_S, "the conductor to see group g0 complete")
+    yield
+
+
+def idle(cl: LocalCluster) -> None:
+    """Waits until the conductor sees no prefill queued or in flight anywhere: placement
+    compares predicted queues, so a report still counting the previous request would
+    send the next one elsewhere."""
+    def quiet() -> bool:
+        st = cl.status()
+        return st is not None and all(v["prefill_pending"] == 0 and v["inflight"] == 0
+                                      for v in st["nodes"].values())
+    wait_until(quiet, WAIT_S, "the conductor to see every node idle")
+
+
+def complete(cl: LocalCluster, prompt: str, max_tokens: int = 10, **extra) -> tuple[int, dict]:
+    idle(cl)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    return http("POST", f"{cl.api_url('decode0')}/v1/completions", body)
+
+
+def prefilled_on(cl: LocalCluster, body: dict) -> str:
+    """The node that prefilled a finished completion, from the API node's `request_done`
+    line (the conductor's counters restart with a new leader, which a drain can cause)."""
+    def find() -> str | None:
+        for line in cl.log_path("decode0").read_text().splitlines():
+            if '"request_done"' in line and body["id"] in line:
+                r = orjson.loads(line)
+                if r.get("status") == "finished":
+                    return r["prefill"]
+        return None
+    return wait_until(find, WAIT_S, f"the request_done line of {body['id']}")
+
+
+def set_draining(cl: LocalCluster, node: str, draining: bool) -> None:
+    """Drains (or undrains) node and waits until the conductor knows."""
+    control_call(cl.control(node), "node.drain" if draining else "node.undrain")
+    wait_until(lambda: (cl.status() or {}).get("nodes", {}).get(node, {}).get("draining")
+               is draining, WAIT_S, f"the conductor to see {node} draining={draining}")
+
+
+def test_ctl_status_lists_the_group_its_stages_and_layers(cluster):
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "-c",
+                          str(cluster.write_ctl_config())], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "g0s" in line and " g0 " in line]
+    assert len(rows) == 2, out.stdout
+    assert "0/2" in rows[0] and "0-14 (15 of 30)" in rows[0], rows
+    assert "1/2" in rows[1] and "15-29 (15 of 30)" in rows[1], rows
+    s0, s1 = (control_call(cluster.control(n), "node.status")["cpp"] for n in ("g0s0", "g0s1"))
+    assert (s0["layers"], s1["layers"]) == ([0, 15], [15, 30])
+    assert control_call(cluster.control("prefill0"), "node.status")["cpp"] is None
+
+
+def test_cpp_output_equals_the_single_nodes(cluster):
+    """Greedy and seeded-sampled output through the group = through prefill0 (the same
+    prompt, the group drained the second time); the same prompt again on the group reuses
+    every full block but the last token's (cached_tokens > 0) with the same output."""
+    greedy = {"cache_salt": uuid.uuid4().hex}          # fresh: no node holds a prefix of it
+    sampled = {"cache_salt": uuid.uuid4().hex, "temperature": 0.9, "seed": 11}
+    s, greedy_cpp = complete(cluster, LONG, 12, **greedy)
+    s2, sampled_cpp = complete(cluster, LONG, 8, **sampled)
+    s3, again = complete(cluster, LONG, 12, **greedy)      # a prefix hit on every stage
+    assert (s, s2, s3) == (200, 200, 200), (greedy_cpp, sampled_cpp, again)
+    assert [prefilled_on(cluster, b) for b in (greedy_cpp, sampled_cpp, again)] == ["g0s0"] * 3
+    assert greedy_cpp["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    n = again["usage"]["prompt_tokens"]
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16
+    assert again["choices"][0]["text"] == greedy_cpp["choices"][0]["text"]
+    set_draining(cluster, "g0s0", True)
+    try:
+        s, greedy_one = complete(cluster, LONG, 12, **greedy)
+        s2, sampled_one = complete(cluster, LONG, 8, **sampled)
+        assert (s, s2) == (200, 200), (greedy_one, sampled_one)
+        assert [prefilled_on(cluster, b) for b in (greedy_one, sampled_one)] == ["prefill0"] * 2
+    finally:
+        set_draining(cluster, "g0s0", False)
+    assert greedy_cpp["usage"]["completion_tokens"] == 12
+    assert greedy_cpp["choices"][0]["text"] == greedy_one["choices"][0]["text"], (greedy_cpp,
+                                                                                 greedy_one)
+    assert sampled_cpp["choices"][0]["text"] == sampled_one["choices"][0]["text"], (sampled_cpp,
+                                                                                   sampled_one)
+    # a short prompt goes to the single node (below cpp_min_tokens)
+    s, body = complete(cluster, SHORT, 4)
+    assert s == 200 and prefilled_on(cluster, body) == "prefill0"
+
+
+def test_a_group_alone_serves_short_prompts(cluster):
+    set_draining(cluster, "prefill0", True)
+    try:
+        s, body = complete(cluster, SHORT, 4)
+        assert s == 200 and body["usage"]["completion_tokens"] == 4, body
+        assert prefilled_on(cluster, body) == "g0s0"
+    finally:
+        set_draining(cluster, "prefill0", False)
+
+
+@pytest.mark.parametrize(("dead", "other", "rerun"), [("g0s1", "g0s0", True),
+                                                       ("g0s0", "g0s1", False)])
+def test_kill_of_a_stage_mid_request_is_rerun_or_a_clear_error_and_frees_everything(
+        cluster, dead, other, rerun):
+    """kill -9 of a stage while a long prompt is in the pipeline: with prefill0 live the
+    request is re-run there (200; the API node logs stage 0's error naming the dead hop),
+    with prefill0 drained the client gets a 503 naming the dead stage; either way the other
+    stage and the decode node hold nothing of the request within a few seconds."""
+    if not rerun:
+        set_draining(cluster, "prefill0", True)
+    result: dict = {}
+    prompt = " ".join(f"entry{i}" for i in range(330))     # ~1,000 tokens: ~30 chunks
+    t = threading.Thread(target=lambda: result.update(r=complete(cluster, prompt, 4)))
+    try:
+        t.start()
+        wait_until(lambda: control_call(cluster.control("g0s1"), "node.status")["cpp"]["requests"],
+                   WAIT_S, "the request to reach stage 1")
+        cluster.kill(dead)
+        t.join(WAIT_S)
+        assert not t.is_alive()
+        status, body = result["r"]
+        if rerun:      # stage 0 answered StageFailure naming the hop; prefill0 ran it
+            assert status == 200 and body["usage"]["completion_tokens"] == 4, body
+            replaced = [orjson.loads(line) for line in cluster.log_path("decode0").read_text()
+                        .splitlines() if '"prefill_replaced"' in line]
+            assert any("CPP group g0 failed (the hop to stage 1 g0s1)" in r["reason"]
+                       for r in replaced), replaced
+        else:
+            assert status == 503, body
+            assert dead in body["error"]["message"], body
+
+        def nothing_held() -> bool:
+            s = control_call(cluster.control(other), "node.status")
+            d = control_call(cluster.control("decode0"), "node.status")
+            return (not s["cpp"]["requests"] and not s["cpp"]["stage_pages"]
+                    and not s["requests"]["prefill"] and d["requests"]["receiving"] == 0
+                    and not d["requests"]["decode"])
+        wait_until(nothing_held, FREE_S, f"{other} and the decode node to free the request")
+    finally:
+        t.join(WAIT_S)
+        if not rerun:
+            set_draining(cluster, "prefill0", False)
+        cluster.restart_node(dead, READY_TIMEOUT_S)
+    # the group serves again once the conductor has its restarted stage's record
+
+    def served_by_group() -> bool:
+        s, body = complete(cluster, LONG, 4, cache_salt=uuid.uuid4().hex)
+        assert s == 200, body
+        return prefilled_on(cluster, body) == "g0s0"
+    wait_until(served_by_group, WAIT_S, "a request served by the group again")

@@ -1,0 +1,94 @@
+"""Placement on CPP groups (conductor/cpp_place.py): which prefill nodes form groups, and
+group or single node by predicted TTFT and cpp_min_tokens. Pure functions, no processes."""
+
+from __future__ import annotations
+
+import random
+
+from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
+from mooncaked.conductor.cpp_place import GroupLearner, place_with_groups, split_groups
+from mooncaked.conductor.load import NodeView, queue_s
+from mooncaked.conductor.policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
+
+# prefill 0.05 s + 5 ms a token: a 2,000-token prompt takes 10.05 s on one node
+COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.05, 0.005)),
+                 decode=PolyModel(((0, 0), (1, 0)), (0.01, 0.001)),
+                 transfer=TransferModel(1e9), kv_bytes_per_token=1000, name="t", meta={})
+
+
+def view(nid: str, group: str = "", stage: int = 0, stages: int = 2, control: bool = True) -> NodeView:
+    info = {"role": "prefill"}
+    if control:
+        info["control"] = f"127.0.0.1:{1000 + len(nid)}"
+    if group:
+        info["cpp"] = {"group": group, "stage": stage, "stages": stages, "layers": [0, 1],
+                       "chunk_tokens": 256, "hidden_bytes_per_token": 2304, "max_tokens": 8192}
+    return NodeView(nid, role="prefill", info=info)
+
+
+def test_split_groups_keeps_complete_groups_and_single_nodes():
+    nodes = [view("p"), view("a1", "a", 1), view("a0", "a", 0),      # complete, out of order
+             view("b1", "b", 1),                                      # b lacks stage 0
+             view("c0", "c", 0, 3), view("c1", "c", 1, 2),            # c's sizes disagree
+             view("r")]
+    nodes[-1].info.pop("control")                   # known only by report: a single node
+    singles, groups = split_groups(nodes)
+    assert [v.node_id for v in singles] == ["p", "r"]
+    assert [g.name for g in groups] == ["a"]
+    assert [v.node_id for v in groups[0].stages] == ["a0", "a1"] and groups[0].head.node_id == "a0"
+    assert groups[0].chunk_tokens == 256
+
+
+def _place(n: int, with_single: bool, min_tokens: int = 1000, learner=None):
+    singles, groups = split_groups([view("p"), view("a0", "a", 0), view("a1", "a", 1)])
+    if not with_single:
+        singles = []
+    req = PlacementRequest([], n, 4)
+    cfg = PolicyConfig(policy="global_cache_aware", block_size=16)
+    snap = Snapshot([v.node_id for v in singles], [0.0] * len(singles), [0] * len(singles),
+                    decode_nodes=["d"], decode_batch=[0], decode_context_tokens=[0],
+                    decode_free_kv_tokens=[100_000])
+    single = place(req, snap, COST, cfg, random.Random(0)) if singles else None
+    return single, place_with_groups(single, groups, req, snap, COST, cfg, random.Random(0),
+                                     min_tokens, queue_s, learner)
+
+
+def test_long_prompt_goes_to_the_group_when_predicted_faster():
+    single, r = _place(2000, True)
+    assert isinstance(single, Placement) and single.prefill == "p"
+    assert isinstance(r, Placement) and r.prefill == "a0" and r.decode == "d"
+    # 8 chunks of 256 on 2 stages: about half the single node's 10.05 s plus one chunk's bubble
+    assert r.predicted_ttft_s < 0.6 * single.predicted_ttft_s
+
+
+def test_short_prompt_stays_on_the_single_node_but_a_group_alone_serves_it():
+    single, r = _place(500, True)
+    assert r is single and r.prefill == "p"                 # 500 < cpp_min_tokens
+    _, r = _place(500, True, min_tokens=100)                # 2 chunks: the group is faster
+    assert r.prefill == "a0"
+    _, r = _place(40, False)                                # no single node: one chunk on the group
+    assert isinstance(r, Placement) and r.prefill == "a0"
+    _, groups = split_groups([view("p")])
+    assert place_with_groups(Rejection("ttft_slo", 1.0), groups, PlacementRequest([], 10, 1),
+                             Snapshot(["p"], [0.0], [0]), COST, PolicyConfig(block_size=16), None,
+                             1000, queue_s).reason == "ttft_slo"
+
+
+def test_the_group_learns_its_pipelined_time_from_measured_prefills():
+    lr = GroupLearner(alpha=0.5)
+    _, r = _place(2000, True)
+    assert r.prefill == "a0"
+    for i in range(8):       # the group measures 3x its prediction, one request at a time
+        lr.predicted(f"r{i}", "a", r.predicted_prefill_s * lr.scale("a"))
+        lr.observe(f"r{i}", 3 * r.predicted_prefill_s)
+    assert abs(lr.scale("a") - 3.0) < 0.05 and lr.status()["a"]["samples"] == 8
+    lr.predicted("x", "a", 1.0)
+    lr.predicted("y", "a", 1.0)          # overlapped: neither is a sample
+    lr.observe("x", 100.0)
+    lr.observe("y", 100.0)
+    lr.predicted("z", "a", 1.0)
+    lr.observe("z", 100.0, cached_tokens=32)     # a prefix hit: not a sample either
+    assert lr.status()["a"]["samples"] == 8
+    # at 3x its model the group no longer beats the single node: the request stays there
+    single2, r = _place(2000, True, learner=lr)
+    assert r is single2 and r.prefill == "p"
