@@ -93,6 +93,9 @@ def env(tmp_path_factory):
                 "conductor.ttft_slo_s": 3.0, "conductor.tbt_slo_s": 10.0,
                 # stores large enough that nothing a session puts is evicted
                 "engine.kv_cache_bytes": KV_CACHE_BYTES, "store.dram_bytes": 128 << 20,
+                # prefill in 512-token chunks even with no decode running: the abort tests
+                # cancel a prefill between its chunks
+                "engine.idle_prefill_tokens": 0,
                 "server.request_timeout_s": 120.0}
     # c1 gets a systemd notification socket, as under Type=notify
     notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

@@ -69,6 +69,11 @@ def cluster(tmp_path_factory):
                 "conductor.refit_cost_model": False,      # placement stays what the default predicts
                 "conductor.cpp_min_tokens": 64, "cpp.chunk_tokens": 32, "cpp.idle_timeout_s": 2.0,
                 "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 32 << 20,
+                # The conductor does not index the stages' own prefix caches: with decode0
+                # offloading, a repeated prompt's blocks are on decode0, and prefill0
+                # fetching them rightly beats the group's uncached prediction. This module
+                # tests the group's own prefix reuse, so decode0 keeps nothing.
+                "store.decode_offload": False,
                 "model.num_threads": 1}
     nodes = cluster_specs(cache=0, prefill=3, decode=1, cpp=2)
     assert [n.node_id for n in nodes] == list(NODES)

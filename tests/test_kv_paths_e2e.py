@@ -589,7 +589,9 @@ def test_next_turn_fetches_the_output_blocks_from_the_decode_node(env, tokenizer
     answer = [int(t.removeprefix("token_id:")) for t in first["choices"][0]["logprobs"]["tokens"]]
     assert len(answer) == OUT
     # 40 + 32 tokens, the last one without KV: 4 full blocks offloaded on d1 and indexed
-    wait_until(lambda: indexed(cluster)["d1"] - idx == 4, 10,
+    # (>=: a previous test's offload on d1 may be indexed in the same window; the cached
+    # tokens below check that these 4 blocks are the ones used)
+    wait_until(lambda: indexed(cluster)["d1"] - idx >= 4, 10,
                "d1's blocks of the finished request indexed")
     turn = prompt + answer + prompt_ids(tokenizer, "next turn question", 30)
     before = counters(cluster)

@@ -366,11 +366,15 @@ class ClusterNode:
             self.draining = True
             log.info("node_draining", node=self.node_id, prefill=self._running("prefill"),
                      decode=self._running("decode"), frontend=self.frontend_runs)
+            # Stand down first: a campaign still running could otherwise win while the
+            # re-registration and the report below are in flight (seen when every node
+            # of a cluster got SIGTERM at once and the leader resigned).
+            if self.view is not None:
+                await self.view.stand_down()
             if self.coord is not None:
                 await _bounded(self._reregister(), "reregister")
             if self.view is not None:
                 await _bounded(self.view.report_once(), "report")
-                await self.view.stand_down()
         while (self._running("prefill") or self._running("decode") or self.frontend_runs) \
                 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)   # poll: requests finish on their own schedule
