@@ -82,6 +82,10 @@ def sim(
                                             "also goes first once it waited its FCFS wait at "
                                             "arrival plus this, s (default: the policy's; "
                                             "cost_aware uses 10; inf = --aging only)."),
+    pipeline_under_load_ttft: float = typer.Option(30.0, min=0.0, help="Elastic pipelines while "
+                                                   "a prefill node has requests queued: only for a "
+                                                   "request missing this TTFT on one node and "
+                                                   "meeting it pipelined, s (inf: never; 0: off)."),
     cpp: int = typer.Option(1, min=1, help="Chunked pipeline parallelism: prefill nodes form groups "
                             "of this many pipeline stages (must divide --prefill; 1 = off)."),
     cpp_chunk_tokens: int = typer.Option(4096, min=1, help="Tokens per pipeline chunk (--cpp, "
@@ -137,7 +141,8 @@ def sim(
                          output_tokens=output_tokens, seed=seed, fetch_rule=fetch_rule,
                          prefill_order=prefill_order, decode_rule=decode_rule, aging_s=aging,
                          cpp=cpp, cpp_chunk_tokens=cpp_chunk_tokens,
-                         pipeline_stages=pipeline_stages, fcfs_slack_s=fcfs_slack, **kw)
+                         pipeline_stages=pipeline_stages, fcfs_slack_s=fcfs_slack,
+                         pipeline_under_load_ttft_s=pipeline_under_load_ttft, **kw)
         for p in policies:    # an unknown rule fails here, before any simulation
             if p != "coupled":
                 dataclasses.replace(base, policy=p)

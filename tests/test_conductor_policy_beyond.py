@@ -19,6 +19,7 @@ from mooncaked.conductor.policy import (
     QueuedWork,
     Snapshot,
     choose_decode,
+    pipeline_rescues,
     place,
     spf_bound_s,
     spf_pick,
@@ -324,13 +325,38 @@ def test_pipelines_a_long_prompt_over_idle_nodes_when_predicted_faster():
 def test_pipeline_pays_for_the_node_time_it_holds_when_others_queue():
     # gain 20 - 12.5 = 7.5 s; the 2-stage bubble holds 2.5 node-seconds, charged once per
     # node with requests queued (free time inf): 2 such nodes still pipeline, 4 do not
-    def snap(queued: int) -> Snapshot:
-        n = 2 + queued
-        return Snapshot(list("abcdef")[:n], [0.0, 0.0] + [100.0] * queued, [0] * n,
-                        prefill_free_s=[0.0, 0.0] + [math.inf] * queued)
-    assert place(LONG, snap(2), COST, pcfg()).helpers == ("b",)
-    c = place(LONG, snap(4), COST, pcfg())
+    # (the score alone: the under-load rule off)
+    off = pcfg(pipeline_under_load_ttft_s=0.0)
+    assert place(LONG, _queued_snap(2), COST, off).helpers == ("b",)
+    c = place(LONG, _queued_snap(4), COST, off)
     assert c.helpers == () and c.predicted_ttft_s == pytest.approx(20)
+
+
+def _queued_snap(queued: int) -> Snapshot:
+    # a and b idle, `queued` more nodes with requests queued
+    n = 2 + queued
+    return Snapshot(list("abcdef")[:n], [0.0, 0.0] + [100.0] * queued, [0] * n,
+                    prefill_free_s=[0.0, 0.0] + [math.inf] * queued)
+
+
+def test_under_load_a_pipeline_must_turn_a_ttft_miss_into_a_hit():
+    # LONG: 20 s on one node, 12.5 s over a and b (both idle); c and d have requests queued
+    assert pipeline_rescues(0, 20.0, 12.5, 30.0) and pipeline_rescues(2, 20.0, 12.5, 0.0)
+    assert not pipeline_rescues(2, 20.0, 12.5, 30.0)          # meets 30 s on one node
+    assert pipeline_rescues(2, 20.0, 12.5, 15.0)              # misses 15 s alone, meets it
+    assert not pipeline_rescues(2, 20.0, 12.5, 10.0)          # misses 10 s either way
+    assert not pipeline_rescues(2, 20.0, 12.5, math.inf)      # never under load
+    assert pcfg().pipeline_under_load_ttft_s == 30.0
+    with pytest.raises(ValueError):
+        pcfg(pipeline_under_load_ttft_s=-1.0)
+    # place(): nothing queued, the default pipelines; queued, only the rescue does
+    assert place(LONG, _queued_snap(0), COST, pcfg()).helpers == ("b",)
+    c = place(LONG, _queued_snap(2), COST, pcfg())
+    assert c.helpers == () and c.predicted_ttft_s == pytest.approx(20)
+    c = place(LONG, _queued_snap(2), COST, pcfg(pipeline_under_load_ttft_s=15.0))
+    assert c.helpers == ("b",) and c.predicted_ttft_s == pytest.approx(12.5)
+    for slo in (10.0, math.inf):
+        assert place(LONG, _queued_snap(2), COST, pcfg(pipeline_under_load_ttft_s=slo)).helpers == ()
 
 
 def test_simulated_pipeline_holds_its_stage_nodes():

@@ -114,6 +114,12 @@ class PolicyConfig:
             LLaMA3-70B: 8192 x bf16), as `cpp_cost.pipeline_timing` takes them.
         pipeline_min_tokens: only a request with at least this many uncached tokens is
             pipelined (the paper: "typically above 1,000 tokens").
+        pipeline_under_load_ttft_s: while any prefill node has requests queued, a pipeline
+            is taken only when it turns a TTFT miss into a hit: the best single node's
+            predicted TTFT exceeds this and the pipeline's meets it (`pipeline_rescues`);
+            otherwise the helper's node time goes to the queued work. Default 30 s, the
+            paper's TTFT threshold; inf: never pipeline under load; 0: no such rule (the
+            score alone decides).
     Raises (constructor): ValueError on an unknown policy, rule or out-of-range value.
     """
 
@@ -132,6 +138,7 @@ class PolicyConfig:
     pipeline_chunk_tokens: int = 4096
     pipeline_hidden_bytes_per_token: int = 16384
     pipeline_min_tokens: int = CPP_MIN_TOKENS
+    pipeline_under_load_ttft_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -153,9 +160,10 @@ class PolicyConfig:
         if self.pipeline_stages == 0:
             object.__setattr__(self, "pipeline_stages", _PIPELINE_DEFAULTS.get(self.policy, 1))
         if (self.pipeline_stages < 1 or self.pipeline_chunk_tokens < 1
-                or self.pipeline_hidden_bytes_per_token < 0 or self.pipeline_min_tokens < 0):
+                or self.pipeline_hidden_bytes_per_token < 0 or self.pipeline_min_tokens < 0
+                or not self.pipeline_under_load_ttft_s >= 0):
             raise ValueError("pipeline_stages and pipeline_chunk_tokens must be >= 1, "
-                             "pipeline hidden bytes and min tokens >= 0")
+                             "pipeline hidden bytes, min tokens and under-load TTFT >= 0")
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if not self.cache_balance_threshold >= 1.0:
@@ -599,7 +607,8 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
     needed sits idle (reserved). Under load those node-seconds delay other requests, so
     a candidate scores TTFT + that idle time x the number of prefill nodes with requests
     queued (none queued: the idle time costs nobody), against the single node's TTFT;
-    the lowest score wins (the fewest stages among equals).
+    the lowest score wins (the fewest stages among equals). Under load (a node queued) the
+    winner is taken only when `pipeline_rescues` (cfg.pipeline_under_load_ttft_s).
     Returns: None when no pipeline is predicted faster, else (primary index, blocks used,
         fetch seconds, fetch source or None, helper node ids in stage order,
         PipelineTiming, TTFT s, seconds until stage 0 starts).
@@ -612,6 +621,9 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
     lengths, src = _prefix_sources(own, snap) if can_fetch else ([], {})
     memo: dict[tuple[int, int], PipelineTiming] = {}
     queued = sum(1 for f in free if f == math.inf)   # nodes with requests waiting
+    slo = cfg.pipeline_under_load_ttft_s
+    if queued and slo > 0 and not single_ttft_s > slo:
+        return None   # under load only a request that misses on one node may pipeline
     best_t, best = single_ttft_s, None
     best_score = single_ttft_s
     for fi, i in cand:
@@ -644,12 +656,26 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
                 score = t + waste * queued
                 if score < best_score:
                     best_score, best_t, best = score, t, (i, L, x, s, k, tm, t0)
-    if best is None:
+    if best is None or not pipeline_rescues(queued, single_ttft_s, best_t, slo):
         return None
     i, L, x, s, k, tm, w = best
     helpers = tuple(snap.prefill_nodes[h] for _, h in cand if h != i)[:k - 1]
     return (i, L, x, (_source_node(s, snap) if s is not None else None), helpers, tm, best_t,
             w)
+
+
+def pipeline_rescues(queued_nodes: int, single_ttft_s: float, pipeline_ttft_s: float,
+                     under_load_ttft_s: float) -> bool:
+    """Whether an elastic pipeline may be taken, given its predicted TTFT against the best
+    single node's (pure). With no prefill node queued (`queued_nodes` 0), or with
+    `under_load_ttft_s` 0 (the rule off), always. Under load the helper's node time is
+    taken from queued requests, which under shortest-first queues are mostly short ones;
+    so only a pipeline that turns a TTFT miss into a hit pays for it: single_ttft_s >
+    under_load_ttft_s >= pipeline_ttft_s (inf: never under load).
+    """
+    if not queued_nodes or under_load_ttft_s == 0:
+        return True
+    return single_ttft_s > under_load_ttft_s >= pipeline_ttft_s
 
 
 def choose_decode(prompt_tokens: int, max_new_tokens: int, snap: Snapshot, cost: CostModel,

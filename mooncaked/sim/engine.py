@@ -95,6 +95,9 @@ class SimConfig:
     prefill nodes with nothing queued, all starting when the last is free, in chunks of
     `cpp_chunk_tokens`; the first stage stores the KV and is free after the pipeline's
     occupancy, stage j after occupancy + j x (the longest chunk's stage time + one hop).
+    `pipeline_under_load_ttft_s`: PolicyConfig.pipeline_under_load_ttft_s (while a prefill
+    node has requests queued, pipeline only a request that misses this TTFT on one node
+    and meets it pipelined; 0: off).
     """
 
     policy: str = "global_cache_aware"
@@ -124,6 +127,7 @@ class SimConfig:
     cpp_hidden_bytes_per_token: int = 16384  # LLaMA3-70B: d_model 8192 x bf16
     pipeline_stages: int = 0
     fcfs_slack_s: float | None = None
+    pipeline_under_load_ttft_s: float = 30.0
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -250,7 +254,8 @@ class Simulator:
                                  pipeline_stages=1 if cfg.cpp > 1 or self.coupled
                                  else cfg.pipeline_stages,
                                  pipeline_chunk_tokens=cfg.cpp_chunk_tokens,
-                                 pipeline_hidden_bytes_per_token=cfg.cpp_hidden_bytes_per_token)
+                                 pipeline_hidden_bytes_per_token=cfg.cpp_hidden_bytes_per_token,
+                                 pipeline_under_load_ttft_s=cfg.pipeline_under_load_ttft_s)
         self.elastic = self.pcfg.pipeline_stages > 1
         self.pipelined = 0
         self.spf = self.pcfg.prefill_order == "spf" and not self.coupled
