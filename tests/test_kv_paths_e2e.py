@@ -118,7 +118,10 @@ def env(tmp_path_factory):
     faults = {"MOONCAKED_FAILPOINTS": ""}
     nodes = [NodeSpec("cache", "c1", settings={"cluster.layerwise_kv_push": False}, env=faults),
              *(NodeSpec("prefill", n, env=faults) for n in PREFILL),
-             NodeSpec("decode", "d1", env=faults)]
+             # d1 keeps every finished request's blocks (store.decode_offload): a store large
+             # enough that the module never evicts, so a count of its indexed blocks grows
+             # by exactly what a request puts
+             NodeSpec("decode", "d1", settings={"store.dram_bytes": 512 << 20}, env=faults)]
     cluster = LocalCluster(tmp / "c", nodes, settings=settings)
     ref_port = free_port()
     ref_log = (tmp / "ref.log").open("wb")
@@ -591,8 +594,12 @@ def test_next_turn_fetches_the_output_blocks_from_the_decode_node(env, tokenizer
     # 40 + 32 tokens, the last one without KV: 4 full blocks offloaded on d1 and indexed
     # (>=: a previous test's offload on d1 may be indexed in the same window; the cached
     # tokens below check that these 4 blocks are the ones used)
-    wait_until(lambda: indexed(cluster)["d1"] - idx >= 4, 10,
-               "d1's blocks of the finished request indexed")
+    try:
+        wait_until(lambda: indexed(cluster)["d1"] - idx >= 4, 10,
+                   "d1's blocks of the finished request indexed")
+    except AssertionError as e:
+        raise AssertionError(f"{e}; indexed on d1 {idx} -> {indexed(cluster)['d1']}, "
+                             f"d1 store {status(cluster, 'd1')['store']}") from None
     turn = prompt + answer + prompt_ids(tokenizer, "next turn question", 30)
     before = counters(cluster)
     got = complete(api, turn)
