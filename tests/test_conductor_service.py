@@ -88,6 +88,34 @@ def test_inflight_placements_expire_without_a_report():
     assert not v.inflight_prefill
 
 
+def test_a_decode_placement_stays_counted_until_its_predicted_prefill_is_over():
+    # 100 tokens predict 1.1 s of prefill; with 19 queued ahead of it on p1 the request's
+    # predicted TTFT is 20 * 1.1 = 22 s. The decode node hears of it only after its
+    # prefill, so d1's reports must not drop it before then, and the next placement
+    # must still see it on d1 (it goes to d2 then).
+    svc = service(ttft_slo=100.0)
+    report(svc, "p1", "prefill", pending={f"q{i}": [100, 0] for i in range(19)})
+    report(svc, "d1", "decode")
+    report(svc, "d2", "decode")
+    r = place(svc, "long")
+    assert r["ok"] and abs(r["predicted_ttft_s"] - 22.0) < 1e-9
+    d = r["decode"]["node"]
+    e = svc.nodes[d].inflight_decode["long"]
+    assert abs(e.expires_at - e.placed_at - (22.0 + INFLIGHT_TTL_S)) < 1e-9
+    # a report from that decode node after the fixed TTL, long before the predicted TTFT
+    svc.nodes[d].inflight_decode["long"] = dataclasses.replace(
+        e, placed_at=e.placed_at - INFLIGHT_TTL_S - 1, expires_at=e.expires_at - INFLIGHT_TTL_S - 1)
+    report(svc, d, "decode")
+    assert "long" in svc.nodes[d].inflight_decode
+    other = place(svc, "next")
+    assert other["ok"] and other["decode"]["node"] != d
+    # past its expiry, a report that does not name it drops it
+    e = svc.nodes[d].inflight_decode["long"]
+    svc.nodes[d].inflight_decode["long"] = dataclasses.replace(e, expires_at=time.monotonic() - 1)
+    report(svc, d, "decode")
+    assert "long" not in svc.nodes[d].inflight_decode
+
+
 def test_excluded_draining_and_silent_nodes_get_nothing():
     svc = service(ttft_slo=100.0)
     for n in ("p1", "p2"):

@@ -26,10 +26,25 @@ class InflightPrefill:
 @dataclass(frozen=True)
 class InflightDecode:
     """A placement on a decode node that its reports do not count yet: KV tokens it will
-    hold (prompt + output) and when it was placed (monotonic seconds)."""
+    hold (prompt + output), when it was placed, and when the conductor stops counting it
+    unless a report names it (monotonic seconds).
+
+    The decode node only learns of a request when its prefill is done, so the entry must
+    outlive the prefill: `expires_at` = placement + predicted TTFT + INFLIGHT_TTL_S (see
+    `inflight_decode`). A fixed TTL from placement let a long prefill's request vanish
+    from decode placement, and a second request land on the same node meanwhile."""
 
     tokens: int
     placed_at: float
+    expires_at: float
+
+
+def inflight_decode(tokens: int, now: float, predicted_ttft_s: float) -> InflightDecode:
+    """The in-flight entry of a decode placement made at monotonic `now` (seconds) for a
+    request that will hold `tokens` KV tokens and whose first token is predicted
+    `predicted_ttft_s` seconds later (NaN or negative counts as 0)."""
+    ttft = predicted_ttft_s if predicted_ttft_s == predicted_ttft_s and predicted_ttft_s > 0 else 0.0
+    return InflightDecode(tokens, now, now + ttft + INFLIGHT_TTL_S)
 
 
 @dataclass
@@ -57,7 +72,8 @@ class NodeView:
 
 def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
     """Takes node v's reported load (monotonic `now`), and forgets the placements it now
-    counts itself or that never reached it within INFLIGHT_TTL_S."""
+    counts itself or that never reached it in time: a prefill placement within
+    INFLIGHT_TTL_S, a decode placement by its `expires_at`."""
     v.reported_at = now
     v.draining = r.draining or bool(v.info.get("draining", False))
     v.prefill_pending = dict(r.pending)
@@ -70,7 +86,7 @@ def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
                 if x in seen or now - e.placed_at > INFLIGHT_TTL_S]:
         del v.inflight_prefill[rid]
     for rid in [x for x, e in v.inflight_decode.items()
-                if x in seen or now - e.placed_at > INFLIGHT_TTL_S]:
+                if x in seen or now > e.expires_at]:
         del v.inflight_decode[rid]
 
 
@@ -84,4 +100,5 @@ def queue_s(v: NodeView, cost: CostModel) -> float:
 
 
 __all__ = ["INFLIGHT_TTL_S", "InflightDecode", "InflightPrefill", "NodeView", "apply_load",
+           "inflight_decode",
            "queue_s"]

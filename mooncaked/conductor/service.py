@@ -47,7 +47,8 @@ from . import cost_store
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import GroupLearner, place_with_groups, split_groups
-from .load import INFLIGHT_TTL_S, InflightDecode, InflightPrefill, NodeView, apply_load, queue_s
+from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, inflight_decode,
+                   queue_s)
 from .refit import CostModelRefitter
 from .replication import HotBlockReplicator
 from .policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
@@ -429,7 +430,7 @@ class ConductorService:
             pv.inflight_prefill[rid] = InflightPrefill(n - p.prefix_tokens, p.prefix_tokens, now)
             pv.placed += 1
             self.model.predicted(rid, p.predicted_ttft_s, now)
-        dv.inflight_decode[rid] = InflightDecode(n + max_new, now)
+        dv.inflight_decode[rid] = inflight_decode(n + max_new, now, p.predicted_ttft_s)
         dv.placed += 1
         self.placed += 1
         fetch = None
