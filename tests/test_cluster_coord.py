@@ -181,6 +181,36 @@ def test_resign_hands_leadership_over_and_watch_leader_sees_it(backend):
     run(main())
 
 
+def test_resign_after_a_cancelled_campaign_removes_a_key_it_won_unknowingly(backend):
+    """Fault injection: the campaign's create reaches the store, but the campaign is
+    cancelled before the reply (wraps coord._create to hang after the real write)."""
+    settings, _ = backend
+
+    async def main():
+        async with make_coordinator(settings) as a, make_coordinator(settings) as b:
+            await a.register("a", {})
+            written, create = asyncio.Event(), a._create
+
+            async def create_then_hang(key, raw, lease):
+                ok = await create(key, raw, lease)
+                written.set()
+                await asyncio.Event().wait()          # the reply never comes back
+                return ok
+            a._create = create_then_hang
+            task = asyncio.create_task(a.campaign("a"))
+            await asyncio.wait_for(written.wait(), 5)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            assert await b.leader() == "a"              # it won without learning it
+            assert await a.resign() is True
+            assert await b.leader() is None             # gone now, not at lease expiry
+            assert await a.resign() is False
+            lead_b = await asyncio.wait_for(b.campaign("b"), 5)
+            assert lead_b.held and await a.leader() == "b"
+    run(main())
+
+
 def test_lost_lease_drops_leadership_and_reregisters(backend):
     """Fault injection: the session's lease vanishes under a live process."""
     settings, _ = backend

@@ -45,7 +45,10 @@ class ElectionMixin:
                 lease = self._require_session()
                 raw = _dumps({"node_id": node_id, "incarnation": self._session_id,
                               "since": time.time()})
-                if await self._op(self._create(key, raw, lease), f"campaign {election}"):
+                self._unconfirmed[election] = raw
+                won = await self._op(self._create(key, raw, lease), f"campaign {election}")
+                self._unconfirmed.pop(election, None)
+                if won:
                     lead = Leadership(election, node_id, self._session_id, key, raw, self)
                     self._leading[election] = lead
                     log.info("coord_elected", election=election, node=node_id,
@@ -54,11 +57,22 @@ class ElectionMixin:
         raise CoordinationError(f"{self._describe()}: watch of {key} ended")  # pragma: no cover
 
     async def resign(self, election: str = DEFAULT_ELECTION) -> bool:
-        """Gives up leadership of `election` if held; True if this process was leader."""
+        """Gives up leadership of `election` if held; True if this process was leader.
+
+        A campaign cancelled while its create was in flight may have won without knowing
+        it; resign deletes that leader key too (only if it still holds this process's
+        value), so the election does not wait for the lease to expire.
+        Raises: CoordinationError."""
         key = self._leader_key(election)
         lead = self._leading.pop(election, None)
         if lead is None:
-            return False
+            raw = self._unconfirmed.pop(election, None)
+            if raw is None:
+                return False
+            won = await self._op(self._delete_if(key, raw), f"resign {election}")
+            if won:
+                log.info("coord_resigned", election=election, unconfirmed=True)
+            return won
         lead.lost.set()
         await self._op(self._delete_if(key, lead.raw), f"resign {election}")
         log.info("coord_resigned", election=election, node=lead.node_id)

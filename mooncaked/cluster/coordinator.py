@@ -75,6 +75,9 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         self._registered: dict[str, tuple[dict, float]] = {}   # node_id -> (info, registered_at)
         self._ephemeral: dict[str, bytes] = {}        # full key -> raw value, re-put on new session
         self._leading: dict[str, Leadership] = {}     # election -> leadership
+        # election -> the leader value of a create whose outcome this process never saw
+        # (the campaign was cancelled while it ran); resign() deletes it if it won
+        self._unconfirmed: dict[str, bytes] = {}
         self._heartbeat: asyncio.Task | None = None
         self._session_lock = asyncio.Lock()
         self._closed = False
