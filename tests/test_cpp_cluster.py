@@ -177,6 +177,32 @@ def test_cpp_output_equals_the_single_nodes(cluster):
     assert s == 200 and prefilled_on(cluster, body) == "prefill0"
 
 
+def test_structured_output_through_the_group_equals_the_single_nodes(cluster):
+    """A constrained request (a regex the model would not follow unconstrained: its first
+    token is masked on the last stage) runs on the group, greedy and seeded-sampled, with
+    the same text as on prefill0 (group drained), and the text matches the pattern."""
+    import re
+    pattern = r"[0-9]{3}-[a-z]{4}\."
+    so = {"structured_outputs": {"regex": pattern}}
+    greedy = {"cache_salt": uuid.uuid4().hex, **so}
+    sampled = {"cache_salt": uuid.uuid4().hex, "temperature": 0.9, "seed": 5, **so}
+    s, g_cpp = complete(cluster, LONG, 12, **greedy)
+    s2, x_cpp = complete(cluster, LONG, 12, **sampled)
+    assert (s, s2) == (200, 200), (g_cpp, x_cpp)
+    assert [prefilled_on(cluster, b) for b in (g_cpp, x_cpp)] == ["g0s0"] * 2
+    set_draining(cluster, "g0s0", True)
+    try:
+        s, g_one = complete(cluster, LONG, 12, **greedy)
+        s2, x_one = complete(cluster, LONG, 12, **sampled)
+        assert (s, s2) == (200, 200), (g_one, x_one)
+        assert [prefilled_on(cluster, b) for b in (g_one, x_one)] == ["prefill0"] * 2
+    finally:
+        set_draining(cluster, "g0s0", False)
+    texts = [b["choices"][0]["text"] for b in (g_cpp, x_cpp, g_one, x_one)]
+    assert all(re.fullmatch(pattern, t) for t in texts), texts
+    assert texts[0] == texts[2] and texts[1] == texts[3], texts
+
+
 def test_a_group_alone_serves_short_prompts(cluster):
     set_draining(cluster, "prefill0", True)
     try:

@@ -35,8 +35,9 @@ sends the prompt's keys down the chain with the reservations; each stage matches
 cache, the least match of any stage is the request's cached prefix (every stage
 recomputes from there), and the reply's num_cached_tokens says how much was reused.
 
-Not supported on a group (stage 0 refuses with StageFailure, so the request is re-placed
-on a single prefill node): structured output (the grammar mask needs the engine).
+Structured output: the last stage masks the first token's logits with the request's
+grammar (a GrammarBackend over the node's tokenizer, as the engine's), and the decode node
+replays that token in its own matcher.
 """
 
 from __future__ import annotations
@@ -96,11 +97,16 @@ class CppStageWorker:
             block_size=s.engine.block_size, max_positions=cpp.max_tokens, num_threads=threads,
             device=s.model.device)
         n = self.node
+        grammars = None
+        if self.engine.is_last:
+            from mooncaked.engine.structured import GrammarBackend  # noqa: PLC0415
+            tok = n.tokenizer
+            grammars = GrammarBackend(tok.hf, self.engine.cfg.vocab_size, sorted(tok.eos_token_ids))
         self.server = StageServer(self.engine, n.node_id, None, max_tokens=cpp.max_tokens,
                                   slots=RECEIVE_SLOTS, idle_timeout_s=cpp.idle_timeout_s,
                                   rpc_timeout_s=s.cluster.rpc_timeout_s, transfer=n.transfer,
                                   control=n.control, client=n.data_client,
-                                  next_resolver=self.next_stage)
+                                  next_resolver=self.next_stage, grammars=grammars)
         await self.server.start()
         log.info("cpp_stage_joined", node=n.node_id, group=cpp.group, stage=cpp.stage,
                  stages=cpp.stages, layers=f"{layers.start}:{layers.stop}",
@@ -149,9 +155,6 @@ class CppStageWorker:
         if not e.is_first:     # StageFailure: the API node places the request again elsewhere
             raise StageFailure(f"{node.node_id} is stage {self.cpp.stage} of group "
                                f"{self.cpp.group}: requests enter at stage 0")
-        if req.params.structured is not None:
-            raise StageFailure(f"group {self.cpp.group} cannot run structured output (the grammar "
-                               f"mask needs a whole engine)")
         rid, prompt = req.rid, list(req.prompt)
         if not prompt:
             raise ValueError("empty prompt")
@@ -167,7 +170,7 @@ class CppStageWorker:
                 kv_target = {"descriptor": desc}
             p = req.params
             greedy = p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 \
-                and not p.presence_penalty and not p.frequency_penalty
+                and not p.presence_penalty and not p.frequency_penalty and p.structured is None
             body = {"request_id": rid, "token_ids": prompt, "chunk_tokens": self.cpp.chunk_tokens,
                     "kv_target": kv_target, "keys": [k.hex() for k in self._keys(prompt, req)],
                     "sampling": None if greedy else {"params": params_to_json(p), "prompt": prompt}}

@@ -117,16 +117,19 @@ class StageServer:
             owns its own (a stand-alone stage process).
         next_resolver: returns the next stage's control address as the cluster sees it now
             (None while unknown); asked before each request leaves this stage.
+        grammars: the last stage's GrammarBackend (engine/structured.py) for requests with
+            structured output; None: such a request fails with StageFailure.
     """
 
     def __init__(self, stage: StageEngine, name: str, next_addr: str | None, max_tokens: int = 8192,
                  slots: int = 2, idle_timeout_s: float = 5.0, rpc_timeout_s: float = 30.0,
                  transfer_settings: TransferSettings | None = None, *, transfer=None, control=None,
-                 client=None, next_resolver=None):
+                 client=None, next_resolver=None, grammars=None):
         if next_resolver is None and (next_addr is None) != stage.is_last:
             raise ValueError("exactly the last stage has no next stage")
         self.stage, self.name, self.next_addr = stage, name, next_addr
         self.next_resolver = None if stage.is_last else next_resolver
+        self.grammars = grammars
         self.max_tokens, self.idle_timeout_s, self.rpc_timeout_s = max_tokens, idle_timeout_s, rpc_timeout_s
         self._own = transfer is None
         self.transfer = transfer if transfer is not None else TransferEngine(transfer_settings, node_id=name)
@@ -365,12 +368,14 @@ class StageServer:
                 continue
             req.send = asyncio.create_task(self._send(rid, req, req.send, s, e, last, out, me))
 
-    @staticmethod
-    def _pick(req: _Req, logits: torch.Tensor) -> tuple[int, list | None]:
+    def _pick(self, req: _Req, logits: torch.Tensor) -> tuple[int, list | None]:
         """The first output token from the last prompt position's fp32 logits [vocab]:
         argmax without `sampling`, else the engine's sampler (model/sampling.py) with the
-        request's SamplingParams over its prompt. Returns (token, [token, logprob, top] or
-        None when no logprobs were asked for)."""
+        request's SamplingParams over its prompt, after masking what its structured-output
+        constraint forbids (a matcher replayed over the prompt's last `output_offset`
+        tokens, as LLMEngine does). Returns (token, [token, logprob, top] or None when no
+        logprobs were asked for). Raises: ValueError without a grammar backend for a
+        structured request; InvalidRequest when the earlier tokens break its constraint."""
         if req.sampling is None:
             return int(torch.argmax(logits)), None
         from mooncaked.model.sampling import SamplingRow, sample  # noqa: PLC0415
@@ -378,7 +383,14 @@ class StageServer:
         from .messages import params_from_json  # noqa: PLC0415
         params = params_from_json(req.sampling["params"])
         prompt = list(req.sampling.get("prompt") or [])
-        tokens, lps = sample(logits.float().unsqueeze(0).clone(), [SamplingRow(params, prompt, len(prompt))])
+        row = logits.float().unsqueeze(0).clone()
+        if params.structured is not None:
+            if self.grammars is None:
+                raise ValueError("this stage has no grammar backend for structured output")
+            from mooncaked.engine.structured import mask_logits  # noqa: PLC0415
+            earlier = prompt[len(prompt) - params.output_offset:] if params.output_offset else []
+            mask_logits(row, [self.grammars.matcher(params.structured, earlier)])
+        tokens, lps = sample(row, [SamplingRow(params, prompt, len(prompt))])
         lp = lps[0]
         return tokens[0], None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
 
