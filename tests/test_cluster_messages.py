@@ -68,8 +68,8 @@ def test_output_delta_round_trip_keeps_logprobs_and_stop_reason():
 def test_node_report_round_trip():
     r = NodeReport("p1", "prefill", True, {"r1": (30, 16)}, ("r1",), DecodeLoad(),
                    7, (StoreEventMsg("evicted", "ssd", 7, KEYS),),
-                   (PrefillDone("r0", 0.5, 10, 0, False),), ((2, 300, 0.05),))
-    assert NodeReport.from_json(wire(r)) == r
+                   (PrefillDone("r0", 0.5, 10, 0, False),), ((2, 300, 0.05),), ("r1",))
+    assert NodeReport.from_json(wire(r)) == r and r.waiting == ("r1",)
 
 
 def test_place_results():

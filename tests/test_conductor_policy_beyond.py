@@ -199,8 +199,8 @@ def test_live_conductor_places_as_the_simulator_does_for_the_same_snapshot():
     req = PlaceRequest.from_json({"rid": "q", "keys": [k.hex() for k in keys],
                                   "prompt_tokens": 100, "max_new_tokens": 10})
     live = asyncio.run(svc.place(req)).to_json()
-    # the simulator's call: the same snapshot, the PolicyConfig its SimConfig makes (the
-    # live prefill queues run FCFS, so the simulator runs cost_aware with FCFS queues)
+    # the simulator's call: the same snapshot, the PolicyConfig its SimConfig makes (nothing
+    # waits in a queue here, so FCFS and spf predict the same wait)
     sim = Simulator([], SimConfig(policy="cost_aware", prefill_order="fcfs", block_tokens=BS,
                                   ttft_slo_s=100.0, tbt_slo_s=10.0), COST)
     snap = Snapshot(["a", "b"], [5.0, 0.0], [6, 4], ["d1", "d2"], [1, 3], [100, 300],
@@ -218,6 +218,29 @@ def test_live_conductor_places_as_the_simulator_does_for_the_same_snapshot():
                                    "prompt_tokens": 100, "max_new_tokens": 10})
     old = asyncio.run(svc.place(req2)).to_json()
     assert old["prefill"]["node"] == "b" and old["fetch"] is None
+
+
+def test_live_spf_queues_are_predicted_as_the_simulator_predicts_them():
+    """cost_aware runs shortest-first prefill queues on both sides: the live conductor
+    builds the queued column from the requests a node reports as waiting, and places
+    as `place` does with the simulator's PolicyConfig and that snapshot."""
+    svc = _service("cost_aware")
+    _report(svc, "a", "prefill", pending={"x": [300, 0], "y": [900, 0]}, waiting=["y"])
+    _report(svc, "b", "prefill", pending={"z": [1000, 0]})
+    _report(svc, "d1", "decode")
+    req = PlaceRequest.from_json({"rid": "q", "keys": [], "prompt_tokens": 100,
+                                  "max_new_tokens": 10})
+    live = asyncio.run(svc.place(req)).to_json()
+    sim = Simulator([], SimConfig(policy="cost_aware", block_tokens=BS, ttft_slo_s=100.0,
+                                  tbt_slo_s=10.0), COST)
+    assert sim.pcfg.prefill_order == "spf"
+    snap = Snapshot(["a", "b"], [12.0, 10.0], [0, 0], ["d1"], [0], [0], [10_000],
+                    holder_nodes=[], holder_prefix_blocks=[], prefill_queued_s=[[9.0], []])
+    want = place(PlacementRequest([], 100, 10), snap, COST, sim.pcfg)
+    # a: x's 3 s then q's 1 s (q overtakes y); b: z's 10 s first
+    assert (want.prefill, want.predicted_ttft_s) == ("a", pytest.approx(4.0))
+    assert live["prefill"]["node"] == "a"
+    assert live["predicted_ttft_s"] == pytest.approx(want.predicted_ttft_s)
 
 
 def _ttfts(order: str, aging: float = 10.0) -> list[float]:

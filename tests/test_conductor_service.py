@@ -116,6 +116,32 @@ def test_a_decode_placement_stays_counted_until_its_predicted_prefill_is_over():
     assert "long" not in svc.nodes[d].inflight_decode
 
 
+def test_spf_nodes_predict_the_wait_from_the_requests_their_reports_list_as_waiting():
+    # p1 runs a (1,000 tokens: 10.1 s) with b (10.1 s) waiting; p2 runs c (20.1 s) alone.
+    # A 100-token request (1.1 s) under FCFS predicts 20.2 + 1.1 s on p1 and 20.1 + 1.1 s
+    # on p2; with spf queues it overtakes b: 10.1 + 1.1 s on p1.
+    for policy, node, ttft in (("cost_aware", "p1", 11.2), ("global_cache_aware", "p2", 21.2)):
+        svc = service(ttft_slo=100.0)
+        svc.settings.conductor.policy = policy
+        report(svc, "p1", "prefill", pending={"a": [1000, 0], "b": [1000, 0]}, waiting=["b"])
+        report(svc, "p2", "prefill", pending={"c": [2000, 0]})
+        report(svc, "d1", "decode")
+        r = place(svc, "x")
+        assert r["ok"] and r["prefill"]["node"] == node, (policy, r)
+        assert abs(r["predicted_ttft_s"] - ttft) < 1e-9, (policy, r)
+
+
+def test_queued_work_counts_waiting_and_unreported_placements():
+    from mooncaked.conductor.load import NodeView, InflightPrefill, queued_work
+    v = NodeView("p1")
+    v.inflight_prefill = {"x": InflightPrefill(100, 0, 1.0), "y": InflightPrefill(200, 0, 2.0)}
+    # idle node: the oldest unreported placement runs at once, the other waits
+    assert queued_work(v, COST) == [2.1]
+    v.prefill_pending, v.prefill_waiting = {"a": (1000, 0), "b": (300, 0)}, {"b"}
+    # a runs, b waits; x and y arrive behind it
+    assert queued_work(v, COST) == [3.1, 1.1, 2.1]
+
+
 def test_excluded_draining_and_silent_nodes_get_nothing():
     svc = service(ttft_slo=100.0)
     for n in ("p1", "p2"):

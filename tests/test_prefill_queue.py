@@ -108,16 +108,28 @@ def test_a_real_prefill_node_runs_the_short_prompt_before_the_long_one(tmp_path)
     first, long_, short = (tok.encode("Tell me about the sea. " * k) for k in (12, 24, 2))
     params = SamplingParams(max_tokens=8, temperature=0.0)
 
+    seen: set[tuple[str, ...]] = set()        # what the node's report would list as waiting
+
+    async def watch() -> None:
+        while True:
+            seen.add(w.queued())
+            await asyncio.sleep(0.002)
+
     async def main() -> list[PrefillReply]:
         await llm.start()
+        watcher = asyncio.create_task(watch())
         try:
             calls = [w.handle(PrefillRequest(f"r{i}", tuple(p), params).to_json())
                      for i, p in enumerate((first, long_, short))]
             return [PrefillReply.from_json(r) for r in
                     await asyncio.wait_for(asyncio.gather(*calls), 120)]
         finally:
+            watcher.cancel()
             await llm.stop()
     replies = asyncio.run(main())
+    # while r0 ran, r1 and r2 waited; then r1 alone (r2 ran second); never r0
+    assert ("r1", "r2") in seen and ("r1",) in seen and all("r0" not in x for x in seen), seen
+    assert w.queued() == ()
     assert all(len(r.output.ids) == 1 for r in replies)       # the first token each
     pred = [w._predict(len(p), 0) for p in (first, long_, short)]
     assert w.queue.started == pred[:1] + [pred[2], pred[1]]            # short before long

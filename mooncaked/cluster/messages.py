@@ -541,7 +541,8 @@ class NodeReport:
     """`conductor.report`, every cluster.report_interval_s: load (prefills pending as
     rid -> (new, cached) tokens, decode load), requests that arrived, store events after
     `store_seq`, finished prefills and timed decode steps ((batch, context tokens,
-    seconds))."""
+    seconds)); `waiting`: the pending prefills not computing yet (fetching, or held back
+    by the node's spf queue)."""
 
     node: str
     role: str = ""
@@ -553,10 +554,12 @@ class NodeReport:
     events: tuple[StoreEventMsg, ...] = ()
     done: tuple[PrefillDone, ...] = ()
     decode_steps: tuple[tuple[int, int, float], ...] = ()
+    waiting: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
                 "pending": {rid: list(v) for rid, v in self.pending.items()},
+                "waiting": list(self.waiting),
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
                 "store_seq": self.store_seq, "events": [e.to_json() for e in self.events],
                 "done": [x.to_json() for x in self.done],
@@ -577,7 +580,8 @@ class NodeReport:
                    DecodeLoad.from_json(_get(d, "decode", dict, {})),
                    _get(d, "store_seq", int, -1),
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
-                   tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps)
+                   tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
+                   tuple(str(r) for r in _get(d, "waiting", list, [])))
 
 
 __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",

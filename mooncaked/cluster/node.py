@@ -445,7 +445,8 @@ class ClusterNode:
                           else self.decode.pending() if self.decode is not None else {},
                           tuple(self.activity.arrived), decode,
                           self.store.events.seq if self.store is not None else -1,
-                          tuple(events), tuple(self.activity.done), steps)
+                          tuple(events), tuple(self.activity.done), steps,
+                          self.prefill.queued() if self.prefill is not None else ())
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""

@@ -78,6 +78,7 @@ class PrefillWorker:
         self._draining, self._spawn = draining, spawn
         self.counters, self.activity = counters, activity
         self.requests: dict[str, PrefillLoad] = {}
+        self.waiting: set[str] = set()     # rids not computing yet: fetching or in the queue
         self.stages: dict[str, StagedKV] = {}
         cs = settings.conductor    # the run order of waiting prefills (cluster/prefill_queue.py)
         self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order), cs.prefill_aging_s,
@@ -87,6 +88,12 @@ class PrefillWorker:
     def pending(self) -> dict[str, tuple[int, int]]:
         """rid -> (new, cached) tokens of every prefill on this node (for the report)."""
         return {rid: (r.new, r.cached) for rid, r in self.requests.items()}
+
+    def queued(self) -> tuple[str, ...]:
+        """Ids of the prefills on this node that wait for their turn (fetching their prefix
+        or held back by the spf queue), for the report: the conductor predicts a new
+        request's wait under the node's run order from them (`load.queued_work`)."""
+        return tuple(sorted(self.waiting))
 
     async def handle(self, payload: Any) -> dict:
         """`node.prefill`: PrefillRequest -> PrefillReply (see the module doc). With
@@ -107,12 +114,14 @@ class PrefillWorker:
         t0 = time.monotonic()
         kv_stream = pusher = None
         handed_over = held = False
+        self.waiting.add(rid)
         try:
             await failpoints.ahit("node.prefill")
             if req.fetch is not None and self.store_node is not None:
                 await self._fetch(req.fetch)
             held = await self.queue.acquire(self._predict(len(prompt) - req.prefix_tokens,
                                                           req.prefix_tokens))
+            self.waiting.discard(rid)
             if req.stage and 0 < len(prompt) < self.engine.max_model_len:
                 kv_stream = self.engine.layerwise_kv(len(prompt))
                 if req.push_to:
@@ -149,6 +158,7 @@ class PrefillWorker:
         finally:
             if held:
                 self.queue.release()
+            self.waiting.discard(rid)
             self.requests.pop(rid, None)
             if pusher is not None:
                 await pusher.aclose()

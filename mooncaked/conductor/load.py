@@ -60,6 +60,7 @@ class NodeView:
     reported_at: float = 0.0                 # monotonic seconds of the last report; 0: none
     # rid -> (new tokens, cached tokens)
     prefill_pending: dict[str, tuple[int, int]] = field(default_factory=dict)
+    prefill_waiting: set[str] = field(default_factory=set)   # pending, not computing yet
     decode_rids: set[str] = field(default_factory=set)
     decode_batch: int = 0
     decode_context_tokens: int = 0
@@ -77,6 +78,7 @@ def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
     v.reported_at = now
     v.draining = r.draining or bool(v.info.get("draining", False))
     v.prefill_pending = dict(r.pending)
+    v.prefill_waiting = set(r.waiting) & v.prefill_pending.keys()
     v.decode_rids = set(r.decode.rids)
     v.decode_batch = r.decode.batch
     v.decode_context_tokens = r.decode.context_tokens
@@ -99,6 +101,22 @@ def queue_s(v: NodeView, cost: CostModel) -> float:
     return sum(cost.prefill_s(a, b) for a, b in work)
 
 
+def queued_work(v: NodeView, cost: CostModel) -> list[float]:
+    """Predicted prefill seconds of each request waiting its turn on node v (the running
+    ones excluded), for the shortest-first wait (`policy.Snapshot.prefill_queued_s`): the
+    reported waiting prefills and the placements its reports do not count yet, except
+    that on a node running nothing the oldest unreported placement is taken as running
+    (it will start at once)."""
+    work = [cost.prefill_s(*v.prefill_pending[rid]) for rid in sorted(v.prefill_waiting)]
+    unseen = sorted((x.placed_at, rid) for rid, x in v.inflight_prefill.items()
+                    if rid not in v.prefill_pending)
+    if unseen and len(v.prefill_pending) == len(v.prefill_waiting):
+        unseen = unseen[1:]                   # nothing runs there: the oldest starts now
+    work += [cost.prefill_s(v.inflight_prefill[rid].new, v.inflight_prefill[rid].cached)
+             for _, rid in unseen]
+    return work
+
+
 __all__ = ["INFLIGHT_TTL_S", "InflightDecode", "InflightPrefill", "NodeView", "apply_load",
            "inflight_decode",
-           "queue_s"]
+           "queue_s", "queued_work"]

@@ -48,10 +48,11 @@ from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import GroupLearner, place_with_groups, split_groups
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, inflight_decode,
-                   queue_s)
+                   queue_s, queued_work)
 from .refit import CostModelRefitter
 from .replication import HotBlockReplicator
-from .policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
+from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Rejection, Snapshot,
+                     place)
 
 log = get_logger(__name__)
 
@@ -341,6 +342,7 @@ class ConductorService:
                            fcfs_slack_s=(cs.prefill_fcfs_slack_s
                                          if cs.prefill_fcfs_slack_s >= 0 else None),
                            pipeline_stages=1)
+        queued: list = []
         if decode_only:
             # The prefill already ran: only the decode side is chosen (the prefill side is a
             # placeholder with no queue, fully cached).
@@ -349,6 +351,8 @@ class ConductorService:
             queue = [queue_s(v, cost) for v in pre]
             snap_pre = ([v.node_id for v in pre], queue,
                         self.index.match(keys, [v.node_id for v in pre]))
+            if cfg.prefill_order == "spf":    # the wait under the order the nodes run
+                queued = [QueuedWork.of(queued_work(v, cost)) for v in pre]
         dbatch, dctx, dfree = [], [], []
         for v in dec:
             infl = sum(x.tokens for x in v.inflight_decode.values())
@@ -365,7 +369,8 @@ class ConductorService:
             if v.control and (role == "cache" or v.info.get("store"))]
         snap = Snapshot(*snap_pre, decode_nodes=[v.node_id for v in dec], decode_batch=dbatch,
                         decode_context_tokens=dctx, decode_free_kv_tokens=dfree,
-                        holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders))
+                        holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders),
+                        prefill_queued_s=queued)
         preq = PlacementRequest(keys, n, max_new)
         result = place(preq, snap, cost, cfg, self.rng) if pre or decode_only else None
         if groups and not decode_only:
