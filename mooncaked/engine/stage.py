@@ -206,6 +206,52 @@ class StageEngine:
         seq.num_tokens = len(seq.blocks) * self.block_size
         return len(seq.blocks)
 
+    def block_shape(self) -> tuple[int, ...]:
+        """One page of this stage: [stage_layers, 2, block_size, kv_heads, head_dim]."""
+        return tuple(self.kv_cache.shape[1:])
+
+    def append_blocks(self, request_id: str, blocks: torch.Tensor) -> int:
+        """Continues a matched request's prefix with given K/V (a page each, e.g. from the
+        store or a peer: cluster/stage_prefix.py), before its first chunk runs.
+
+        Args:
+            blocks: [n, stage_layers, 2, block_size, kv_heads, head_dim], this stage's layers
+                of the request's next n full blocks (any device; cast to the stage dtype).
+        Returns: the blocks appended (fewer than n when pages run out; they are kept under
+            the request's keys at `release` like computed ones).
+        Raises: KeyError for a request without `match`; ValueError after a chunk ran.
+        """
+        with self._pages:
+            seq = self.seqs[request_id]
+            if seq.ran or seq.num_tokens != len(seq.blocks) * self.block_size:
+                raise ValueError(f"{request_id}: blocks can only extend a matched prefix")
+            n = min(blocks.shape[0], self.num_free_blocks(), len(seq.keys) - len(seq.blocks))
+            if n <= 0:
+                return 0
+            pages = [self._take_page() for _ in range(n)]
+            self.kv_cache[torch.tensor(pages, dtype=torch.long, device=self.kv_cache.device)] = \
+                blocks[:n].to(device=self.kv_cache.device, dtype=self.dtype)
+            seq.blocks += pages
+            seq.num_tokens = len(seq.blocks) * self.block_size
+            return n
+
+    def finished_blocks(self, request_id: str, skip=None) -> tuple[list[bytes], torch.Tensor | None]:
+        """The request's full blocks whose K/V this stage holds (computed, matched or
+        appended), for its store: (keys, a CPU copy [n, stage_layers, 2, block_size,
+        kv_heads, head_dim]); `skip(key)` leaves blocks out (e.g. those stored already).
+        ([], None) for an unknown request or none left."""
+        with self._pages:
+            seq = self.seqs.get(request_id)
+            if seq is None:
+                return [], None
+            full = min(len(seq.keys), seq.num_tokens // self.block_size, len(seq.blocks))
+            todo = [i for i in range(full) if skip is None or not skip(seq.keys[i])]
+            if not todo:
+                return [], None
+            index = torch.tensor([seq.blocks[i] for i in todo], dtype=torch.long,
+                                 device=self.kv_cache.device)
+            return [seq.keys[i] for i in todo], self.kv_cache[index].to("cpu")
+
     @torch.inference_mode()
     def run_chunk(self, request_id: str, start: int, inputs: torch.Tensor,
                   want_logits: bool = False) -> torch.Tensor:
