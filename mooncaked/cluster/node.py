@@ -268,6 +268,9 @@ class ClusterNode:
             from .cpp_node import CppStageWorker  # noqa: PLC0415
             self.prefill = CppStageWorker(self)
             await self.prefill.start()
+            # its own store of its layer slices, lent to the pool like every node's
+            await self._start_store(self.prefill.engine.block_bytes)
+            self.prefill.attach_store(self.store_node)
         elif self.role == "prefill":
             self.prefill = PrefillWorker(self.node_id, control_addr, self.settings, self.engine,
                                          self.transfer, self.store_node, self.client,
