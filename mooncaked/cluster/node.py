@@ -16,6 +16,8 @@ Roles (settings.node.role):
            API node as JSON lines (keep-alive lines while it is quiet).
   cache    no model: a store that lends DRAM to the pool (created once a model node
            has published the block size), plus the API front end (tokenizer only).
+  A prefill node with cpp.group is one CPP stage (cpp_node.py): its layers only, and a
+  store of its layer slices of blocks (stage_prefix.py).
 Every node serves the public OpenAI API through `ClusterFrontend` (see
 frontend.py), registers with the coordinator under a lease (addresses, role,
 model geometry, its store's transfer-engine segment descriptor), campaigns in
