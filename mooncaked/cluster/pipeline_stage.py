@@ -220,10 +220,10 @@ class StageServer:
         return True
 
     def _free_pages(self, rid: str) -> bool:
-        """StageEngine.release, the finished blocks' slices put into the stage's store
-        first (with a StagePrefix)."""
-        if self.prefix is not None:
-            self.prefix.offload(rid)
+        """StageEngine.release; with a StagePrefix, once the finished blocks' slices the
+        stage's store lacks are copied into it (in the background: a few ms)."""
+        if self.prefix is not None and self.prefix.offload(rid, lambda: self.stage.release(rid)):
+            return True
         return self.stage.release(rid)
 
     async def _match(self, rid: str, req: _Req, keys: list[bytes]) -> int:

@@ -17,7 +17,8 @@ When a request arrives with its block keys, the stage has matched its pages
 into new pages (StageEngine.append_blocks). Whatever the stage gets counts; the request
 starts after the least prefix of any stage (pipeline_stage.py). After a request, `offload`
 puts the slices of its full blocks the store lacks into the store, so they outlive the
-pages (which the LRU reuses). The store's events carry the slice keys to the conductor's
+pages (which the LRU reuses): copied from the pages into the store's slots in a thread,
+the pages released after the copy. The store's events carry the slice keys to the conductor's
 index, which computes a group's prefix from them (conductor/cpp_place.group_prefix).
 Counters (`counts`) go into node.status as `cpp.prefix`.
 """
@@ -25,12 +26,14 @@ Counters (`counts`) go into node.status as `cpp.prefix`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
+from mooncaked.store.types import PutStatus
 
 log = get_logger(__name__)
 
@@ -116,32 +119,42 @@ class StagePrefix:
         self.counts["fetched_bytes"] += added * (self.span[1] - self.span[0])
         return added
 
-    def offload(self, rid: str) -> None:
-        """Puts rid's full blocks' slices the store lacks into the store (in the
-        background): call while rid still holds its pages, i.e. just before
-        StageEngine.release. Never raises."""
+    def offload(self, rid: str, release: Callable[[], Any]) -> bool:
+        """Puts rid's full blocks' slices the store lacks into the store, copied from its
+        pages straight into reserved store slots in a thread (BlockStore.put_from), and
+        calls `release` (the pages' StageEngine.release) once the copy is done: the event
+        loop never copies. Returns False, having done nothing, when there is nothing to
+        put or no running loop (the caller releases at once). Never raises."""
         try:
-            keys, data = self.stage.finished_blocks(rid, lambda k: self.store.exists(self.key(k)))
-        except Exception as ex:  # noqa: BLE001 - the pages stay cached; only the copy is lost
+            keys, pages = self.stage.finished_blocks(rid, lambda k: self.store.exists(self.key(k)))
+            if not keys:
+                return False
+            task = asyncio.get_running_loop().create_task(self._put(rid, keys, pages, release))
+        except Exception as ex:  # noqa: BLE001 - no loop, bad request: release at once
             log.warning("cpp_prefix_offload_failed", request_id=rid, error=str(ex))
-            return
-        if not keys:
-            return
-        try:
-            task = asyncio.get_running_loop().create_task(self._put(rid, keys, data))
-        except RuntimeError:     # no running loop (a synchronous close): nothing to put into
-            return
+            return False
         self._puts.add(task)
         task.add_done_callback(self._puts.discard)
+        return True
 
-    async def _put(self, rid: str, keys: list[bytes], data: torch.Tensor) -> None:
+    async def _put(self, rid: str, keys: list[bytes], pages: list[int],
+                   release: Callable[[], Any]) -> None:
+        page_of = {self.key(k): p for k, p in zip(keys, pages)}
+
+        def copy(todo: list[bytes], views: list) -> None:
+            for k, view in zip(todo, views):
+                torch.from_numpy(view).copy_(self.stage.page_bytes(page_of[k]))
+
+        async def fill(todo: list[bytes], views: list) -> list[str]:
+            await asyncio.to_thread(copy, todo, views)
+            return [""] * len(todo)
         try:
-            results = await self.store.put_many([self.key(k) for k in keys],
-                                                [data[i] for i in range(len(keys))])
-        except Exception as ex:  # noqa: BLE001
+            results = await self.store.put_from(list(page_of), fill)
+            self.counts["offloaded_blocks"] += sum(r.status is PutStatus.STORED for r in results)
+        except Exception as ex:  # noqa: BLE001 - the pages stay cached; only the copy is lost
             log.warning("cpp_prefix_offload_failed", request_id=rid, error=str(ex))
-            return
-        self.counts["offloaded_blocks"] += sum(r.ok for r in results)
+        finally:
+            release()
 
 
 __all__ = ["StagePrefix"]

@@ -235,22 +235,23 @@ class StageEngine:
             seq.num_tokens = len(seq.blocks) * self.block_size
             return n
 
-    def finished_blocks(self, request_id: str, skip=None) -> tuple[list[bytes], torch.Tensor | None]:
+    def finished_blocks(self, request_id: str, skip=None) -> tuple[list[bytes], list[int]]:
         """The request's full blocks whose K/V this stage holds (computed, matched or
-        appended), for its store: (keys, a CPU copy [n, stage_layers, 2, block_size,
-        kv_heads, head_dim]); `skip(key)` leaves blocks out (e.g. those stored already).
-        ([], None) for an unknown request or none left."""
+        appended), for its store: (keys, page ids); `skip(key)` leaves blocks out (e.g.
+        those stored already). The pages stay valid until the request's `release`.
+        ([], []) for an unknown request."""
         with self._pages:
             seq = self.seqs.get(request_id)
             if seq is None:
-                return [], None
+                return [], []
             full = min(len(seq.keys), seq.num_tokens // self.block_size, len(seq.blocks))
             todo = [i for i in range(full) if skip is None or not skip(seq.keys[i])]
-            if not todo:
-                return [], None
-            index = torch.tensor([seq.blocks[i] for i in todo], dtype=torch.long,
-                                 device=self.kv_cache.device)
-            return [seq.keys[i] for i in todo], self.kv_cache[index].to("cpu")
+            return [seq.keys[i] for i in todo], [seq.blocks[i] for i in todo]
+
+    def page_bytes(self, page: int) -> torch.Tensor:
+        """Page `page` as a flat uint8 view [block_bytes] (on the stage's device); valid
+        while a request holds the page."""
+        return self.kv_cache[page].reshape(-1).view(torch.uint8)
 
     @torch.inference_mode()
     def run_chunk(self, request_id: str, start: int, inputs: torch.Tensor,
