@@ -235,6 +235,18 @@ class StageServer:
             req.touched = time.monotonic()
         return own
 
+    async def _match_all(self, rid: str, req: _Req, keys: list[bytes]) -> int:
+        """The least match of this stage and every later one (cpp.reserve down the chain),
+        the stages loading or fetching their prefixes at the same time."""
+        if self.stage.is_last:
+            return await self._match(rid, req, keys)
+        mine = asyncio.ensure_future(self._match(rid, req, keys))
+        try:
+            down = await self._reserve_next(rid, req, keys)
+        finally:
+            own = await mine
+        return min(own, down)
+
     def _new(self, rid: str, total: int, keep: bool) -> _Req:
         if rid in self.reqs:
             raise ValueError(f"request {rid} is already on stage {self.name}")
@@ -266,9 +278,8 @@ class StageServer:
         try:
             start = 0
             if keys:   # the blocks every stage holds need no compute: start after them
-                own = await self._match(rid, req, keys)
-                down = own if self.stage.is_last else await self._reserve_next(rid, req, keys)
-                start = min(own, down, (len(ids) - 1) // self.stage.block_size) * self.stage.block_size
+                held = await self._match_all(rid, req, keys)
+                start = min(held, (len(ids) - 1) // self.stage.block_size) * self.stage.block_size
             tokens = torch.tensor(ids, dtype=torch.long)
             for s in range(start, len(ids), chunk):
                 e = min(s + chunk, len(ids))
@@ -293,9 +304,7 @@ class StageServer:
         cached = None
         if keys:    # match here, then down the chain: the answer is the least any stage holds
             try:
-                cached = await self._match(rid, req, keys)
-                if not self.stage.is_last:
-                    cached = min(cached, await self._reserve_next(rid, req, keys))
+                cached = await self._match_all(rid, req, keys)
             except Exception:
                 self._release(rid, "reserve failed")
                 raise
