@@ -92,13 +92,14 @@ def test_slices_in_the_stage_store_outlive_the_pages(group, full):
                                                       "keys": [k.hex() for k in keys]}))
     r = prefill("a1", pa, ka)
     assert (r["token_id"], r["cached_tokens"]) == (want_a, 0)
-    # each stage puts its 12 slices into its store once it released the request
-    for addr in group:
-        _wait(lambda addr=addr: _status(addr)["prefix"]["offloaded_blocks"] >= 12,
-              f"{addr} to store its slices")
-    # 18 + 1 pages for B: A's oldest cached pages are reused, so A's pages no longer match
+    # 18 + 1 pages for B, at once: while A's pages are copied into the store B's chunks
+    # wait for them; then A's oldest cached pages are reused, so they no longer match
     r = prefill("b1", pb, kb)
     assert r["cached_tokens"] == 0
+    # each stage puts the 12 + 18 slices into its store as it releases the requests
+    for addr in group:
+        _wait(lambda addr=addr: _status(addr)["prefix"]["offloaded_blocks"] >= 30,
+              f"{addr} to store its slices")
     before = [_status(a)["prefix"] for a in group]
     r = prefill("a2", pa, ka)
     after = [_status(a)["prefix"] for a in group]

@@ -130,6 +130,7 @@ class StagePrefix:
             if not keys:
                 return False
             task = asyncio.get_running_loop().create_task(self._put(rid, keys, pages, release))
+            self.stage.release_soon(rid)     # a chunk short of pages waits for these
         except Exception as ex:  # noqa: BLE001 - no loop, bad request: release at once
             log.warning("cpp_prefix_offload_failed", request_id=rid, error=str(ex))
             return False
