@@ -145,8 +145,9 @@ def _stall_table(v: dict) -> None:
 
 
 def _group_table(v: dict) -> None:
-    """CPP groups (cluster/cpp_node.py): each stage's node, its layers, weights and the
-    requests it holds; a group missing a stage is marked incomplete (not placed on)."""
+    """CPP groups (cluster/cpp_node.py): each stage's node, its layers, weights, the
+    requests it holds and the layer slices in its store (cluster/stage_prefix.py); a group
+    missing a stage is marked incomplete (not placed on)."""
     rows, groups = [], {}
     for nid, n in v["nodes"].items():
         c = n["info"].get("cpp")
@@ -162,10 +163,11 @@ def _group_table(v: dict) -> None:
             rows.append([g, f"{s}/{stages}" + ("" if complete else " (incomplete)"), nid,
                          f"{lo}-{hi - 1} ({hi - lo} of {c.get('num_layers', '?')})",
                          _bytes(c.get("weight_bytes")), c.get("chunk_tokens"), _health(n),
-                         len(st.get("requests", [])) if st else None])
+                         len(st.get("requests", [])) if st else None,
+                         (st.get("prefix") or {}).get("slices") if st else None])
     if rows:
         _table("CPP groups", ["group", "stage", "node", "layers", "weights", "chunk", "health",
-                              "requests"], rows)
+                              "requests", "slices"], rows)
 
 
 @ctl_app.command()

@@ -68,11 +68,13 @@ def cluster(tmp_path_factory):
                 "cluster.poll_interval_s": 0.1, "cluster.drain_timeout_s": 5.0,
                 "conductor.refit_cost_model": False,      # placement stays what the default predicts
                 "conductor.cpp_min_tokens": 64, "cpp.chunk_tokens": 32, "cpp.idle_timeout_s": 2.0,
-                "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 32 << 20,
-                # The conductor does not index the stages' own prefix caches: with decode0
-                # offloading, a repeated prompt's blocks are on decode0, and prefill0
-                # fetching them rightly beats the group's uncached prediction. This module
-                # tests the group's own prefix reuse, so decode0 keeps nothing.
+                # stores large enough that the module never evicts (a prefix test counts
+                # stored blocks)
+                "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 192 << 20,
+                # With decode0 offloading, a repeated prompt's blocks are on decode0, and
+                # prefill0 fetching them leaves less than cpp_min_tokens uncached, which
+                # rightly keeps the request off the group. This module tests the group's
+                # own prefix reuse, so decode0 keeps nothing.
                 "store.decode_offload": False,
                 "model.num_threads": 1}
     nodes = cluster_specs(cache=0, prefill=3, decode=1, cpp=2)
@@ -201,6 +203,58 @@ def test_structured_output_through_the_group_equals_the_single_nodes(cluster):
     texts = [b["choices"][0]["text"] for b in (g_cpp, x_cpp, g_one, x_one)]
     assert all(re.fullmatch(pattern, t) for t in texts), texts
     assert texts[0] == texts[2] and texts[1] == texts[3], texts
+
+
+def test_a_cpp_request_gets_its_prefix_from_the_pool(cluster):
+    """A prompt whose head prefill0 prefilled (its store holds the head's full blocks) and
+    whose tail is long: the conductor sends it to the group with prefill0 as the fetch
+    source; each stage READs only its layers' bytes of those blocks (its share of the
+    bytes), the reply reuses them (cached_tokens > 0) and the output equals prefill0's for
+    the same prompt computed from scratch. Each stage then keeps the slices in its store,
+    and the conductor's index has them."""
+    salt = uuid.uuid4().hex
+    head = " ".join(f"item{i}" for i in range(60))
+    whole = head + " " + " ".join(f"other{i}" for i in range(60))
+
+    def held() -> int:     # prefill0's stored blocks (the module's stores never evict)
+        return control_call(cluster.control("prefill0"), "node.status")["store"]["dram_blocks"]
+    before = held()
+    set_draining(cluster, "g0s0", True)
+    try:
+        s1, first = complete(cluster, head, 4, cache_salt=salt)                 # blocks on prefill0
+        s2, ref = complete(cluster, whole, 12, cache_salt=uuid.uuid4().hex)    # nothing cached
+        assert (s1, s2) == (200, 200), (first, ref)
+        assert [prefilled_on(cluster, b) for b in (first, ref)] == ["prefill0"] * 2
+    finally:
+        set_draining(cluster, "g0s0", False)
+    head_blocks = first["usage"]["prompt_tokens"] // 16
+    want = before + head_blocks + ref["usage"]["prompt_tokens"] // 16
+    wait_until(lambda: held() >= want, WAIT_S, "prefill0 to store both prompts' blocks")
+    # the conductor's index has them (prefill0's store events)
+    wait_until(lambda: (cluster.status() or {}).get("nodes", {}).get("prefill0", {})
+               .get("indexed_blocks", 0) == held(), WAIT_S, "the index to have prefill0's blocks")
+    stats = [control_call(cluster.control(n), "node.status")["cpp"]["prefix"]
+             for n in ("g0s0", "g0s1")]
+    s, body = complete(cluster, whole, 12, cache_salt=salt)
+    assert s == 200, body
+    assert prefilled_on(cluster, body) == "g0s0"
+    assert body["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == head_blocks * 16
+    assert body["choices"][0]["text"] == ref["choices"][0]["text"], (body, ref)
+    after = [control_call(cluster.control(n), "node.status")["cpp"] for n in ("g0s0", "g0s1")]
+    for b, a in zip(stats, after):
+        p = a["prefix"]
+        share = a["block_bytes"] * (a["layers"][1] - a["layers"][0]) // a["num_layers"]
+        assert p["fetched_blocks"] - b["fetched_blocks"] == head_blocks
+        assert p["fetched_bytes"] - b["fetched_bytes"] == head_blocks * share   # its layers only
+    # the slices (head and tail) reach the stages' stores and the conductor's index
+    whole_blocks = body["usage"]["prompt_tokens"] // 16
+    wait_until(lambda: all(control_call(cluster.control(n), "node.status")["cpp"]["prefix"]
+                           ["slices"] >= whole_blocks for n in ("g0s0", "g0s1")),
+               WAIT_S, "the stages to store their slices")
+    wait_until(lambda: all((cluster.status() or {}).get("nodes", {}).get(n, {})
+                           .get("indexed_blocks", 0) >= whole_blocks for n in ("g0s0", "g0s1")),
+               WAIT_S, "the index to have the stages' slices")
 
 
 def test_a_group_alone_serves_short_prompts(cluster):

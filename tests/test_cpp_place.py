@@ -3,10 +3,12 @@ group or single node by predicted TTFT and cpp_min_tokens. Pure functions, no pr
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
-from mooncaked.conductor.cpp_place import GroupLearner, place_with_groups, split_groups
+from mooncaked.conductor.cpp_cost import PipelinedCostModel
+from mooncaked.conductor.cpp_place import GroupLearner, group_prefix, place_with_groups, split_groups
 from mooncaked.conductor.load import NodeView, queue_s
 from mooncaked.conductor.policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
 
@@ -92,3 +94,62 @@ def test_the_group_learns_its_pipelined_time_from_measured_prefills():
     # at 3x its model the group no longer beats the single node: the request stays there
     single2, r = _place(2000, True, learner=lr)
     assert r is single2 and r.prefill == "p"
+
+
+def test_group_prefix_is_the_least_stage_prefix_and_each_stage_fetches_its_share():
+    layers = ((0, 10), (10, 30))                 # stage 1 holds two thirds of a block
+    # stage 0 has 3 blocks of slices, stage 1 has 1; two holders have 5 full blocks
+    gp = group_prefix((3, 1), ["c", "p"], [5, 5], layers, 30, 3000)
+    assert (gp.blocks, gp.source, gp.first_block) == (5, "c", 1)     # a tie: the first holder
+    assert gp.fetch_blocks == (2, 4)
+    assert gp.fetch_bytes == (2 * 1000, 4 * 2000)                    # only its layers' bytes
+    # in parallel: the slowest stage's transfer, not the sum
+    assert gp.fetch_s(COST) == COST.transfer.seconds(8000) < COST.transfer.seconds(10000)
+    # a holder shorter than one stage's slices: that stage fetches nothing, the group's
+    # prefix is the least stage's
+    gp = group_prefix((6, 4), ["c"], [5], layers, 30, 3000)
+    assert (gp.blocks, gp.fetch_blocks, gp.source, gp.first_block) == (5, (0, 1), "c", 4)
+    # every stage holds more than any holder: no fetch
+    gp = group_prefix((6, 8), ["c"], [2], layers, 30, 3000)
+    assert (gp.blocks, gp.source, gp.fetch_bytes, gp.fetch_s(COST)) == (6, None, (0, 0), 0.0)
+    # a stage with nothing and no holder: no prefix at all
+    gp = group_prefix((3, 0), [], [], layers, 30, 3000)
+    assert (gp.blocks, gp.source) == (0, None)
+
+
+def _stage_view(nid: str, stage: int) -> NodeView:
+    v = view(nid, "a", stage)
+    v.info["cpp"].update(layers=[0, 15] if stage == 0 else [15, 30], num_layers=30,
+                         block_bytes=16 * 1000)
+    return v
+
+
+def test_a_group_placement_counts_its_prefix_and_the_stages_fetch():
+    n, keys = 2000, [bytes([i]) * 16 for i in range(125)]
+    _, groups = split_groups([_stage_view("a0", 0), _stage_view("a1", 1)])
+    assert groups[0].layers == ((0, 15), (15, 30)) and groups[0].block_bytes == 16_000
+    req = PlacementRequest(keys, n, 4)
+    cfg = PolicyConfig(policy="global_cache_aware", block_size=16)
+    # single node p holds nothing, cache node c holds 100 blocks (1,600 tokens)
+    snap = Snapshot(["p"], [0.0], [0], decode_nodes=["d"], decode_batch=[0],
+                    decode_context_tokens=[0], decode_free_kv_tokens=[100_000],
+                    holder_nodes=["c"], holder_prefix_blocks=[100])
+    cold = place_with_groups(None, groups, req, dataclasses.replace(snap, holder_prefix_blocks=[0]),
+                             COST, cfg, None, 0, queue_s)
+    r = place_with_groups(None, groups, req, snap, COST, cfg, None, 0, queue_s, None,
+                          {"a": (40, 0)})            # stage 0 has 40 blocks of slices
+    assert cold.prefill == r.prefill == "a0"
+    assert (r.prefix_blocks, r.prefix_tokens, r.local_prefix_blocks) == (100, 1600, 0)
+    assert r.fetch.source == "c" and (r.fetch.first_block, len(r.fetch.keys)) == (0, 100)
+    assert r.fetch.keys == tuple(keys[:100]) and r.fetch.tokens == 1600
+    # stage 1 fetches 100 half blocks: the slowest stage's share
+    assert r.predicted_transfer_s == COST.transfer.seconds(100 * 8000)
+    # the group computes only the uncached 400 tokens: far faster than cold
+    gcost = PipelinedCostModel.of(COST, 2, 256, 2304)
+    assert abs(r.predicted_prefill_s - gcost.prefill_s(400, 1600)) < 1e-9
+    assert r.predicted_ttft_s < 0.3 * cold.predicted_ttft_s
+    assert (cold.prefix_blocks, cold.fetch, cold.predicted_transfer_s) == (0, None, 0.0)
+    # both stages hold every block themselves: no fetch, the whole prefix reused
+    r = place_with_groups(None, groups, req, snap, COST, cfg, None, 0, queue_s, None,
+                          {"a": (125, 125)})
+    assert (r.prefix_blocks, r.fetch, r.predicted_transfer_s) == (125, None, 0.0)

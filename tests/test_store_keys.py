@@ -54,3 +54,16 @@ def test_bad_input():
         block_keys([1, 2], 2, b"")
     with pytest.raises(ValueError):
         make_salt("", 16, "float32")
+
+
+def test_slice_key_names_a_layer_range_of_a_block():
+    from mooncaked.store.keys import slice_key
+    k1, k2 = block_keys(list(range(32)), 16, make_salt("m", 16, "float32"))
+    s = slice_key(k1, 0, 15)
+    assert len(s) == KEY_BYTES and s == slice_key(k1, 0, 15)          # deterministic
+    others = {k1, k2, slice_key(k1, 15, 30), slice_key(k1, 0, 30), slice_key(k2, 0, 15),
+              slice_key(k1, 0, 14)}
+    assert s not in others and len(others) == 6                          # all distinct
+    for bad in ((k1, 5, 5), (k1, -1, 3), (k1, 3, 2), (b"", 0, 1)):
+        with pytest.raises(ValueError):
+            slice_key(*bad)

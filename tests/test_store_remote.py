@@ -89,6 +89,50 @@ def test_remote_read_after_lease_expiry_is_discarded(tmp_path):
     run(main())
 
 
+def test_ranged_read_takes_only_the_granted_bytes_of_leased_blocks():
+    """get_ranges (a CPP stage's layers of full blocks): bytes [start, stop) of each block,
+    byte-exact, into buffers of that size; a range outside the block is refused by the
+    holder; a key it does not hold gets no lease and is not read; a read whose lease
+    expired is discarded; the holder pins nothing afterwards."""
+    from mooncaked.cluster.errors import RpcError
+
+    async def main():
+        a = await start_node("a", BLOCK, dram(8))
+        b = await start_node("b", 1024, StoreSettings(dram_bytes=64 * 1024))   # other block size
+        try:
+            ks, data = fill_keys(3, 3), fill_blocks(3, 3, BLOCK)
+            await a.store.put_many(ks, data)
+            lo, hi = BLOCK // 4, BLOCK // 2
+            dsts = [np.zeros(hi - lo, np.uint8) for _ in range(4)]
+            got = await b.node.get_ranges(a.address, ks + [b"z" * 16], lo, hi, dsts)
+            assert got == [True, True, True, False]
+            assert all(d.tobytes() == x[lo:hi].tobytes() for d, x in zip(dsts, data))
+            assert not dsts[3].any()                        # not held: nothing read
+            assert a.store.metrics.served == 3
+            assert not any(a.store.is_pinned(k) for k in ks)
+            for bad in ((BLOCK // 2, BLOCK + 16), (-16, 16), (64, 64)):
+                with pytest.raises((RpcError, ValueError), match="range"):
+                    n = max(bad[1] - bad[0], 1)
+                    await b.node.get_ranges(a.address, ks[:1], *bad, [np.zeros(n, np.uint8)])
+            # the holder itself refuses a range beyond its blocks (whatever the reader asks)
+            with pytest.raises(RpcError, match="within a block"):
+                await b.node.control.call(a.address, "store.locate",
+                                          {"keys": [ks[0].hex()], "range": [0, BLOCK + 1]})
+            with pytest.raises(ValueError, match="buffers of that size"):
+                await b.node.get_ranges(a.address, ks[:1], lo, hi, [np.zeros(hi - lo + 1, np.uint8)])
+            # an expired lease: the bytes are discarded
+            assert await b.node.get_ranges(a.address, ks[:2], lo, hi, dsts[:2], ttl_s=1e-6) \
+                == [False, False]
+            assert b.node.remote_reads_discarded == 2
+            # a whole-block read between nodes of different block sizes is still refused
+            with pytest.raises(ValueError, match="blocks of"):
+                await b.node.get_many(a.address, ks[:1], [np.zeros(1024, np.uint8)])
+        finally:
+            await a.close()
+            await b.close()
+    run(main())
+
+
 def test_remote_get_promotes_ssd_blocks(tmp_path):
     async def main():
         s = StoreSettings(dram_bytes=2 * BLOCK, ssd_bytes=16 * BLOCK)

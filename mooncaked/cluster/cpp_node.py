@@ -2,9 +2,11 @@
 section 3.3): the cluster side of `pipeline_stage.StageServer`.
 
 A prefill node with `cpp.group` set loads only its layers (`StageEngine`, layers from
-`split_layers(num_layers, cpp.stages, cpp.layer_weights)`; no full engine, no store) and
-registers like any node, its record carrying `cpp` = {group, stage, stages, layers,
-chunk_tokens, hidden_bytes_per_token, weight_bytes}. The conductor sees a group once
+`split_layers(num_layers, cpp.stages, cpp.layer_weights)`; no full engine), runs its own KV
+store of its layer slices (`attach_store`: blocks of the stage's page size, lent to the
+pool like every node's store) and registers like any node, its record carrying `cpp` =
+{group, stage, stages, layers, num_layers, block_bytes (a full block's), chunk_tokens,
+hidden_bytes_per_token, weight_bytes}. The conductor sees a group once
 every stage has joined (conductor/cpp_place.py) and places a request on the group by
 naming stage 0 as the prefill node; the API node then calls `node.prefill` on stage 0
 as on any prefill node. The StageServer's `cpp.*` handlers sit on the node's own control
@@ -30,10 +32,14 @@ group) on a single prefill node when one exists, else answers 503 naming the fai
 Stages after 0 refuse `node.prefill` (the conductor never names them).
 
 Prefix reuse: each stage keeps its layers of a finished request's full blocks in its pages
-under their block keys (StageEngine.match / release, LRU when pages run out). Stage 0
-sends the prompt's keys down the chain with the reservations; each stage matches its
-cache, the least match of any stage is the request's cached prefix (every stage
-recomputes from there), and the reply's num_cached_tokens says how much was reused.
+under their block keys (StageEngine.match / release, LRU when pages run out) and puts
+their slices into its store (store.keys.slice_key). Stage 0 sends the prompt's keys and
+the placement's fetch source ({control, blocks}: a node whose store holds the full
+blocks, the conductor's choice, conductor/cpp_place.group_prefix) down the chain with the
+reservations; each stage matches its pages, then continues from its store's slices, then
+READs only its layers' byte range of the source's full blocks (cluster/stage_prefix.py).
+The least prefix of any stage is the request's cached prefix (every stage recomputes
+from there), and the reply's num_cached_tokens says how much was reused.
 
 Structured output: the last stage masks the first token's logits with the request's
 grammar (a GrammarBackend over the node's tokenizer, as the engine's), and the decode node
@@ -82,6 +88,7 @@ class CppStageWorker:
         self.stages: dict[str, Any] = {}        # no staged KV segments: the push is the path
         self.engine: Any = None                 # StageEngine
         self.server: StageServer | None = None
+        self.prefix: Any = None                 # StagePrefix, once the node's store is attached
 
     async def start(self) -> None:
         """Loads this stage's layers (in a thread: seconds) and starts its StageServer."""
@@ -112,11 +119,21 @@ class CppStageWorker:
                  stages=cpp.stages, layers=f"{layers.start}:{layers.stop}",
                  weight_bytes=self.engine.weight_bytes)
 
+    def attach_store(self, store_node: Any) -> None:
+        """Gives the stage the node's StoreNode (a BlockStore of `engine.block_bytes`
+        blocks: the stage's layer slices): its prefix continues from the store and from
+        fetch sources, and finished slices go into it (cluster/stage_prefix.py)."""
+        from .stage_prefix import StagePrefix  # noqa: PLC0415
+
+        self.prefix = StagePrefix(self.engine, self.engine.cfg.num_layers, store_node)
+        self.server.prefix = self.prefix
+
     def info(self) -> dict:
         """The member record's `cpp` entry."""
         e, cpp = self.engine, self.cpp
         return {"group": cpp.group, "stage": cpp.stage, "stages": cpp.stages,
                 "layers": [e.layers.start, e.layers.stop], "num_layers": e.cfg.num_layers,
+                "block_bytes": e.block_bytes * e.cfg.num_layers // len(e.layers),
                 "chunk_tokens": cpp.chunk_tokens, "max_tokens": cpp.max_tokens,
                 "hidden_bytes_per_token": e.hidden_size * e.dtype.itemsize,
                 "weight_bytes": e.weight_bytes}
@@ -138,7 +155,8 @@ class CppStageWorker:
         e, srv = self.engine, self.server
         return {**self.info(), "requests": sorted(srv.reqs), "stage_pages": sorted(e.seqs),
                 "free_blocks": e.num_free_blocks(), "free_slots": len(srv.free_slots),
-                "next": srv.next_addr}
+                "next": srv.next_addr,
+                "prefix": self.prefix.status() if self.prefix is not None else None}
 
     async def handle(self, payload: Any) -> dict:
         """`node.prefill` on stage 0: PrefillRequest -> PrefillReply through the pipeline.
@@ -171,8 +189,10 @@ class CppStageWorker:
             p = req.params
             greedy = p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 \
                 and not p.presence_penalty and not p.frequency_penalty and p.structured is None
+            keys = self._keys(prompt, req)
             body = {"request_id": rid, "token_ids": prompt, "chunk_tokens": self.cpp.chunk_tokens,
-                    "kv_target": kv_target, "keys": [k.hex() for k in self._keys(prompt, req)],
+                    "kv_target": kv_target, "keys": [k.hex() for k in keys],
+                    "fetch": self._fetch(req, keys),
                     "sampling": None if greedy else {"params": params_to_json(p), "prompt": prompt}}
             try:
                 r = await self.server.prefill(body)
@@ -211,6 +231,20 @@ class CppStageWorker:
         if not m or int(m.get("block_size", 0)) != self.engine.block_size:
             return []
         return self.node.frontend.block_keys(prompt, req.cache_salt)
+
+    @staticmethod
+    def _fetch(req: PrefillRequest, keys: list[bytes]) -> dict | None:
+        """The placement's fetch source as the stages take it: {control, blocks}, the
+        source's control address and the prefix (blocks of `keys`) it holds up to the
+        plan's last key; None without a plan or when its keys are not the prompt's."""
+        plan = req.fetch
+        if plan is None or not plan.keys or not plan.control:
+            return None
+        try:
+            upto = keys.index(plan.keys[-1]) + 1
+        except ValueError:
+            return None
+        return {"control": plan.control, "blocks": upto}
 
     def _names(self, text: str) -> str:
         """The group's stages named in `text` (by control address) as node ids, e.g.

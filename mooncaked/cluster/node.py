@@ -16,6 +16,8 @@ Roles (settings.node.role):
            API node as JSON lines (keep-alive lines while it is quiet).
   cache    no model: a store that lends DRAM to the pool (created once a model node
            has published the block size), plus the API front end (tokenizer only).
+  A prefill node with cpp.group is one CPP stage (cpp_node.py): its layers only, and a
+  store of its layer slices of blocks (stage_prefix.py).
 Every node serves the public OpenAI API through `ClusterFrontend` (see
 frontend.py), registers with the coordinator under a lease (addresses, role,
 model geometry, its store's transfer-engine segment descriptor), campaigns in
@@ -268,6 +270,9 @@ class ClusterNode:
             from .cpp_node import CppStageWorker  # noqa: PLC0415
             self.prefill = CppStageWorker(self)
             await self.prefill.start()
+            # its own store of its layer slices, lent to the pool like every node's
+            await self._start_store(self.prefill.engine.block_bytes)
+            self.prefill.attach_store(self.store_node)
         elif self.role == "prefill":
             self.prefill = PrefillWorker(self.node_id, control_addr, self.settings, self.engine,
                                          self.transfer, self.store_node, self.client,

@@ -4,15 +4,20 @@ stage over the transfer engine (chunked pipeline parallelism, Mooncake section 3
 Protocol (every call a ControlServer method; hidden states never travel over RPC):
 
     caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target,
-                                      sampling, keys}
+                                      sampling, keys, fetch}
                          -> {token_id, num_tokens, cached_tokens, stages: [{node, layers,
                              compute_s, kv_pushed_bytes, logprob (last)}...]}
-    stage k -> stage k+1 cpp.reserve {request_id, num_tokens, kv_target, sampling, keys}
+    stage k -> stage k+1 cpp.reserve {request_id, num_tokens, kv_target, sampling, keys, fetch}
                          -> {descriptor, offset, cached_blocks}: a receive slot of
                             num_tokens rows of [hidden_size] in the stage dtype, in segment
                             "<name>/hidden"; with `keys` (the prompt's block keys, hex) the
                             stage matches its prefix cache and reserves down the chain at
-                            once, answering the least match of it and every later stage
+                            once, answering the least match of it and every later stage;
+                            with a StagePrefix (`prefix`: the stage's own store) a stage
+                            continues its match from its store's slices and from
+                            `fetch` = {control, blocks}, a node holding the full blocks
+                            (cluster/stage_prefix.py); its finished blocks' slices go
+                            into its store when it releases the request
     stage k  WRITE       hidden rows [start, end) of a chunk -> that slot (transfer engine)
     stage k -> stage k+1 cpp.hold {request_id}: open for the request's life on stage k+1;
                          if stage k dies, the connection drops, the handler is cancelled
@@ -98,6 +103,7 @@ class _Req:
     held: bool = False                   # the upstream stage holds a cpp.hold call open
     hold: asyncio.Task | None = None     # our cpp.hold call on the next stage
     sampling: dict | None = None         # {params, prompt} for the last stage's pick; None: greedy
+    fetch: dict | None = None            # {control, blocks}: full blocks of the prefix elsewhere
 
 
 class StageServer:
@@ -145,6 +151,7 @@ class StageServer:
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._tasks: list[asyncio.Task] = []
         self.address = ""
+        self.prefix = None   # StagePrefix (cluster/stage_prefix.py): the stage's own store
         for method in ("prefill", "reserve", "hold", "chunk", "release", "status", "configure"):
             self.control.add_handler(f"cpp.{method}", getattr(self, f"_on_{method}"))
 
@@ -204,16 +211,44 @@ class StageServer:
     def _release(self, rid: str, why: str = "done") -> bool:
         req = self.reqs.pop(rid, None)
         if req is None:
-            return self.stage.release(rid)
+            return self._free_pages(rid)
         if req.slot is not None:
             self.free_slots.append(req.slot)
         if req.hold is not None and why != "done":
             req.hold.cancel()  # drops the connection: the next stage releases too
         if req.result is not None and not req.result.done():
             req.result.set_exception(StageFailure(f"{self.name}: request {rid} released ({why})"))
-        self.stage.release(rid)
+        self._free_pages(rid)
         log.info("cpp_request_released", node=self.name, request_id=rid, reason=why)
         return True
+
+    def _free_pages(self, rid: str) -> bool:
+        """StageEngine.release; with a StagePrefix, once the finished blocks' slices the
+        stage's store lacks are copied into it (in the background: a few ms)."""
+        if self.prefix is not None and self.prefix.offload(rid, lambda: self.stage.release(rid)):
+            return True
+        return self.stage.release(rid)
+
+    async def _match(self, rid: str, req: _Req, keys: list[bytes]) -> int:
+        """The blocks of `keys` this stage holds for rid: its pages (StageEngine.match),
+        then with a StagePrefix its store's slices and the fetch source's full blocks."""
+        own = self.stage.match(rid, keys)
+        if self.prefix is not None:
+            own = await self.prefix.extend(rid, keys, own, req.fetch)
+            req.touched = time.monotonic()
+        return own
+
+    async def _match_all(self, rid: str, req: _Req, keys: list[bytes]) -> int:
+        """The least match of this stage and every later one (cpp.reserve down the chain),
+        the stages loading or fetching their prefixes at the same time."""
+        if self.stage.is_last:
+            return await self._match(rid, req, keys)
+        mine = asyncio.ensure_future(self._match(rid, req, keys))
+        try:
+            down = await self._reserve_next(rid, req, keys)
+        finally:
+            own = await mine
+        return min(own, down)
 
     def _new(self, rid: str, total: int, keep: bool) -> _Req:
         if rid in self.reqs:
@@ -241,13 +276,13 @@ class StageServer:
         req = self._new(rid, len(ids), bool(body.get("keep", False)))
         req.kv_target = body.get("kv_target")
         req.sampling = body.get("sampling")
+        req.fetch = body.get("fetch")
         req.waiting = True
         try:
             start = 0
             if keys:   # the blocks every stage holds need no compute: start after them
-                own = self.stage.match(rid, keys)
-                down = own if self.stage.is_last else await self._reserve_next(rid, req, keys)
-                start = min(own, down, (len(ids) - 1) // self.stage.block_size) * self.stage.block_size
+                held = await self._match_all(rid, req, keys)
+                start = min(held, (len(ids) - 1) // self.stage.block_size) * self.stage.block_size
             tokens = torch.tensor(ids, dtype=torch.long)
             for s in range(start, len(ids), chunk):
                 e = min(s + chunk, len(ids))
@@ -267,13 +302,12 @@ class StageServer:
         req = self._new(rid, n, bool(body.get("keep", False)))
         req.kv_target = body.get("kv_target")
         req.sampling = body.get("sampling")
+        req.fetch = body.get("fetch")
         req.slot = self.free_slots.pop()
         cached = None
         if keys:    # match here, then down the chain: the answer is the least any stage holds
             try:
-                cached = self.stage.match(rid, keys)
-                if not self.stage.is_last:
-                    cached = min(cached, await self._reserve_next(rid, req, keys))
+                cached = await self._match_all(rid, req, keys)
             except Exception:
                 self._release(rid, "reserve failed")
                 raise
@@ -331,7 +365,8 @@ class StageServer:
                 "last": st.is_last, "next": self.next_addr, "requests": sorted(self.reqs),
                 "held": sorted(r for r, q in self.reqs.items() if q.held),
                 "stage_pages": sorted(st.seqs), "free_blocks": st.num_free_blocks(),
-                "free_slots": len(self.free_slots), "weight_bytes": st.weight_bytes}
+                "free_slots": len(self.free_slots), "weight_bytes": st.weight_bytes,
+                "prefix": self.prefix.status() if self.prefix is not None else None}
 
     # -- the worker: compute chunk after chunk, hand each result to a send task
 
@@ -469,7 +504,7 @@ class StageServer:
         if not self.next_addr:
             raise StageFailure(f"{self.name}: the next stage has not joined")
         body = {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
-                "kv_target": req.kv_target, "sampling": req.sampling}
+                "kv_target": req.kv_target, "sampling": req.sampling, "fetch": req.fetch}
         if keys:
             body["keys"] = [k.hex() for k in keys]
         try:
@@ -505,10 +540,12 @@ def _keys(body: dict) -> list[bytes]:
 
 def start_stage_process(layers: range, next_addr: str = "", *, max_tokens: int = 8192,
                         threads: int = 1, idle_timeout_s: float = 5.0, name: str = "",
-                        ready_timeout_s: float = 300.0) -> tuple[subprocess.Popen, str]:
-    """Starts `python -m mooncaked.cluster.pipeline_stage` for `layers`; returns the process
-    and its control address once it printed its ready line. Start the last stage first:
-    each stage needs its next stage's address.
+                        ready_timeout_s: float = 300.0, extra: tuple[str, ...] = ()
+                        ) -> tuple[subprocess.Popen, str]:
+    """Starts `python -m mooncaked.cluster.pipeline_stage` for `layers` (`extra`: more
+    arguments, e.g. ("--store-bytes", "33554432")); returns the process and its control
+    address once it printed its ready line. Start the last stage first: each stage needs
+    its next stage's address.
 
     Raises: RuntimeError (with its stderr's tail) when it exits or says nothing within
         ready_timeout_s seconds (the process is killed then).
@@ -518,6 +555,7 @@ def start_stage_process(layers: range, next_addr: str = "", *, max_tokens: int =
            "--idle-timeout-s", str(idle_timeout_s)]
     cmd += ["--next", next_addr] if next_addr else []
     cmd += ["--name", name] if name else []
+    cmd += list(extra)
     err = tempfile.TemporaryFile()  # noqa: SIM115 - the stage writes to it while it lives
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err)
     ready, _, _ = select.select([proc.stdout], [], [], ready_timeout_s)
@@ -539,12 +577,33 @@ async def _serve(args: argparse.Namespace) -> None:
     server = StageServer(stage, args.name or f"stage-{a}-{b}", args.next or None,
                          max_tokens=args.max_tokens, idle_timeout_s=args.idle_timeout_s)
     addr = await server.start()
+    store = await _start_store(server, args.store_bytes) if args.store_bytes else None
     sys.stdout.write(orjson.dumps({"control": addr, "weight_bytes": stage.weight_bytes}).decode() + "\n")
     sys.stdout.flush()
     try:
         await asyncio.Event().wait()  # until SIGTERM / SIGKILL
     finally:
         await server.stop()
+        if store is not None:
+            await store.close()
+
+
+async def _start_store(server: StageServer, dram_bytes: int):
+    """A stand-alone stage's own KV store of `dram_bytes` (its layer slices, lent to peers
+    as store.* on its control server) and its StagePrefix. Returns the BlockStore."""
+    from mooncaked.config import StoreSettings  # noqa: PLC0415
+    from mooncaked.store.remote import StoreNode  # noqa: PLC0415
+    from mooncaked.store.store import BlockStore  # noqa: PLC0415
+
+    from .stage_prefix import StagePrefix  # noqa: PLC0415
+    st = server.stage
+    store = await BlockStore(st.block_bytes, StoreSettings(dram_bytes=dram_bytes),
+                             node_id=server.name).start()
+    node = StoreNode(store, server.transfer, server.client, server.address)
+    node.start()
+    node.add_handlers(server.control)
+    server.prefix = StagePrefix(st, st.cfg.num_layers, node)
+    return store
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -559,6 +618,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
     p.add_argument("--idle-timeout-s", type=float, default=5.0)
+    p.add_argument("--store-bytes", type=int, default=0,
+                   help="DRAM of the stage's own KV store (its layer slices; 0: none)")
     args = p.parse_args(argv)
     try:
         import uvloop

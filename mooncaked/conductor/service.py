@@ -42,11 +42,12 @@ from mooncaked.cluster.messages import (FetchPlan, NodeRef, NodeReport, PlaceRej
                                         PlaceRequest, StoreEventMsg, unhex_keys)
 from mooncaked.config import Settings, state_dir
 from mooncaked.log import get_logger
+from mooncaked.store.keys import slice_key
 
 from . import cost_store
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
-from .cpp_place import GroupLearner, place_with_groups, split_groups
+from .cpp_place import Group, GroupLearner, place_with_groups, split_groups
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, inflight_decode,
                    queue_s, queued_work)
 from .refit import CostModelRefitter
@@ -375,7 +376,8 @@ class ConductorService:
         result = place(preq, snap, cost, cfg, self.rng) if pre or decode_only else None
         if groups and not decode_only:
             result = place_with_groups(result, groups, preq, snap, cost, cfg, self.rng,
-                                       cs.cpp_min_tokens, queue_s, self.cpp_learner)
+                                       cs.cpp_min_tokens, queue_s, self.cpp_learner,
+                                       {g.name: self._stage_prefix(g, keys) for g in groups})
             for g in groups:
                 if isinstance(result, Placement) and result.prefill == g.head.node_id:
                     self.cpp_learner.predicted(rid, g.name, result.predicted_prefill_s)
@@ -385,6 +387,17 @@ class ConductorService:
             self.replicator.note_request(keys, now, self.nodes,
                                          self._eligible("cache", set(), now), cost, bs)
         return self._accept(rid, result, n, max_new, decode_only, now)
+
+    def _stage_prefix(self, g: Group, keys: list[bytes]) -> tuple[int, ...]:
+        """Each stage's own prefix of `keys` in blocks: its layer slices (store/keys.py
+        slice_key) in the index, from its store's events (cluster/stage_prefix.py)."""
+        out = []
+        for v, (a, b) in zip(g.stages, g.layers):
+            if not keys or b <= a:
+                out.append(0)
+                continue
+            out.append(self.index.match([slice_key(k, a, b) for k in keys], [v.node_id])[0])
+        return tuple(out) if len(out) == len(g.stages) else (0,) * len(g.stages)
 
     def _place_coupled(self, req: PlaceRequest, nodes: list[NodeView], cost: CostModel,
                        now: float) -> PlaceReply | PlaceRejected:

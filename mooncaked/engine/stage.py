@@ -30,6 +30,7 @@ from mooncaked.model.weights import ModelConfig, load_weights
 from mooncaked.utils import cdiv
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+RELEASE_WAIT_S = 5.0   # bound on a chunk's wait for pages being released (copied out: ms)
 
 
 def split_layers(num_layers: int, num_stages: int, weights: list[float] | None = None) -> list[range]:
@@ -87,6 +88,7 @@ class _StageSeq:
     num_tokens: int = 0  # tokens whose K/V of this stage's layers are in the pages
     keys: list[bytes] = field(default_factory=list)   # block keys of the prompt's full blocks
     ran: bool = False    # a chunk ran (before that, matched blocks beyond `start` may be unpinned)
+    releasing: int = 0   # pages counted in StageEngine.releasing (release_soon)
 
 
 class StageOutOfPages(RuntimeError):
@@ -145,6 +147,10 @@ class StageEngine:
         # pages are taken in the compute thread (run_chunk) and matched / released from the
         # caller's event loop: one lock over the page books
         self._pages = threading.RLock()
+        # pages of requests that will be released shortly (their slices being copied out,
+        # cluster/stage_prefix.py): a chunk short of pages waits for them, not fails
+        self._freed = threading.Condition(self._pages)
+        self.releasing = 0
         self.load_s = time.monotonic() - t0
         self.pid = os.getpid()
 
@@ -170,6 +176,12 @@ class StageEngine:
 
     def _ensure_pages_locked(self, seq: _StageSeq, end: int) -> None:
         need = cdiv(end, self.block_size) - len(seq.blocks)
+        deadline = time.monotonic() + RELEASE_WAIT_S
+        while need > self.num_free_blocks() and self.releasing > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            self._freed.wait(left)       # release() notifies
         if need > self.num_free_blocks():
             raise StageOutOfPages(f"need {need} pages, {self.num_free_blocks()} free")
         for _ in range(need):
@@ -205,6 +217,53 @@ class StageEngine:
             seq.blocks.append(block)
         seq.num_tokens = len(seq.blocks) * self.block_size
         return len(seq.blocks)
+
+    def block_shape(self) -> tuple[int, ...]:
+        """One page of this stage: [stage_layers, 2, block_size, kv_heads, head_dim]."""
+        return tuple(self.kv_cache.shape[1:])
+
+    def append_blocks(self, request_id: str, blocks: torch.Tensor) -> int:
+        """Continues a matched request's prefix with given K/V (a page each, e.g. from the
+        store or a peer: cluster/stage_prefix.py), before its first chunk runs.
+
+        Args:
+            blocks: [n, stage_layers, 2, block_size, kv_heads, head_dim], this stage's layers
+                of the request's next n full blocks (any device; cast to the stage dtype).
+        Returns: the blocks appended (fewer than n when pages run out; they are kept under
+            the request's keys at `release` like computed ones).
+        Raises: KeyError for a request without `match`; ValueError after a chunk ran.
+        """
+        with self._pages:
+            seq = self.seqs[request_id]
+            if seq.ran or seq.num_tokens != len(seq.blocks) * self.block_size:
+                raise ValueError(f"{request_id}: blocks can only extend a matched prefix")
+            n = min(blocks.shape[0], self.num_free_blocks(), len(seq.keys) - len(seq.blocks))
+            if n <= 0:
+                return 0
+            pages = [self._take_page() for _ in range(n)]
+            self.kv_cache[torch.tensor(pages, dtype=torch.long, device=self.kv_cache.device)] = \
+                blocks[:n].to(device=self.kv_cache.device, dtype=self.dtype)
+            seq.blocks += pages
+            seq.num_tokens = len(seq.blocks) * self.block_size
+            return n
+
+    def finished_blocks(self, request_id: str, skip=None) -> tuple[list[bytes], list[int]]:
+        """The request's full blocks whose K/V this stage holds (computed, matched or
+        appended), for its store: (keys, page ids); `skip(key)` leaves blocks out (e.g.
+        those stored already). The pages stay valid until the request's `release`.
+        ([], []) for an unknown request."""
+        with self._pages:
+            seq = self.seqs.get(request_id)
+            if seq is None:
+                return [], []
+            full = min(len(seq.keys), seq.num_tokens // self.block_size, len(seq.blocks))
+            todo = [i for i in range(full) if skip is None or not skip(seq.keys[i])]
+            return [seq.keys[i] for i in todo], [seq.blocks[i] for i in todo]
+
+    def page_bytes(self, page: int) -> torch.Tensor:
+        """Page `page` as a flat uint8 view [block_bytes] (on the stage's device); valid
+        while a request holds the page."""
+        return self.kv_cache[page].reshape(-1).view(torch.uint8)
 
     @torch.inference_mode()
     def run_chunk(self, request_id: str, start: int, inputs: torch.Tensor,
@@ -264,6 +323,16 @@ class StageEngine:
         seq = self.seqs[request_id]
         return self.kv_cache[torch.tensor(seq.blocks, dtype=torch.long)].clone()
 
+    def release_soon(self, request_id: str) -> None:
+        """Marks request_id's pages as about to be released (its K/V being copied out): a
+        chunk of another request that lacks pages meanwhile waits up to RELEASE_WAIT_S for
+        `release` instead of failing with StageOutOfPages."""
+        with self._pages:
+            seq = self.seqs.get(request_id)
+            if seq is not None and not seq.releasing:
+                seq.releasing = len(seq.blocks)
+                self.releasing += seq.releasing
+
     def release(self, request_id: str) -> bool:
         """Frees the request's pages, keeping its full blocks whose K/V this stage has
         computed (or matched) in the prefix cache under their keys; False when it held none."""
@@ -274,6 +343,9 @@ class StageEngine:
         seq = self.seqs.pop(request_id, None)
         if seq is None:
             return False
+        if seq.releasing:
+            self.releasing -= seq.releasing
+        self._freed.notify_all()
         full = min(len(seq.keys), seq.num_tokens // self.block_size)
         for i, block in enumerate(seq.blocks):
             if i < full and block not in self.key_of and seq.keys[i] not in self.cached:

@@ -2,7 +2,8 @@
 
 A node's pool of KV blocks in DRAM and on SSD, keyed by block keys:
 
-- keys.py: `block_keys`, `make_salt` (the chained block key; shared with the engine)
+- keys.py: `block_keys`, `make_salt` (the chained block key; shared with the engine),
+  `slice_key` (a pipeline stage's layer slice of a block)
 - store.py: `BlockStore`, the local object API (put/get/exists/remove, batch forms,
   leases, inventory, stats): a facade over the modules below
 - tiering.py: the tiers and the moves between them (demotion, promotion);
@@ -14,11 +15,11 @@ A node's pool of KV blocks in DRAM and on SSD, keyed by block keys:
 - remote.py: the store across nodes; node.py: a stand-alone store node
 """
 
-from .keys import KEY_BYTES, block_keys, make_salt
+from .keys import KEY_BYTES, block_keys, make_salt, slice_key
 from .types import (DRAM, SSD, BlockPinned, Inventory, LeaseExpired, Location, PutResult,
                     PutStatus, StoreError, StoreEvent, StoreMetrics)
 
-__all__ = ["KEY_BYTES", "block_keys", "make_salt", "DRAM", "SSD", "BlockPinned", "Inventory",
+__all__ = ["KEY_BYTES", "block_keys", "make_salt", "slice_key", "DRAM", "SSD", "BlockPinned", "Inventory",
            "LeaseExpired", "Location", "PutResult", "PutStatus", "StoreError", "StoreEvent",
            "StoreMetrics", "BlockStore", "Lease"]
 

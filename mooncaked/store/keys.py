@@ -9,6 +9,10 @@ The engine's prefix cache, the store and the conductor's global index all use
 these keys, so this module stays small, pure and fast: blake2b (hashlib,
 keyed with the salt) over token ids packed as little-endian uint32; a
 100k-token prompt takes a few milliseconds.
+
+A pipeline stage (chunked pipeline parallelism, cluster/stage_prefix.py) stores only
+its layers of a block: `slice_key(key, start, stop)` names that layer slice, an
+object of its own in the stage's store, distinct from the full block's key.
 """
 
 from __future__ import annotations
@@ -114,3 +118,25 @@ def block_keys(token_ids: Sequence[int] | np.ndarray, block_size: int, salt: byt
         prev = h.digest()
         keys.append(prev)
     return keys
+
+
+def slice_key(key: bytes, start: int, stop: int) -> bytes:
+    """The store key of layers [start, stop) of block `key` (a CPP stage's slice).
+
+    A block is layer-major, so layers start..stop are one contiguous byte range of it,
+    `[start * L, stop * L)` with L the bytes of one layer's K and V for the block; a
+    stage stores that range under this key. Distinct from `key` itself and from any
+    other range's key (blake2b over key || uint32le(start) || uint32le(stop), its own
+    personalization), `KEY_BYTES` long like a block key.
+
+    Raises: ValueError for an empty key or a range that is not 0 <= start < stop < 2**32.
+    """
+    if not key:
+        raise ValueError("slice_key needs a block key")
+    if not 0 <= start < stop < 1 << 32:
+        raise ValueError(f"layer range must be 0 <= start < stop, got [{start}, {stop})")
+    h = hashlib.blake2b(digest_size=KEY_BYTES, person=b"mooncaked-slice")
+    h.update(key)
+    h.update(start.to_bytes(4, "little"))
+    h.update(stop.to_bytes(4, "little"))
+    return h.digest()

@@ -16,6 +16,13 @@ Reading blocks held by node H (what a prefill node does on a remote prefix hit):
   3. `store.release` on H: if the lease had expired first, the bytes read may
      belong to other blocks, so the reader discards them (never returns them).
 
+Reading a byte range of blocks (`get_ranges`, what a CPP stage does: it needs only its
+layers' bytes `[start, stop)` of a full block, cluster/stage_prefix.py): the same steps,
+with `range` in `store.locate`; H checks the range lies within its blocks and answers
+each location narrowed to it, so the reader is granted, and READs, only those bytes of
+each leased block. A range outside the block is refused (ValueError); a key H does not
+hold gets no lease and is not read.
+
 Storing blocks on node D ("put against another node's pool"), replicating
 blocks from S to D, or moving them: D runs `store.fetch` with S as the source,
 i.e. steps 1-3 with D as the reader and its own pool slots as the destination
@@ -67,7 +74,7 @@ class StoreNode:
         control: client for peers' control servers.
         address: "host:port" of this node's control server (peers fetch from it).
     Server side: `add_handlers(server)` registers the `store.*` control methods.
-    Client side: `query`, `get_many`, `fetch`, `put_many`, `copy`, `move`, each
+    Client side: `query`, `get_many`, `get_ranges`, `fetch`, `put_many`, `copy`, `move`, each
     taking a peer's control address.
     """
 
@@ -114,10 +121,22 @@ class StoreNode:
         failpoints.hit("store.locate")
         keys = _unhex(payload)
         ttl = payload.get("ttl_s")
+        a, b = self._range(payload.get("range"))
         locs, lease = await self.store.locate_many(keys, None if ttl is None else float(ttl))
         self.store.metrics.served += sum(loc is not None for loc in locs)
         return {"lease": lease.id, "segment": self.store.dram.segment,
-                "locations": [None if loc is None else [loc.offset, loc.length] for loc in locs]}
+                "locations": [None if loc is None else [loc.offset + a, b - a] for loc in locs]}
+
+    def _range(self, span: Any) -> tuple[int, int]:
+        """The byte range [a, b) of each block a locate grants: all of it without `span`.
+        Raises: ValueError for a range that is not 0 <= a < b <= block_bytes."""
+        if span is None:
+            return 0, self.store.block_bytes
+        if not (isinstance(span, list) and len(span) == 2 and all(type(x) is int for x in span)
+                and 0 <= span[0] < span[1] <= self.store.block_bytes):
+            raise ValueError(f"range must be [start, stop) bytes within a block of "
+                             f"{self.store.block_bytes} bytes, got {span!r}")
+        return span[0], span[1]
 
     async def _h_release(self, payload: Any) -> dict:
         if not isinstance(payload, dict) or not isinstance(payload.get("lease"), int):
@@ -155,16 +174,18 @@ class StoreNode:
 
     # ------------------------------------------------------------------ client side
 
-    async def _segment_of(self, addr: str) -> str:
-        """The DRAM segment of the node at `addr`, learnt once (store.describe)."""
+    async def _segment_of(self, addr: str, same_blocks: bool = True) -> str:
+        """The DRAM segment of the node at `addr`, learnt once (store.describe). With
+        `same_blocks`, raises ValueError when its blocks differ in size from this node's
+        (a ranged read takes part of a block of any size)."""
         known = self._peers.get(addr)
         if known is None:
             d = await self.control.call(addr, PREFIX + "describe")
-            if d["block_bytes"] != self.store.block_bytes:
-                raise ValueError(f"peer {addr} stores blocks of {d['block_bytes']} bytes, "
-                                 f"this node {self.store.block_bytes}")
             name = self.engine.add_peer_segment(d["segment"])
             known = self._peers[addr] = (name, d["block_bytes"])
+        if same_blocks and known[1] != self.store.block_bytes:
+            raise ValueError(f"peer {addr} stores blocks of {known[1]} bytes, "
+                             f"this node {self.store.block_bytes}")
         return known[0]
 
     async def query(self, addr: str, keys: Sequence[bytes]) -> tuple[list[str | None], int]:
@@ -173,22 +194,28 @@ class StoreNode:
         return r["tiers"], r["prefix"]
 
     async def _read_remote(self, addr: str, keys: Sequence[bytes], views: Sequence[Any],
-                           ttl_s: float | None) -> list[str]:
-        """Steps 1-3 of the module doc: per key "" if `views[i]` now holds block keys[i],
-        else the reason. Never returns bytes read under an expired lease."""
-        segment = await self._segment_of(addr)
-        payload = {"keys": hex_keys(keys)}
+                           ttl_s: float | None, span: tuple[int, int] | None = None) -> list[str]:
+        """Steps 1-3 of the module doc: per key "" if `views[i]` now holds block keys[i]
+        (with `span`, bytes [start, stop) of it), else the reason. Never returns bytes read
+        under an expired lease."""
+        segment = await self._segment_of(addr, span is None)
+        payload: dict = {"keys": hex_keys(keys)}
         if ttl_s is not None:
             payload["ttl_s"] = ttl_s
+        if span is not None:
+            payload["range"] = list(span)
         loc = await self.control.call(addr, PREFIX + "locate", payload)
         if loc["segment"] != segment:  # the peer restarted under another segment name
             self._peers.pop(addr, None)
-            segment = await self._segment_of(addr)
+            segment = await self._segment_of(addr, span is None)
         reasons = ["not held by " + addr] * len(keys)
         reqs, idx = [], []
         for i, (where, view) in enumerate(zip(loc["locations"], views)):
             if where is not None:
                 offset, length = where
+                if length != view.nbytes:    # the holder answered another range: read nothing
+                    reasons[i] = f"{addr} located {length} bytes, {view.nbytes} asked"
+                    continue
                 reqs.append(TransferRequest(TransferOp.READ, loc["segment"], offset, view, 0,
                                             length))
                 idx.append(i)
@@ -223,6 +250,29 @@ class StoreNode:
                 raise ValueError(f"a block is {self.store.block_bytes} bytes, got {v.nbytes}")
             views.append(v)
         reasons = await self._read_remote(addr, keys, views, ttl_s)
+        return [not r for r in reasons]
+
+    async def get_ranges(self, addr: str, keys: Sequence[bytes], start: int, stop: int,
+                         dsts: Sequence[Any], ttl_s: float | None = None) -> list[bool]:
+        """Reads bytes [start, stop) of each block keys[i] held by node `addr` into dsts[i]
+        (stop - start bytes each, writable): a CPP stage's layers of full blocks
+        (cluster/stage_prefix.py). Only those bytes are located, leased and READ. True per
+        block read under a valid lease; a False entry's buffer may hold garbage.
+        Raises: ValueError for bad buffers or range; RpcError when the holder refuses the
+            range (outside its blocks); PeerUnavailable or RpcTimeout when its control
+            channel fails."""
+        if len(keys) != len(dsts):
+            raise ValueError(f"{len(keys)} keys but {len(dsts)} buffers")
+        if not 0 <= start < stop:
+            raise ValueError(f"byte range must be 0 <= start < stop, got [{start}, {stop})")
+        views = []
+        for d in dsts:
+            v = as_u8(d, writable=True)
+            if v.nbytes != stop - start:
+                raise ValueError(f"a range of {stop - start} bytes needs buffers of that size, "
+                                 f"got {v.nbytes}")
+            views.append(v)
+        reasons = await self._read_remote(addr, keys, views, ttl_s, (start, stop))
         return [not r for r in reasons]
 
     async def fetch(self, addr: str, keys: Sequence[bytes], ttl_s: float | None = None
