@@ -150,6 +150,11 @@ class CppStageWorker:
         """rid -> (new, cached) tokens of the requests this group runs (stage 0 only)."""
         return {rid: (r.new, r.cached) for rid, r in self.requests.items()}
 
+    def queued(self) -> tuple[str, ...]:
+        """Prefills held back waiting for their turn (NodeReport.waiting): none, a group
+        admits every request into the pipeline at once."""
+        return ()
+
     def status(self) -> dict:
         """This stage's layers, weights, pages and the requests it holds (node.status)."""
         e, srv = self.engine, self.server
