@@ -16,8 +16,9 @@ stage finds the next one in the membership (group, stage + 1).
    layer-major shape [num_layers, blocks, 2, block_size, kv_heads, head_dim]), owned by
    stage 0; its descriptor travels down the chain as `kv_target`;
 2. runs the prompt through the pipeline in `cpp.chunk_tokens` chunks; each stage WRITEs its
-   own layers' KV (one contiguous byte range of that buffer) after its last chunk, so the
-   one receive buffer takes layer ranges from every stage;
+   own layers' KV of each chunk's blocks (one byte run per layer of that buffer) as soon as
+   it computed the chunk, overlapped with its next chunk, so the one receive buffer takes
+   layer ranges from every stage and the last stage's push adds little to TTFT;
 3. answers `PrefillReply` with the first token (the last stage samples it with the
    request's SamplingParams) and `KVHandle.pushed` = True: the decode node admits from the
    buffer as from a single prefill node's push.

@@ -264,6 +264,17 @@ class StageEngine:
         seq = self.seqs[request_id]
         return self.kv_cache[torch.tensor(seq.blocks, dtype=torch.long)].clone()
 
+    def read_kv_layer_major(self, request_id: str, lo: int, hi: int) -> torch.Tensor:
+        """Blocks lo..hi-1 of the request's pages, layer-major and contiguous:
+        [stage_layers, hi - lo, 2, block_size, kv_heads, head_dim] (a copy, one gather), the
+        source of a chunk's layer-wise KV push. Raises KeyError for an unknown id, IndexError
+        for a block range the request does not hold."""
+        seq = self.seqs[request_id]
+        if not 0 <= lo <= hi <= len(seq.blocks):
+            raise IndexError(f"{request_id}: blocks {lo}:{hi} outside 0:{len(seq.blocks)}")
+        idx = torch.tensor(seq.blocks[lo:hi], dtype=torch.long, device=self.kv_cache.device)
+        return self.kv_cache.transpose(0, 1).index_select(1, idx)
+
     def release(self, request_id: str) -> bool:
         """Frees the request's pages, keeping its full blocks whose K/V this stage has
         computed (or matched) in the prefix cache under their keys; False when it held none."""
