@@ -199,7 +199,9 @@ class CppStageWorker:
             elif not out.finished:
                 # the API node wants KV it would READ: a group has no stage segment
                 out = dataclasses.replace(out, finished=True, finish_reason="length")
-            node.activity.done.append(PrefillDone(rid, seconds, len(prompt) - cached, cached, False))
+            node.activity.done.append(PrefillDone(    # per-stage chunk times: the conductor's
+                rid, seconds, len(prompt) - cached, cached, False,     # GroupLearner
+                tuple(tuple(float(c) for c in st.get("chunks", ())) for st in r["stages"])))
             log.info("cpp_prefill_done", request_id=rid, group=self.cpp.group, tokens=len(prompt),
                      cached_tokens=cached, seconds=round(seconds, 4),
                      stage_compute_s=[s["compute_s"] for s in r["stages"]])
