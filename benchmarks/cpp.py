@@ -108,6 +108,8 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
             raise RuntimeError("the single-node baseline did not start")
         n_req = 0
 
+        stage_s: list[list[float]] = []     # each stage's compute seconds, per rep of ours
+
         async def ours(ids: list[int]) -> tuple[float, int]:
             nonlocal n_req
             n_req += 1
@@ -115,6 +117,7 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
             r = await client.call(a0, "cpp.prefill", {"request_id": f"cpp-{n_req}", "token_ids": ids,
                                                       "chunk_tokens": chunk_tokens},
                                   timeout_s=CALL_TIMEOUT_S)
+            stage_s.append([s["compute_s"] for s in r["stages"]])
             return time.perf_counter() - t0, r["token_id"]
 
         warm = _prompt(300, 1)
@@ -123,6 +126,7 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
         results = []
         for n in prompts:
             o_t, s_t, equal = [], [], True
+            stage_s.clear()
             for rep in range(reps):
                 ids = _prompt(n, 1000 * n + rep)
                 t, tok_o = await ours(ids)
@@ -133,6 +137,9 @@ async def _run(prompts: tuple[int, ...], reps: int, chunk_tokens: int, max_batch
             o, s = statistics.median(o_t), statistics.median(s_t)
             results.append({"prompt_tokens": n, "ours_s": round(o, 4), "single_s": round(s, 4),
                             "ratio": round(o / s, 3), "tokens_equal": equal,
+                            # each stage's compute seconds (medians): ours_s minus the
+                            # larger is the pipeline's fill/drain bubble plus its overheads
+                            "stage_compute_s": [round(statistics.median(c), 4) for c in zip(*stage_s)],
                             "ours_reps_s": [round(x, 4) for x in o_t],
                             "single_reps_s": [round(x, 4) for x in s_t]})
             print(f"cpp bench: {orjson.dumps(results[-1]).decode()} load {os.getloadavg()[0]:.1f}",

@@ -44,6 +44,7 @@ def wire(msg) -> dict:
     DecodeRequest("r1", (1, 2, 3), 9, dataclasses.replace(PARAMS, structured=StructuredSpec(
         "json", '{"type":"object"}')), KV, "127.0.0.1:3", None),   # the constraint crosses
     PrefillDone("r1", 0.25, 30, 16, True),
+    PrefillDone("r2", 1.5, 600, 0, False, ((0.25, 0.5), (0.125, 0.75))),   # a CPP group's stages
     StoreEventMsg("stored", "dram", 4, KEYS),
     DecodeLoad(("r1", "r2"), 2, 300, 1000),
 ])
@@ -63,6 +64,13 @@ def test_output_delta_round_trip_keeps_logprobs_and_stop_reason():
     assert (got.new_token_ids, got.new_text, got.finish_reason, got.stop_reason) == \
         ([5, 6], "hi", "stop", 6)
     assert got.logprobs[0].top == [(5, -0.5), (7, -1.25)] and got.num_cached_tokens == 16
+
+
+def test_prefill_done_stages_are_checked():
+    assert "stages" not in PrefillDone("r1", 0.25, 30, 16, True).to_json()   # unchanged wire form
+    for bad in ([[0.1, -1.0]], [["x"]], [0.5], [[0.1] * 2000]):
+        with pytest.raises(MessageError, match="stages"):
+            PrefillDone.from_json({"rid": "r", "seconds": 1.0, "stages": bad})
 
 
 def test_node_report_round_trip():

@@ -93,27 +93,70 @@ def test_pipeline_gives_the_full_models_token(group, prompt, reference):
         assert st["free_slots"] == 2
 
 
-def test_stages_push_their_layer_ranges_into_one_receive_buffer(group, prompt, reference):
-    _, want, kv_ref = reference  # [30 layers, 19 blocks, 2, 16, kv_heads, head_dim]
-
+def _push(group, prompt, rid: str, chunk: int, shape, keys: list[str] | None = None):
+    """cpp.prefill with a kv_target: a NaN-filled receive buffer of `shape` in this
+    process's transfer engine. Returns (reply, buffer)."""
     async def run():
-        async with TransferEngine(node_id="decode-test") as te:
-            buf = torch.full(kv_ref.shape, float("nan"), dtype=torch.float32)
-            desc = te.register_segment("decode-test/recv/push", buf)
-            r = await _call(group.a0, "cpp.prefill", {"request_id": "push", "token_ids": prompt,
-                                                       "chunk_tokens": 128, "kv_target": {"descriptor": desc}})
-            return r, buf
+        async with TransferEngine(node_id=f"decode-{rid}") as te:
+            buf = torch.full(shape, float("nan"), dtype=torch.float32)
+            desc = te.register_segment(f"decode-{rid}/recv", buf)
+            body = {"request_id": rid, "token_ids": prompt, "chunk_tokens": chunk,
+                    "kv_target": {"descriptor": desc}}
+            if keys:
+                body["keys"] = keys
+            return await _call(group.a0, "cpp.prefill", body), buf
 
-    r, buf = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def _pushed_blocks(total: int, start: int, chunk: int, bs: int = 16) -> int:
+    """Blocks a stage's chunk-by-chunk push sends for a prompt of `total` tokens computed
+    from `start`: each chunk sends from the first block the previous one had not filled
+    (the first chunk from block 0: the cached prefix too) to its last block."""
+    sent, done = 0, 0
+    for s in range(start, total, chunk):
+        e = min(s + chunk, total)
+        sent += -(-e // bs) - done
+        done = e // bs
+    return sent
+
+
+@pytest.mark.parametrize("chunk", [128, 100])
+def test_stages_push_each_chunks_kv_into_one_receive_buffer(group, prompt, reference, chunk):
+    # 100 is not a multiple of the 16-token block: blocks 6 and 12 are split between two
+    # chunks, each sent part-filled by one push and complete by the next.
+    _, want, kv_ref = reference  # [30 layers, 19 blocks, 2, 16, kv_heads, head_dim]
+    r, buf = _push(group, prompt, f"push-{chunk}", chunk, kv_ref.shape)
     assert r["token_id"] == want
-    half = kv_ref[0].numel() * 4 * 15
-    assert [s["kv_pushed_bytes"] for s in r["stages"]] == [half, half]
-    # Both senders' layer ranges landed, each at its own offset: the buffer is the full
-    # model's KV, layer for layer.
+    block_layer = kv_ref[0, 0].numel() * 4
+    sent = _pushed_blocks(len(prompt), 0, chunk)
+    assert sent == (19 if chunk == 128 else 21)
+    assert [s["kv_pushed_bytes"] for s in r["stages"]] == [15 * sent * block_layer] * 2
+    # every stage reports each chunk's compute and how long its answer waited for its pushes
+    for s in r["stages"]:
+        assert len(s["chunks"]) == -(-len(prompt) // chunk)
+        assert all(c > 0 for c in s["chunks"]) and sum(s["chunks"]) == pytest.approx(s["compute_s"], abs=1e-4)
+        assert 0 <= s["kv_push_wait_s"] < 5
+    # Both senders' layer ranges landed, chunk by chunk, each at its own offset: the buffer
+    # is the full model's KV, layer for layer.
     def tokens(kv):  # [layers, blocks, 2, bs, h, d] -> [layers, 2, 300 prompt positions, h, d]
         return kv.transpose(1, 2).flatten(2, 3)[:, :, :len(prompt)]
 
-    assert not torch.isnan(buf).any()  # every byte written (the last block's tail: stale pages)
+    assert not torch.isnan(tokens(buf)).any()  # every prompt position written
+    torch.testing.assert_close(tokens(buf), tokens(kv_ref), atol=1e-4, rtol=1e-4)
+
+
+def test_a_prefix_hit_pushes_the_cached_blocks_too(group, prompt, reference):
+    _, want, kv_ref = reference
+    keys = [f"{i:064x}" for i in range(len(prompt) // 16)]   # 18 full blocks
+    first, _ = _push(group, prompt, "hit-a", 100, kv_ref.shape, keys)
+    r, buf = _push(group, prompt, "hit-b", 100, kv_ref.shape, keys)
+    assert first["cached_tokens"] == 0 and r["cached_tokens"] == 288
+    assert r["token_id"] == want
+    # one chunk (288..300) computed; its push carries every block, the 18 cached ones too
+    assert [len(s["chunks"]) for s in r["stages"]] == [1, 1]
+    assert [s["kv_pushed_bytes"] for s in r["stages"]] == [15 * 19 * kv_ref[0, 0].numel() * 4] * 2
+    tokens = lambda kv: kv.transpose(1, 2).flatten(2, 3)[:, :, :len(prompt)]  # noqa: E731
     torch.testing.assert_close(tokens(buf), tokens(kv_ref), atol=1e-4, rtol=1e-4)
 
 

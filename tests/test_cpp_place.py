@@ -6,9 +6,12 @@ from __future__ import annotations
 import dataclasses
 import random
 
+import pytest
+
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
-from mooncaked.conductor.cpp_cost import PipelinedCostModel
-from mooncaked.conductor.cpp_place import GroupLearner, group_prefix, place_with_groups, split_groups
+from mooncaked.conductor.cpp_cost import PipelinedCostModel, stage_timing
+from mooncaked.conductor.cpp_place import (GroupLearner, fold_factors, group_chunk_prediction, group_prefix,
+                                           place_with_groups, split_groups, stage_factor_sample)
 from mooncaked.conductor.load import NodeView, queue_s
 from mooncaked.conductor.policy import Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
 
@@ -76,24 +79,54 @@ def test_short_prompt_stays_on_the_single_node_but_a_group_alone_serves_it():
                              1000, queue_s).reason == "ttft_slo"
 
 
-def test_the_group_learns_its_pipelined_time_from_measured_prefills():
+def test_the_group_learns_per_stage_step_times_and_its_overhead():
+    _, (g,) = split_groups([view("a0", "a", 0), view("a1", "a", 1)])
+    chunk_s, hop = group_chunk_prediction(COST, g, 2000)
+    # 7 chunks of 256 and one of 208 on one of 2 stages: (0.05 + 5 ms x tokens) / 2
+    assert chunk_s == pytest.approx((0.665,) * 7 + (0.545,)) and hop == pytest.approx(256 * 2304 / 1e9)
     lr = GroupLearner(alpha=0.5)
-    _, r = _place(2000, True)
+    # stage 0 runs as predicted, stage 1 at 3x (a slower node); the wall time is 1.2x what
+    # the measured chunk times give through the pipeline (hops, RPCs)
+    measured = (tuple(chunk_s), tuple(3 * x for x in chunk_s))
+    wall = 1.2 * stage_timing(measured, hop).latency_s
+    for i in range(8):
+        lr.predicted(f"r{i}", "a", chunk_s, hop)
+        lr.observe(f"r{i}", wall, 0, measured)
+    assert lr.factors("a") == pytest.approx((1.0, 3.0)) and lr.scale("a") == pytest.approx(1.2)
+    assert lr.factors("a", 3) == ()                       # learned for another stage count
+    st = lr.status()["a"]
+    assert (st["samples"], st["stage_samples"], st["stage_factors"]) == (8, 8, [1.0, 3.0])
+    # Algorithm 1's TTFT for the group: stage 1's 3 x 5.2 s dominate, stage 0 adds one chunk
+    _, r = _place(2000, False, learner=lr)
     assert r.prefill == "a0"
-    for i in range(8):       # the group measures 3x its prediction, one request at a time
-        lr.predicted(f"r{i}", "a", r.predicted_prefill_s * lr.scale("a"))
-        lr.observe(f"r{i}", 3 * r.predicted_prefill_s)
-    assert abs(lr.scale("a") - 3.0) < 0.05 and lr.status()["a"]["samples"] == 8
-    lr.predicted("x", "a", 1.0)
-    lr.predicted("y", "a", 1.0)          # overlapped: neither is a sample
-    lr.observe("x", 100.0)
-    lr.observe("y", 100.0)
-    lr.predicted("z", "a", 1.0)
-    lr.observe("z", 100.0, cached_tokens=32)     # a prefix hit: not a sample either
-    assert lr.status()["a"]["samples"] == 8
-    # at 3x its model the group no longer beats the single node: the request stays there
-    single2, r = _place(2000, True, learner=lr)
-    assert r is single2 and r.prefill == "p"
+    assert r.predicted_prefill_s == pytest.approx(1.2 * (3 * sum(chunk_s) + 0.665 + hop))
+    # ... so the group no longer beats the single node's 10.05 s: the request stays there
+    single, r = _place(2000, True, learner=lr)
+    assert r is single and r.prefill == "p"
+    # Overlapping requests still teach step times (a stage computes one chunk at a time),
+    # not the overhead (their wall time holds a queue); prefix hits and other chunkings
+    # teach nothing.
+    lr.predicted("x", "a", chunk_s, hop)
+    lr.predicted("y", "a", chunk_s, hop)
+    lr.observe("x", 100.0, 0, measured)
+    lr.observe("y", 100.0, 0, measured)
+    lr.predicted("z", "a", chunk_s, hop)
+    lr.observe("z", 100.0, 32, measured)
+    lr.predicted("w", "a", chunk_s, hop)
+    lr.observe("w", 100.0, 0, (measured[0][:3], measured[1][:3]))
+    lr.observe("unknown", 100.0, 0, measured)
+    st = lr.status()["a"]
+    assert (st["samples"], st["stage_samples"]) == (8, 10) and lr.scale("a") == pytest.approx(1.2)
+
+
+def test_stage_factor_samples_and_folding():
+    assert stage_factor_sample((1.0, 1.0), ((1.0, 3.0), (0.5, 0.5))) == pytest.approx((2.0, 0.5))
+    assert stage_factor_sample((1.0, 1.0), ((1.0,), (0.5, 0.5))) is None    # chunk counts differ
+    assert stage_factor_sample((1.0,), ()) is None
+    assert stage_factor_sample((1.0,), ((0.0,), (1.0,))) is None
+    assert fold_factors((), (2.0, 50.0), 0.3, (0.1, 10.0)) == (2.0, 10.0)   # first: clamped sample
+    assert fold_factors((1.0, 1.0), (2.0, 3.0), 0.5, (0.1, 10.0)) == pytest.approx((1.5, 2.0))
+    assert fold_factors((1.0, 1.0), (2.0, 3.0, 4.0), 0.5, (0.1, 10.0)) == (2.0, 3.0, 4.0)
 
 
 def test_group_prefix_is_the_least_stage_prefix_and_each_stage_fetches_its_share():

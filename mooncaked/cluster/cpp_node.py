@@ -18,8 +18,9 @@ stage finds the next one in the membership (group, stage + 1).
    layer-major shape [num_layers, blocks, 2, block_size, kv_heads, head_dim]), owned by
    stage 0; its descriptor travels down the chain as `kv_target`;
 2. runs the prompt through the pipeline in `cpp.chunk_tokens` chunks; each stage WRITEs its
-   own layers' KV (one contiguous byte range of that buffer) after its last chunk, so the
-   one receive buffer takes layer ranges from every stage;
+   own layers' KV of each chunk's blocks (one byte run per layer of that buffer) as soon as
+   it computed the chunk, overlapped with its next chunk, so the one receive buffer takes
+   layer ranges from every stage and the last stage's push adds little to TTFT;
 3. answers `PrefillReply` with the first token (the last stage samples it with the
    request's SamplingParams) and `KVHandle.pushed` = True: the decode node admits from the
    buffer as from a single prefill node's push.
@@ -218,7 +219,9 @@ class CppStageWorker:
             elif not out.finished:
                 # the API node wants KV it would READ: a group has no stage segment
                 out = dataclasses.replace(out, finished=True, finish_reason="length")
-            node.activity.done.append(PrefillDone(rid, seconds, len(prompt) - cached, cached, False))
+            node.activity.done.append(PrefillDone(    # per-stage chunk times: the conductor's
+                rid, seconds, len(prompt) - cached, cached, False,     # GroupLearner
+                tuple(tuple(float(c) for c in st.get("chunks", ())) for st in r["stages"])))
             log.info("cpp_prefill_done", request_id=rid, group=self.cpp.group, tokens=len(prompt),
                      cached_tokens=cached, seconds=round(seconds, 4),
                      stage_compute_s=[s["compute_s"] for s in r["stages"]])

@@ -478,24 +478,40 @@ class GenerateRequest:
 # ---------------------------------------------------------------------------- reports
 
 
+MAX_STAGE_CHUNKS = 1024   # chunk times per stage a PrefillDone carries (8k tokens / 8-token chunks)
+
+
 @dataclass(frozen=True)
 class PrefillDone:
     """A finished prefill: wall seconds, new and cached tokens, and whether it ran alone
-    on its node (only those are refit samples)."""
+    on its node (only those are refit samples). A CPP group's stage 0 adds `stages`: per
+    stage in stage order, each chunk's compute seconds in chunk order (the conductor
+    learns per-stage step times from them, cpp_place.GroupLearner); () otherwise."""
 
     rid: str
     seconds: float
     new: int
     cached: int
     alone: bool
+    stages: tuple[tuple[float, ...], ...] = ()
 
     def to_json(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if not self.stages:
+            del d["stages"]          # a plain prefill node's report stays as it was
+        return d
 
     @classmethod
     def from_json(cls, d: Any) -> PrefillDone:
+        raw = _get(d, "stages", list, [])
+        if not all(isinstance(st, list) and len(st) <= MAX_STAGE_CHUNKS and all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in st)
+                for st in raw) or len(raw) > MAX_STAGE_CHUNKS:
+            raise MessageError(f"field 'stages': expected lists of at most {MAX_STAGE_CHUNKS} "
+                               f"non-negative seconds")
         return cls(_get(d, "rid", str, ""), _get(d, "seconds", float), _get(d, "new", int, 0),
-                   _get(d, "cached", int, 0), _get(d, "alone", bool, False))
+                   _get(d, "cached", int, 0), _get(d, "alone", bool, False),
+                   tuple(tuple(float(x) for x in st) for st in raw))
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,11 @@ Protocol (every call a ControlServer method; hidden states never travel over RPC
     caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target,
                                       sampling, keys, fetch}
                          -> {token_id, num_tokens, cached_tokens, stages: [{node, layers,
-                             compute_s, kv_pushed_bytes, logprob (last)}...]}
+                             compute_s, chunks, kv_pushed_bytes, kv_push_wait_s,
+                             logprob (last)}...]}: per stage, compute_s its compute seconds,
+                            chunks each chunk's compute seconds in order, kv_pushed_bytes
+                            the bytes its KV push wrote, kv_push_wait_s the seconds its
+                            answer waited for that push after its part was done
     stage k -> stage k+1 cpp.reserve {request_id, num_tokens, kv_target, sampling, keys, fetch}
                          -> {descriptor, offset, cached_blocks}: a receive slot of
                             num_tokens rows of [hidden_size] in the stage dtype, in segment
@@ -38,11 +42,18 @@ its `cpp.hold` connection drops, and a request nobody holds or touches for
 `idle_timeout_s` by a sweep (the backstop), so nothing is held afterwards.
 
 KV push (optional `kv_target` = {descriptor}: a receive segment in the decode node's
-layer-major layout [num_layers, num_blocks, 2, block_size, kv_heads, head_dim]): once a
-stage has run a request's last chunk, it WRITEs its own layers' KV, one contiguous byte
-range of that layout (layers start..stop), while the later stages still compute; the
-request answers only after every stage's WRITE is done, so the receive buffer takes
-layer ranges from several senders and is complete when the token comes back.
+layer-major layout [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], num_blocks
+= ceil(prompt tokens / block_size)): as soon as a stage has computed a chunk, its compute
+thread gathers the chunk's blocks of its own layers (layer-major, one copy) and a push
+task WRITEs them, one byte run per layer (layer l, blocks lo..hi-1: offset
+(l * num_blocks + lo) * L, L = one layer of one block's bytes), while the stage computes
+the next chunk. Push tasks are chained per request, so a block that a chunk ended in the
+middle of (chunk sizes that are not a multiple of the block size) is sent again, complete,
+by the next chunk's push and lands after the earlier copy; the first chunk's push also
+carries the cached prefix blocks the stage matched. A stage answers only after its last
+push is done (`kv_push_wait_s`: how long that wait was), so the receive buffer takes layer
+ranges from several senders and is complete when the token comes back. A failed push
+fails the request (StageFailure).
 
 Greedy only: the last stage returns the argmax token of the last prompt position
 (the bench's and tests' contract; a cluster prefill node would sample with the request's
@@ -72,6 +83,7 @@ from mooncaked.config import TransferSettings
 from mooncaked.engine.stage import StageEngine
 from mooncaked.log import get_logger
 from mooncaked.model.weights import resolve_model_path
+from mooncaked.transfer.batch import TransferOp, TransferRequest
 from mooncaked.transfer.engine import TransferEngine
 
 from .errors import PeerUnavailable, RpcError
@@ -99,11 +111,15 @@ class _Req:
     keep: bool = False
     waiting: bool = False                # a caller awaits the result (never swept)
     kv_target: dict | None = None        # {descriptor} of a layer-major receive buffer
-    push: asyncio.Task | None = None     # this stage's KV WRITE to kv_target
+    push: asyncio.Task | None = None     # the newest KV push task (chained)
     held: bool = False                   # the upstream stage holds a cpp.hold call open
     hold: asyncio.Task | None = None     # our cpp.hold call on the next stage
     sampling: dict | None = None         # {params, prompt} for the last stage's pick; None: greedy
     fetch: dict | None = None            # {control, blocks}: full blocks of the prefix elsewhere
+    chunks: list[float] = field(default_factory=list)   # each chunk's compute seconds, in order
+    pushed_blocks: int = 0               # full blocks whose KV a push already carries
+    kv_segment: str = ""                 # kv_target as a peer segment (after the first push)
+    kv_bytes: int = 0                    # bytes this stage's pushes wrote
 
 
 class StageServer:
@@ -216,6 +232,8 @@ class StageServer:
             self.free_slots.append(req.slot)
         if req.hold is not None and why != "done":
             req.hold.cancel()  # drops the connection: the next stage releases too
+        if req.push is not None and why != "done":
+            req.push.cancel()  # the chain: a push still waiting for an earlier one goes too
         if req.result is not None and not req.result.done():
             req.result.set_exception(StageFailure(f"{self.name}: request {rid} released ({why})"))
         self._free_pages(rid)
@@ -378,19 +396,24 @@ class StageServer:
             if req is None or req.result.done():
                 continue  # released or failed meanwhile
             want_logits = last and self.stage.is_last
-            t0 = time.perf_counter()
+            bs = self.stage.block_size
+            blocks = None if req.kv_target is None else (req.pushed_blocks, -(-e // bs))
             try:
-                out = await loop.run_in_executor(self._compute, self.stage.run_chunk, rid, s, inputs,
-                                                 want_logits)
+                out, seconds, kv = await loop.run_in_executor(self._compute, self._run_chunk, rid, s,
+                                                              inputs, want_logits, blocks)
             except Exception as ex:  # noqa: BLE001 - out of pages, out-of-order chunk: fail the request
                 self._fail(rid, StageFailure(f"{self.name}: chunk {s}:{e} of {rid}: {ex}"))
                 continue
-            req.compute_s += time.perf_counter() - t0
+            req.compute_s += seconds
+            req.chunks.append(seconds)
             req.touched = time.monotonic()
+            if kv is not None:      # this chunk's KV leaves now, while the next chunk computes
+                req.pushed_blocks = e // bs
+                req.push = asyncio.create_task(self._push_kv(rid, req, req.push, blocks[0], kv))
+                req.push.add_done_callback(_retrieved)
             me = {"node": self.name, "layers": [self.stage.layers.start, self.stage.layers.stop],
-                  "compute_s": round(req.compute_s, 6), "kv_pushed_bytes": 0}
-            if last and req.kv_target is not None:
-                req.push = asyncio.create_task(self._push_kv(rid, req, me))
+                  "compute_s": round(req.compute_s, 6), "chunks": [round(c, 6) for c in req.chunks],
+                  "kv_pushed_bytes": 0, "kv_push_wait_s": 0.0}
             if self.stage.is_last:
                 if want_logits:
                     try:
@@ -429,28 +452,68 @@ class StageServer:
         lp = lps[0]
         return tokens[0], None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
 
+    def _run_chunk(self, rid: str, s: int, inputs: torch.Tensor, want_logits: bool,
+                   blocks: tuple[int, int] | None) -> tuple[torch.Tensor, float, torch.Tensor | None]:
+        """In the compute thread: StageEngine.run_chunk, timed, then (with `blocks` = (lo, hi))
+        the chunk's KV blocks lo..hi-1 of this stage's layers, layer-major on the host, for
+        its push. Returns (output, compute seconds, KV [stage_layers, hi - lo, 2, bs, h, d]
+        or None)."""
+        t0 = time.perf_counter()
+        out = self.stage.run_chunk(rid, s, inputs, want_logits)
+        seconds = time.perf_counter() - t0
+        kv = None
+        if blocks is not None:
+            kv = self.stage.read_kv_layer_major(rid, *blocks).cpu()
+        return out, seconds, kv
+
+    async def _await_push(self, req: _Req, me: dict) -> None:
+        """Waits for the request's last push (the chain); records the wait and the bytes in
+        `me`. Raises what a push raised."""
+        t0 = time.perf_counter()
+        if req.push is not None:
+            await req.push
+        me["kv_push_wait_s"] = round(time.perf_counter() - t0, 6)
+        me["kv_pushed_bytes"] = req.kv_bytes
+
     async def _finish_last(self, req: _Req, token: int, me: dict) -> None:
         try:
-            if req.push is not None:
-                await req.push
+            await self._await_push(req, me)
         except Exception as ex:  # noqa: BLE001 - reported as the request's failure
             self._fail_req(req, StageFailure(f"{self.name}: KV push failed: {ex}"))
             return
         if not req.result.done():
             req.result.set_result({"token_id": token, "num_tokens": req.total, "stages": [me]})
 
-    async def _push_kv(self, rid: str, req: _Req, me: dict) -> None:
-        """WRITEs this stage's layers of the request's KV into kv_target's layer-major
-        buffer (its byte range for layers start..stop); records the bytes in `me`."""
-        st = self.stage
-        loop = asyncio.get_running_loop()
-        # [blocks, stage_layers, 2, bs, h, d] -> layer-major [stage_layers, blocks, ...]
-        kv = await loop.run_in_executor(
-            self._compute, lambda: st.read_kv(rid).transpose(0, 1).contiguous())
-        seg = self.transfer.add_peer_segment(req.kv_target["descriptor"])
-        per_layer = kv[0].numel() * kv.element_size()
-        await self.transfer.write(seg, st.layers.start * per_layer, kv)
-        me["kv_pushed_bytes"] = kv.numel() * kv.element_size()
+    async def _push_kv(self, rid: str, req: _Req, prev: asyncio.Task | None, lo: int,
+                       kv: torch.Tensor) -> None:
+        """After the previous push (`prev`), WRITEs one chunk's KV of this stage's layers,
+        kv = [stage_layers, nb, 2, bs, h, d] for blocks lo..lo+nb-1, into kv_target's
+        layer-major buffer [num_layers, num_blocks, ...]: one byte run per layer (adjacent
+        runs merged, so a one-chunk prompt is one WRITE). A failure fails the request."""
+        try:
+            if prev is not None:
+                await prev
+            if req.result.done():
+                return      # failed meanwhile: nobody reads the buffer
+            if not req.kv_segment:
+                req.kv_segment = self.transfer.add_peer_segment(req.kv_target["descriptor"])
+            n, nb = kv.shape[0], kv.shape[1]
+            block_layer = kv[0, 0].numel() * kv.element_size()       # one layer of one block
+            per_layer = -(-req.total // self.stage.block_size) * block_layer
+            runs: list[list[int]] = []                                # [dst, src, length]
+            for j in range(n):
+                dst = (self.stage.layers.start + j) * per_layer + lo * block_layer
+                src, length = j * nb * block_layer, nb * block_layer
+                if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+                    runs[-1][2] += length
+                else:
+                    runs.append([dst, src, length])
+            await self.transfer.transfer([TransferRequest(TransferOp.WRITE, req.kv_segment, d, kv, o, ln)
+                                          for d, o, ln in runs])
+            req.kv_bytes += kv.numel() * kv.element_size()
+        except Exception as ex:
+            self._fail(rid, StageFailure(f"{self.name}: KV push of {rid} failed: {ex}"))
+            raise
 
     async def _hold(self, rid: str, req: _Req) -> None:
         """Keeps cpp.hold open on the next stage for the request's life; a dead next stage
@@ -487,8 +550,8 @@ class StageServer:
             timeout = max(self.rpc_timeout_s, 600.0) if last else self.rpc_timeout_s
             r = await self.client.call(self.next_addr, "cpp.chunk", body, timeout_s=timeout)
             req.touched = time.monotonic()
-            if last and req.push is not None:
-                await req.push  # long done, usually: it ran while the later stages computed
+            if last:
+                await self._await_push(req, me)  # long done, usually: it ran while later stages computed
             if last and not req.result.done():
                 r["stages"] = [me, *r["stages"]]
                 req.result.set_result(r)
@@ -527,6 +590,13 @@ class StageServer:
                     continue
                 if now - req.touched > self.idle_timeout_s:
                     self._release(rid, "idle")
+
+
+def _retrieved(task: asyncio.Task) -> None:
+    """Done callback of a push task: marks its exception retrieved (the request's result
+    carries the failure; a push nobody awaits after a failure must not log a warning)."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _keys(body: dict) -> list[bytes]:

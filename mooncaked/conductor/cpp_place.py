@@ -8,7 +8,8 @@ stage, stages, layers, chunk_tokens, hidden_bytes_per_token, ...} (cluster/cpp_n
 (every stage 0..stages-1 live, not draining, agreeing on the group size). `place_with_groups`
 runs Algorithm 1 (policy.place) once per group with the group as one prefill node whose
 cost model is the pipelined one (cpp_cost.PipelinedCostModel: per-chunk stage time plus
-the fill and drain bubble, scaled by what the group measured: GroupLearner), so the group's TTFT estimate is Algorithm 1's own (queue +
+the fill and drain bubble, with each stage's chunk times and the group's overhead learned
+from its measured steps: GroupLearner), so the group's TTFT estimate is Algorithm 1's own (queue +
 fetch + pipelined prefill of the uncached part), then `choose_group` picks it when the
 single node's uncached part is at least `cpp_min_tokens` and the group beats the single
 node's predicted TTFT.
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .cost_model import CostModel
-from .cpp_cost import PipelinedCostModel, choose_group
+from .cpp_cost import PipelinedCostModel, choose_group, chunk_stage_seconds, stage_timing
 from .policy import Fetch, Placement, PlacementRequest, PolicyConfig, Rejection, Snapshot, place
 
 
@@ -157,16 +158,60 @@ def _group_snapshot(snap: Snapshot, head_id: Any, queue_s: float, prefix_blocks:
                                pending_ready_s=())
 
 
-class GroupLearner:
-    """Learns each group's pipelined prefill time from its measured prefills (the stage-0
-    node's finished prefills, reported like any prefill node's): per group, an
-    exponentially weighted mean of measured / predicted seconds, which scales the group's
-    PipelinedCostModel (so per-chunk stage time, bubble and hop costs the model gets wrong
-    for this group are corrected as a whole). Only uncached prefills that had the group to
-    themselves count (the prediction assumes no cached prefix, and excludes the queue).
-    Pure bookkeeping: no clock, no I/O.
+def stage_factor_sample(predicted: tuple[float, ...], measured: tuple[tuple[float, ...], ...]
+                        ) -> tuple[float, ...] | None:
+    """One request's f_k per stage: the stage's measured chunk seconds over its predicted
+    ones (chunk_stage_seconds at placement), as a ratio of sums (one slow chunk moves it
+    by its share only). None when a stage's chunk count differs from the prediction's or
+    a total is not positive (a different chunking, a prefix hit: not comparable)."""
+    total = sum(predicted)
+    if not measured or total <= 0 or any(len(st) != len(predicted) for st in measured):
+        return None
+    out = tuple(sum(st) / total for st in measured)
+    return out if all(f > 0 for f in out) else None
 
-    Args: alpha: weight of the newest sample (0 < alpha <= 1); bounds: the scale's range.
+
+def fold_factors(old: tuple[float, ...], sample: tuple[float, ...], alpha: float,
+                 bounds: tuple[float, float]) -> tuple[float, ...]:
+    """The exponentially weighted mean of per-stage factors: each sample entry clamped to
+    `bounds`, weight `alpha` on the sample; `old` of another length (none yet, or the group
+    changed its stage count) is replaced by the sample."""
+    clamped = tuple(min(max(f, bounds[0]), bounds[1]) for f in sample)
+    if len(old) != len(clamped):
+        return clamped
+    return tuple((1 - alpha) * o + alpha * f for o, f in zip(old, clamped, strict=True))
+
+
+def group_chunk_prediction(cost: CostModel, group: Group, prompt_tokens: int
+                           ) -> tuple[tuple[float, ...], float]:
+    """What the GroupLearner compares a group's measured steps with: (each chunk's
+    predicted seconds on one equal stage, the hop seconds) for an uncached prompt."""
+    gcost = PipelinedCostModel.of(cost, len(group.stages), group.chunk_tokens, group.hidden_bytes_per_token)
+    return (chunk_stage_seconds(cost, prompt_tokens, 0, len(group.stages), group.chunk_tokens),
+            gcost.hop_s(prompt_tokens))
+
+
+class GroupLearner:
+    """Learns each group's per-stage step times and overhead from its measured prefills (the
+    stage-0 node's finished prefills, reported like any prefill node's, with every stage's
+    per-chunk compute seconds: PrefillDone.stages). Per group:
+
+    - `factors(group)`: f_k per stage, an exponentially weighted mean of measured / predicted
+      chunk seconds (stage_factor_sample); a stage with more layers or a slower node learns
+      a larger f_k, and PipelinedCostModel's stage_timing makes the slowest stage dominate.
+      Every uncached prefill counts, also one that shared the group with another request
+      (a stage's compute thread runs one chunk at a time, so its chunk times stay true).
+    - `scale(group)`: the overhead, measured wall seconds / stage_timing of the measured
+      chunk times (hops, RPCs, the decode node's reservation, KV push waits): an exponentially
+      weighted mean over uncached prefills that had the group to themselves (a shared one's
+      wall time includes its queue).
+
+    So the group's prediction is scale * stage_timing(f_k * s_i): the whole-group scale of
+    before (measured / predicted) is scale * f when the stages are alike, and the per-stage
+    factors also say which stage is the bottleneck. Pure bookkeeping: no clock, no I/O.
+
+    Args: alpha: weight of the newest sample (0 < alpha <= 1); bounds: each factor's and
+        the scale's range.
     """
 
     MAX_PENDING = 10_000   # predictions kept awaiting their measurement (oldest dropped)
@@ -176,16 +221,19 @@ class GroupLearner:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha, self.bounds = alpha, bounds
         self.scales: dict[str, float] = {}
-        self.samples: dict[str, int] = {}
-        self._pending: dict[str, tuple[str, float]] = {}
+        self.samples: dict[str, int] = {}               # overhead samples
+        self.stage_factors: dict[str, tuple[float, ...]] = {}
+        self.stage_samples: dict[str, int] = {}
+        self._pending: dict[str, tuple[str, tuple[float, ...], float]] = {}
         self._running: dict[str, set[str]] = {}      # group -> rids placed, not yet measured
         self._shared: set[str] = set()               # rids that overlapped another on a group
 
-    def predicted(self, rid: str, group: str, seconds: float) -> None:
-        """Remembers the group's predicted prefill seconds (at scale 1) for request rid."""
-        if seconds <= 0:
+    def predicted(self, rid: str, group: str, chunk_s: tuple[float, ...], hop_s: float = 0.0) -> None:
+        """Remembers what the group's model predicts for request rid: each chunk's seconds on
+        one equal stage and the hop seconds (group_chunk_prediction)."""
+        if not chunk_s or sum(chunk_s) <= 0:
             return
-        self._pending[rid] = (group, seconds / self.scale(group))
+        self._pending[rid] = (group, tuple(chunk_s), float(hop_s))
         running = self._running.setdefault(group, set())
         if running:
             self._shared.update(running)
@@ -194,34 +242,53 @@ class GroupLearner:
         while len(self._pending) > self.MAX_PENDING:
             self._forget(next(iter(self._pending)))
 
-    def _forget(self, rid: str) -> tuple[str, float] | None:
+    def _forget(self, rid: str) -> tuple[str, tuple[float, ...], float] | None:
         entry = self._pending.pop(rid, None)
         if entry is not None:
             self._running.get(entry[0], set()).discard(rid)
         self._shared.discard(rid)
         return entry
 
-    def observe(self, rid: str, seconds: float, cached_tokens: int = 0) -> None:
-        """Folds in rid's measured prefill seconds (ignored for other requests, cached ones
-        and non-positive times)."""
+    def observe(self, rid: str, seconds: float, cached_tokens: int = 0,
+                stages: tuple[tuple[float, ...], ...] = ()) -> None:
+        """Folds in rid's measured prefill: wall seconds and `stages` (per stage, each
+        chunk's compute seconds). Ignored for other requests, cached ones, and reports
+        without comparable chunk times."""
         shared = rid in self._shared
         entry = self._forget(rid)
-        if entry is None or seconds <= 0 or cached_tokens or shared:
+        if entry is None or seconds <= 0 or cached_tokens:
             return
-        group, predicted = entry
-        ratio = min(max(seconds / predicted, self.bounds[0]), self.bounds[1])
+        group, chunk_s, hop_s = entry
+        sample = stage_factor_sample(chunk_s, stages)
+        if sample is None:
+            return
+        self.stage_factors[group] = fold_factors(self.stage_factors.get(group, ()), sample, self.alpha,
+                                                 self.bounds)
+        self.stage_samples[group] = self.stage_samples.get(group, 0) + 1
+        modelled = stage_timing(stages, hop_s).latency_s
+        if shared or modelled <= 0:
+            return
+        ratio = min(max(seconds / modelled, self.bounds[0]), self.bounds[1])
         old = self.scales.get(group)
         self.scales[group] = ratio if old is None else (1 - self.alpha) * old + self.alpha * ratio
         self.samples[group] = self.samples.get(group, 0) + 1
 
     def scale(self, group: str) -> float:
-        """The group's learned scale (1.0 before any sample)."""
+        """The group's learned overhead scale (1.0 before any sample)."""
         return self.scales.get(group, 1.0)
 
+    def factors(self, group: str, stages: int | None = None) -> tuple[float, ...]:
+        """The group's learned per-stage factors; () before any sample, or when they were
+        learned for another stage count than `stages`."""
+        f = self.stage_factors.get(group, ())
+        return f if stages is None or len(f) == stages else ()
+
     def status(self) -> dict:
-        """{group: {scale, samples}} for conductor.status."""
-        return {g: {"scale": round(s, 4), "samples": self.samples.get(g, 0)}
-                for g, s in sorted(self.scales.items())}
+        """{group: {scale, samples, stage_factors, stage_samples}} for conductor.status."""
+        return {g: {"scale": round(self.scales.get(g, 1.0), 4), "samples": self.samples.get(g, 0),
+                    "stage_factors": [round(f, 4) for f in self.stage_factors.get(g, ())],
+                    "stage_samples": self.stage_samples.get(g, 0)}
+                for g in sorted(set(self.scales) | set(self.stage_factors))}
 
 
 def place_with_groups(single: Placement | Rejection | None, groups: Sequence[Group],
@@ -239,7 +306,7 @@ def place_with_groups(single: Placement | Rejection | None, groups: Sequence[Gro
             with no single prefill node, any prefill columns: they are replaced).
         queue_s: a node's predicted queued prefill work under a cost model, seconds
             (load.queue_s).
-        learner: scales each group's pipelined prediction by what it measured (None: 1).
+        learner: each group's learned per-stage factors and overhead scale (None: none).
         own_blocks: group name -> each stage's own prefix of req.keys in blocks (its
             store's slices; None or a missing group: none).
     Returns: a Placement naming a group's head as prefill node (its prefix, and the
@@ -259,7 +326,8 @@ def place_with_groups(single: Placement | Rejection | None, groups: Sequence[Gro
         if n > g.max_tokens:
             continue
         gcost = PipelinedCostModel.of(cost, len(g.stages), g.chunk_tokens, g.hidden_bytes_per_token,
-                                      learner.scale(g.name) if learner is not None else 1.0)
+                                      learner.scale(g.name) if learner is not None else 1.0,
+                                      learner.factors(g.name, len(g.stages)) if learner is not None else ())
         own = tuple((own_blocks or {}).get(g.name) or (0,) * len(g.stages))
         layers = g.layers or tuple((0, 0) for _ in g.stages)
         gp = group_prefix(own, holders, holder_blocks, layers, g.num_layers, g.block_bytes)
@@ -291,5 +359,5 @@ def place_with_groups(single: Placement | Rejection | None, groups: Sequence[Gro
     return best if choice.use_group else single
 
 
-__all__ = ["Group", "GroupLearner", "GroupPrefix", "group_prefix", "place_with_groups", "split_groups",
-           "stage_info"]
+__all__ = ["Group", "GroupLearner", "GroupPrefix", "fold_factors", "group_chunk_prediction", "group_prefix",
+           "place_with_groups", "split_groups", "stage_factor_sample", "stage_info"]

@@ -47,7 +47,7 @@ from mooncaked.store.keys import slice_key
 from . import cost_store
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
-from .cpp_place import Group, GroupLearner, place_with_groups, split_groups
+from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, inflight_decode,
                    queue_s, queued_work)
 from .refit import CostModelRefitter
@@ -129,7 +129,7 @@ class ConductorService:
         self._started_mono = time.monotonic()
         self.placed = 0
         self.rejected: dict[str, int] = {}
-        self.cpp_learner = GroupLearner()    # CPP groups: measured / predicted prefill time
+        self.cpp_learner = GroupLearner()    # CPP groups: per-stage chunk times and overhead
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self._cost_task: asyncio.Task | None = None
@@ -248,7 +248,7 @@ class ConductorService:
         for d in r.done:
             self.model.observe_prefill(d)
             if self.settings.conductor.refit_cost_model:   # false: predictions stay fixed
-                self.cpp_learner.observe(d.rid, d.seconds, d.cached)
+                self.cpp_learner.observe(d.rid, d.seconds, d.cached, d.stages)
         for step in r.decode_steps:
             self.model.observe_step(*step)
 
@@ -380,7 +380,7 @@ class ConductorService:
                                        {g.name: self._stage_prefix(g, keys) for g in groups})
             for g in groups:
                 if isinstance(result, Placement) and result.prefill == g.head.node_id:
-                    self.cpp_learner.predicted(rid, g.name, result.predicted_prefill_s)
+                    self.cpp_learner.predicted(rid, g.name, *group_chunk_prediction(cost, g, n))
         if isinstance(result, Rejection):
             return self._reject(result)
         if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
