@@ -29,6 +29,10 @@ Cases (issue 2):
      .[bench]`): case 1 against llama.cpp decoding the same GGUF file, the same prompt
      token ids, greedy, the same output length and thread count, in the same run.
      Target: ours / llama.cpp >= 1.0.
+  6. decode_step_long_context (issue 15): the median decode step of `step_batch` (32)
+     requests whose prompts are `step_long` (1,000) tokens, against the same batch with
+     `step_short` (100) token prompts, ours on both sides (the step's attention must cost
+     what the KV it reads costs). Target: long / short <= 2.0.
 
 Baselines live in small `_<name>_load` / `_<name>_decode` helpers and each case adds rows
 through `row(...)`: a new case or baseline is one more block of the same shape.
@@ -58,12 +62,14 @@ from .engine_structured import run_cases as structured_cases
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 LABELS = {"decode_batch1": "decode, batch 1", "concurrent_32": "32 concurrent",
           "decode_batch1_vs_llamacpp": "decode, batch 1 vs llama.cpp",
-          "ttft_prefix_cached": "TTFT warm / cold", "ttft_cold_vs_transformers": "TTFT cold vs HF"}
+          "ttft_prefix_cached": "TTFT warm / cold", "ttft_cold_vs_transformers": "TTFT cold vs HF",
+          "decode_step_long_context": "decode step, long / short context"}
 SHORT_PROMPT = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 # `--quick`: every case at toy sizes (a smoke run of the whole pipeline, about half a minute
 # on 2 cores, mostly loading the model twice); the figures say little about performance.
 QUICK = {"decode_tokens": 8, "concurrent": 4, "concurrent_tokens": 4, "concurrent_max_prompt": 32,
-         "ttft_prompt": 80, "ttft_cached": 64, "kv_cache_bytes": 64 * 1024 * 1024}
+         "ttft_prompt": 80, "ttft_cached": 64, "kv_cache_bytes": 64 * 1024 * 1024,
+         "step_batch": 4, "step_short": 16, "step_long": 64, "step_tokens": 4}
 
 
 class _Run:
@@ -98,6 +104,26 @@ def _ours_generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
         for o in outs:
             times[o.request_id].extend([now] * len(o.new_token_ids))
     return t0, [times[r] for r in rids]
+
+
+def _decode_step_s(engine: LLMEngine, prompts: list[list[int]], steps: int, salt: str,
+                   ids: _Run) -> float:
+    """Median seconds of `steps` decode steps with every prompt running (timed only once
+    each request has its first token, so no prefill chunk is in a timed step)."""
+    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    started: set[str] = set()
+    for p in prompts:
+        engine.add_request(ids.next("req"), p, params, cache_salt=salt)
+    while len(started) < len(prompts):
+        started.update(o.request_id for o in engine.step() if o.new_token_ids)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    while engine.has_work():
+        engine.step()
+    return statistics.median(times)
 
 
 # -- transformers
@@ -190,7 +216,9 @@ def _decode_rate(times: list[float]) -> float:
 
 def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurrent: int = 32,
         concurrent_tokens: int = 32, concurrent_max_prompt: int = 128, ttft_prompt: int = 1000,
-        ttft_cached: int = 960, kv_cache_bytes: int = 512 * 1024 * 1024, threads: int = 0) -> dict:
+        ttft_cached: int = 960, kv_cache_bytes: int = 2048 * 1024 * 1024, threads: int = 0,
+        step_batch: int = 32, step_short: int = 100, step_long: int = 1000,
+        step_tokens: int = 16) -> dict:
     """Runs the three cases on both sides and returns the result object (see module doc).
 
     Args:
@@ -201,7 +229,10 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
             output tokens per request, and longest prompt (prompt lengths spread evenly
             from 16 tokens up to it).
         ttft_prompt, ttft_cached: case 3's prompt length and cached prefix, tokens.
-        kv_cache_bytes: our engine's KV page budget, bytes.
+        kv_cache_bytes: our engine's KV page budget, bytes (case 6 holds step_batch x
+            step_long tokens: 1.5 GB in fp32).
+        step_batch, step_short, step_long, step_tokens: case 6's batch, its two prompt
+            lengths (tokens) and the decode steps timed per rep.
         threads: torch intra-op threads for both sides; 0 keeps torch's default.
     Raises: ValueError for an unknown dtype; ModelLoadError if the bundled model is missing.
     """
@@ -225,6 +256,8 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
     rng.shuffle(lengths)
     batch = [_random_prompt(rng, n, vocab) for n in lengths]
     long_prompt = _random_prompt(rng, ttft_prompt, vocab)
+    step_prompts = {n: [_random_prompt(rng, n, vocab) for _ in range(step_batch)]
+                    for n in (step_short, step_long)}
 
     # Warm-up: every kernel shape family once on both sides (decode, short and long prefill,
     # batched decode, cached-prefix prefill).
@@ -234,6 +267,7 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
     salt = ids.next("salt")
     _ours_generate(engine, [long_prompt[:ttft_cached]], 1, salt, ids)
     _ours_generate(engine, [long_prompt], 1, salt, ids)
+    _decode_step_s(engine, step_prompts[step_short], 2, ids.next("salt"), ids)
     _hf_generate(hf, [short], warm, pad_id)
     _hf_generate(hf, batch, 2, pad_id)
     _hf_generate(hf, [long_prompt], 1, pad_id)
@@ -245,6 +279,7 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
     c2 = {"ours": [], "hf": []}
     c3 = {"warm": [], "cold": [], "hf": []}
     c4 = {"llamacpp_tps": [], "llamacpp_ttft": []}
+    c6 = {"short": [], "long": []}
     for _ in range(reps):
         # 1. decode at batch 1
         t0, (times,) = _ours_generate(engine, [short], decode_tokens, ids.next("salt"), ids)
@@ -286,6 +321,11 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         c3["cold"].append(times[0] - t0)
         c3["hf"].append(_hf_generate(hf, [long_prompt], 1, pad_id))
 
+        # 6. decode step time, long against short context (same batch size)
+        for n in (step_short, step_long):
+            c6["short" if n == step_short else "long"].append(
+                _decode_step_s(engine, step_prompts[n], step_tokens, ids.next("salt"), ids))
+
     med = statistics.median
 
     def row(case, unit, ours, base, baseline, target, means, **extra):
@@ -315,6 +355,11 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         row("ttft_cold_vs_transformers", "s", med(c3["cold"]), med(c3["hf"]),
             "transformers generate of 1 token (no prefix cache)", None,
             "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt),
+        row("decode_step_long_context", "s", med(c6["long"]), med(c6["short"]),
+            f"ours, the same {step_batch} requests with {step_short}-token prompts", "<= 2.0",
+            "long-context step / short-context step", requests=step_batch,
+            prompt_tokens_long=step_long, prompt_tokens_short=step_short,
+            steps_timed=step_tokens),
     ]
     if llm is not None:
         results.append(row(
@@ -338,7 +383,7 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         "weight_format": settings.model.weight_format,
         "llamacpp": llm is not None,
         "samples": {"decode_batch1": c1, f"concurrent_{concurrent}": c2, "ttft": c3,
-                    "decode_batch1_vs_llamacpp": c4},
+                    "decode_batch1_vs_llamacpp": c4, "decode_step_long_context": c6},
     }
 
 

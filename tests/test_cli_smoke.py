@@ -181,7 +181,8 @@ def test_bench_engine_quick_json():
     assert res["engine"]["kv_cache_bytes"] == 64 * 1024 * 1024
     assert positive(res["wall_s"]) and positive(res["torch_threads"])
     rows = {r["case"]: r for r in res["results"]}
-    want = ["decode_batch1", "concurrent_4", "ttft_prefix_cached", "ttft_cold_vs_transformers"]
+    want = ["decode_batch1", "concurrent_4", "ttft_prefix_cached", "ttft_cold_vs_transformers",
+            "decode_step_long_context"]
     if res["llamacpp"]:  # llama-cpp-python installed (the optional [bench] extra)
         want.append("decode_batch1_vs_llamacpp")
     want += ["constrained_batch1", "constrained_batch4"]   # JSON schema vs unconstrained
@@ -197,6 +198,8 @@ def test_bench_engine_quick_json():
             assert r["meets_target"] == (r["ratio"] >= float(val) if op == ">="
                                          else r["ratio"] <= float(val))
     assert rows["decode_batch1"]["unit"] == "tok/s" and rows["decode_batch1"]["decode_tokens"] == 8
+    step = rows["decode_step_long_context"]
+    assert (step["requests"], step["prompt_tokens_long"], step["prompt_tokens_short"]) == (4, 64, 16)
     assert positive(rows["decode_batch1"]["ours_ttft_s"])
     c = rows["concurrent_4"]
     assert c["requests"] == 4 and c["output_tokens_each"] == 4
