@@ -109,18 +109,25 @@ def _ours_generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int,
 def _decode_step_s(engine: LLMEngine, prompts: list[list[int]], steps: int, salt: str,
                    ids: _Run) -> float:
     """Median seconds of `steps` decode steps with every prompt running (timed only once
-    each request has its first token, so no prefill chunk is in a timed step)."""
-    params = SamplingParams(max_tokens=steps + 2, temperature=0.0, ignore_eos=True)
+    each request has its first token, so no prefill chunk is in a timed step; no request
+    can finish before the timed steps are over, they are aborted after them).
+    Raises: RuntimeError when a request finished early (the batch shrank)."""
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    rids = [ids.next("req") for _ in prompts]
     started: set[str] = set()
-    for p in prompts:
-        engine.add_request(ids.next("req"), p, params, cache_salt=salt)
+    for rid, p in zip(rids, prompts):
+        engine.add_request(rid, p, params, cache_salt=salt)
     while len(started) < len(prompts):
         started.update(o.request_id for o in engine.step() if o.new_token_ids)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        engine.step()
+        outs = engine.step()
         times.append(time.perf_counter() - t0)
+        if len(outs) != len(prompts) or any(o.finished for o in outs):
+            raise RuntimeError(f"a timed step decoded {len(outs)} of {len(prompts)} requests")
+    for rid in rids:
+        engine.abort(rid)
     while engine.has_work():
         engine.step()
     return statistics.median(times)
