@@ -257,6 +257,34 @@ def test_a_cpp_request_gets_its_prefix_from_the_pool(cluster):
                WAIT_S, "the index to have the stages' slices")
 
 
+def test_more_concurrent_requests_than_receive_slots_all_succeed(cluster):
+    """RECEIVE_SLOTS + 3 requests at once on the group (prefill0 drained): stage 0 admits
+    RECEIVE_SLOTS into the pipeline and queues the rest (it was a 502 for each request
+    beyond the slots); every one answers 200 with the same greedy text."""
+    from mooncaked.cluster.cpp_node import RECEIVE_SLOTS
+    n = RECEIVE_SLOTS + 3
+    out: list = [None] * n
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 6, "temperature": 0}
+
+    def one(i: int) -> None:
+        out[i] = http("POST", f"{cluster.api_url('decode0')}/v1/completions",
+                      {**body, "cache_salt": uuid.uuid4().hex})
+    set_draining(cluster, "prefill0", True)
+    try:
+        idle(cluster)
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(WAIT_S * 3)
+    finally:
+        set_draining(cluster, "prefill0", False)
+    assert all(r is not None for r in out), out
+    assert [s for s, _ in out] == [200] * n, [b for _, b in out]
+    assert len({b["choices"][0]["text"] for _, b in out}) == 1, [b for _, b in out]
+    assert {prefilled_on(cluster, b) for _, b in out} == {"g0s0"}
+
+
 def test_a_group_alone_serves_short_prompts(cluster):
     set_draining(cluster, "prefill0", True)
     try:

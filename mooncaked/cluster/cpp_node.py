@@ -86,6 +86,10 @@ class CppStageWorker:
         self.settings = node.settings
         self.cpp = node.settings.cpp
         self.requests: dict[str, PrefillLoad] = {}
+        # stage 0 lets at most RECEIVE_SLOTS requests into the pipeline (every stage has
+        # that many receive slots); the others wait here, reported as waiting
+        self._admit = asyncio.Semaphore(RECEIVE_SLOTS)
+        self._waiting: set[str] = set()
         self.stages: dict[str, Any] = {}        # no staged KV segments: the push is the path
         self.engine: Any = None                 # StageEngine
         self.server: StageServer | None = None
@@ -152,9 +156,9 @@ class CppStageWorker:
         return {rid: (r.new, r.cached) for rid, r in self.requests.items()}
 
     def queued(self) -> tuple[str, ...]:
-        """Prefills held back waiting for their turn (NodeReport.waiting): none, a group
-        admits every request into the pipeline at once."""
-        return ()
+        """Prefills held back waiting for their turn (NodeReport.waiting): those waiting
+        on stage 0 for one of the pipeline's RECEIVE_SLOTS."""
+        return tuple(sorted(self._waiting))
 
     def status(self) -> dict:
         """This stage's layers, weights, pages and the requests it holds (node.status)."""
@@ -185,6 +189,18 @@ class CppStageWorker:
         self.requests[rid] = PrefillLoad(len(prompt), 0, False)
         node.activity.arrived.append(rid)
         t0 = time.monotonic()
+        self._waiting.add(rid)
+        try:
+            async with self._admit:      # a receive slot on every stage (FIFO among waiters)
+                self._waiting.discard(rid)
+                return await self._run(req, rid, prompt, t0)
+        finally:
+            self._waiting.discard(rid)
+            self.requests.pop(rid, None)
+
+    async def _run(self, req: PrefillRequest, rid: str, prompt: list[int], t0: float) -> dict:
+        """`handle` once the request holds a place in the pipeline."""
+        node, e = self.node, self.engine
         reserved = False
         try:
             kv_target = kv = None
@@ -227,7 +243,6 @@ class CppStageWorker:
                      stage_compute_s=[s["compute_s"] for s in r["stages"]])
             return PrefillReply(out, kv, seconds).to_json()
         finally:
-            self.requests.pop(rid, None)
             if reserved:
                 node.spawn(release_on(node.client, req.push_to, Release(rid, node.control_addr)))
 

@@ -92,6 +92,7 @@ from .rpc import ControlClient, ControlServer
 log = get_logger(__name__)
 
 SWEEP_INTERVAL_S = 0.5  # how often idle requests are looked for (well under idle_timeout_s)
+SLOT_WAIT_S = 10.0      # cpp.reserve waits this long for a receive slot before failing
 
 
 class StageFailure(RuntimeError):
@@ -159,6 +160,7 @@ class StageServer:
         self.client = client if client is not None else ControlClient(timeout_s=rpc_timeout_s)
         self.reqs: dict[str, _Req] = {}
         self.free_slots = list(range(slots))
+        self._slot_freed = asyncio.Event()        # set whenever a receive slot is freed
         self.row_bytes = stage.hidden_size * stage.dtype.itemsize
         self.hidden = None if stage.is_first else torch.zeros((slots, max_tokens, stage.hidden_size),
                                                               dtype=stage.dtype)
@@ -230,6 +232,7 @@ class StageServer:
             return self._free_pages(rid)
         if req.slot is not None:
             self.free_slots.append(req.slot)
+            self._slot_freed.set()
         if req.hold is not None and why != "done":
             req.hold.cancel()  # drops the connection: the next stage releases too
         if req.push is not None and why != "done":
@@ -314,8 +317,15 @@ class StageServer:
         if self.hidden is None:
             raise ValueError(f"{self.name} is the first stage: it takes tokens, not hidden states")
         rid, n = str(body["request_id"]), int(body["num_tokens"])
-        if not self.free_slots:
-            raise StageFailure(f"{self.name}: no free receive slot")
+        # Stage 0 admits at most `slots` requests, but a finished request's slot here may
+        # be freed just after stage 0 admitted the next one: wait a little for it.
+        deadline = time.monotonic() + SLOT_WAIT_S
+        while not self.free_slots:
+            self._slot_freed.clear()
+            try:
+                await asyncio.wait_for(self._slot_freed.wait(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise StageFailure(f"{self.name}: no free receive slot within {SLOT_WAIT_S:g} s") from None
         keys = _keys(body)
         req = self._new(rid, n, bool(body.get("keep", False)))
         req.kv_target = body.get("kv_target")
