@@ -82,6 +82,15 @@ def sim(
                                             "also goes first once it waited its FCFS wait at "
                                             "arrival plus this, s (default: the policy's; "
                                             "cost_aware uses 10; inf = --aging only)."),
+    fcfs_slack_ratio: float | None = typer.Option(None, help="spf: the slack is at most this "
+                                                  "times the FCFS wait the request saw on "
+                                                  "arrival (default: the policy's; cost_aware "
+                                                  "uses 1; inf = the fixed slack alone)."),
+    spf_bound_rule: str = typer.Option("", help="wait | start: spf keeps the starvation bound on "
+                                       "the wait (goes first once waited) or on the start (a "
+                                       "shorter prefill runs only if it ends before every "
+                                       "waiting bound); default: the policy's (cost_aware: "
+                                       "start)."),
     pipeline_under_load_ttft: float = typer.Option(30.0, min=0.0, help="Elastic pipelines while "
                                                    "a prefill node has requests queued: only for a "
                                                    "request missing this TTFT on one node and "
@@ -142,13 +151,15 @@ def sim(
                          prefill_order=prefill_order, decode_rule=decode_rule, aging_s=aging,
                          cpp=cpp, cpp_chunk_tokens=cpp_chunk_tokens,
                          pipeline_stages=pipeline_stages, fcfs_slack_s=fcfs_slack,
-                         pipeline_under_load_ttft_s=pipeline_under_load_ttft, **kw)
+                         pipeline_under_load_ttft_s=pipeline_under_load_ttft,
+                         fcfs_slack_ratio=fcfs_slack_ratio, spf_bound_rule=spf_bound_rule, **kw)
         for p in policies:    # an unknown rule fails here, before any simulation
             if p != "coupled":
                 dataclasses.replace(base, policy=p)
                 PolicyConfig(policy=p, fetch_rule=fetch_rule, prefill_order=prefill_order,
                              decode_rule=decode_rule, aging_s=aging,
-                             pipeline_stages=pipeline_stages, fcfs_slack_s=fcfs_slack)
+                             pipeline_stages=pipeline_stages, fcfs_slack_s=fcfs_slack,
+                             fcfs_slack_ratio=fcfs_slack_ratio, spf_bound_rule=spf_bound_rule)
     except ValueError as e:
         raise typer.BadParameter(str(e)) from e
     run = _Run(trace, base, policies, thresholds, cost, console, json_out, plot_dir)

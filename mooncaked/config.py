@@ -320,6 +320,18 @@ class ConductorSettings:
                                             "FCFS would start it); inf: prefill_aging_s only; "
                                             "negative: the policy's default (10 for cost_aware, "
                                             "else inf).")
+    prefill_fcfs_slack_ratio: float = opt(-1.0, "With prefill_order = spf: the slack of "
+                                                "prefill_fcfs_slack_s is at most this times the "
+                                                "FCFS wait the prefill saw on arrival (a bound "
+                                                "that follows the load); inf: no cap; negative: "
+                                                "the policy's default (1 for cost_aware, else "
+                                                "inf).")
+    prefill_bound_rule: str = opt("", "With prefill_order = spf, how the starvation bound is "
+                                      "kept: wait (a prefill goes first once it waited its "
+                                      "bound) | start (a shorter prefill runs only if it is "
+                                      "predicted to end before every waiting prefill's bound "
+                                      "runs out); empty: the policy's default (start for "
+                                      "cost_aware, else wait).", choices=("", "wait", "start"))
     replication: str = opt("count", "When a hot prefix is copied onto a cache node: count (reused "
                                     "hot_block_hits times) | cost (its observed reuse rate over "
                                     "replication_horizon_s saves more prefill time than the copy "

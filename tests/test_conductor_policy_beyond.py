@@ -410,3 +410,95 @@ def test_spf_adaptive_starvation_bound():
     # (enqueued at, predicted s, own bound): the long one waited 15 >= 14 s, so it goes first
     waiting = [(0.0, 40.0, spf_bound_s(30.0, 4.0, 10.0)), (5.0, 1.0, 30.0)]
     assert spf_pick(waiting, 15.0, 30.0) == 0 and spf_pick(waiting, 13.0, 30.0) == 1
+
+
+def test_spf_slack_follows_the_fcfs_wait():
+    """fcfs_slack_ratio: the slack is at most ratio x the FCFS wait seen on arrival, so a
+    lightly queued node keeps a request close to its FCFS start (cost_aware: ratio 1)."""
+    assert spf_bound_s(30.0, 4.0, 10.0, 1.0) == 8.0        # 4 s wait + min(10, 4)
+    assert spf_bound_s(30.0, 12.0, 10.0, 1.0) == 22.0      # the fixed slack caps it
+    assert spf_bound_s(30.0, 25.0, 10.0, 1.0) == 30.0      # the aging bound caps it
+    assert spf_bound_s(30.0, 0.0, 10.0, 1.0) == 0.0        # an idle node: FCFS
+    assert spf_bound_s(30.0, 4.0, 10.0) == 14.0            # no ratio: the fixed slack
+    assert spf_bound_s(30.0, 0.0, 10.0) == 10.0
+    assert cfg().fcfs_slack_ratio == 1.0
+    assert cfg("global_cache_aware").fcfs_slack_ratio == math.inf
+    assert cfg(fcfs_slack_ratio=2.0).fcfs_slack_ratio == 2.0
+    with pytest.raises(ValueError, match="fcfs_slack_ratio"):
+        cfg(fcfs_slack_ratio=-1.0)
+
+
+def test_spf_bound_on_the_start_time():
+    """spf_bound_rule "start": a shorter prefill runs only if it ends before every waiting
+    request's bound runs out; "wait" lets it run and the bound be overrun by its length."""
+    # L: enqueued at 1, 20 s, bound 18 s (starts by 19); S: enqueued at 3, 5 s, bound 30 s
+    waiting = [(1.0, 20.0, 18.0), (3.0, 5.0, 30.0)]
+    assert spf_pick(waiting, 10.0, 30.0, bound_on_start=True) == 1    # S ends at 15 < 19
+    assert spf_pick(waiting, 15.0, 30.0, bound_on_start=True) == 0    # S would end at 20
+    assert spf_pick(waiting, 15.0, 30.0) == 1                         # "wait": S first
+    assert spf_pick(waiting, 19.0, 30.0) == 0                         # L waited its 18 s
+    # the oldest of those it would push past their bound goes first
+    three = [(0.0, 9.0, 12.0), (1.0, 8.0, 11.0), (2.0, 4.0, 30.0)]
+    assert spf_pick(three, 9.0, 30.0, bound_on_start=True) == 0
+    assert spf_pick(three, 7.0, 30.0, bound_on_start=True) == 2       # 11 < 12 and 12
+    assert cfg().spf_bound_rule == "start" and cfg("global_cache_aware").spf_bound_rule == "wait"
+    assert cfg(spf_bound_rule="wait").spf_bound_rule == "wait"
+    with pytest.raises(ValueError, match="spf_bound_rule"):
+        cfg(spf_bound_rule="deadline")
+
+
+def _order_sim(rule: str) -> list[int]:
+    # one prefill node (10 ms a token): R0 10 s at 0; L 20 s at 1 (FCFS wait 9 s, bound
+    # 9 + min(10, 9) = 18 s); S1, S2 5 s at 2 and 3
+    trace = [TraceRequest(0.0, 1000, 2, (1,)), TraceRequest(1.0, 2000, 2, (2,)),
+             TraceRequest(2.0, 500, 2, (3,)), TraceRequest(3.0, 500, 2, (4,))]
+    sim = Simulator(trace, SimConfig(policy="cost_aware", prefill=1, decode=1,
+                                     block_tokens=BS, spf_bound_rule=rule), COST)
+    sim.run()
+    return [q.i for q in sorted(sim.served, key=lambda q: q.pf_start)]
+
+
+def test_live_prefill_queue_runs_the_order_the_simulator_runs():
+    """The same four prefills through the simulator's queue and through a live node's
+    PrefillQueue (cost_aware's defaults: slack 10 s, ratio 1, bound on the start) start in
+    the same order; with the bound on the wait, L's bound is overrun by S2's 5 s."""
+    from mooncaked.cluster.prefill_queue import (
+        PrefillQueue,
+        resolve_bound_rule,
+        resolve_fcfs_slack,
+        resolve_fcfs_slack_ratio,
+    )
+
+    async def live(rule: str) -> list[int]:
+        t = [0.0]
+        q = PrefillQueue("spf", 30.0, resolve_fcfs_slack("cost_aware", -1.0), lambda: t[0],
+                         fcfs_slack_ratio=resolve_fcfs_slack_ratio("cost_aware", -1.0),
+                         bound_rule=resolve_bound_rule("cost_aware", rule))
+        preds = {1: 20.0, 2: 5.0, 3: 5.0}
+        done = {i: asyncio.Event() for i in preds}
+        ran: list[int] = []
+        assert await q.acquire(10.0)                          # R0 runs 0..10
+        ran.append(0)
+
+        async def one(i: int) -> None:
+            async with q.turn(preds[i]):
+                ran.append(i)
+                await done[i].wait()                          # its prefill runs
+        tasks = []
+        for i, at in ((1, 1.0), (2, 2.0), (3, 3.0)):
+            t[0] = at
+            tasks.append(asyncio.create_task(one(i)))
+            await asyncio.sleep(0)
+        t[0] = 10.0
+        q.release()
+        for _ in preds:                                       # each ends after its prefill
+            while not (len(ran) > 1 and not done[ran[-1]].is_set()):
+                await asyncio.sleep(0)
+            t[0] += preds[ran[-1]]
+            done[ran[-1]].set()
+        await asyncio.wait_for(asyncio.gather(*tasks), 5)
+        return ran
+
+    assert resolve_bound_rule("cost_aware", "") == "start"
+    assert _order_sim("") == asyncio.run(live("")) == [0, 2, 1, 3]
+    assert _order_sim("wait") == asyncio.run(live("wait")) == [0, 2, 3, 1]

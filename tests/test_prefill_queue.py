@@ -9,7 +9,12 @@ import asyncio
 import pytest
 
 from mooncaked.cluster.node_state import Activity, KVTransferCounters
-from mooncaked.cluster.prefill_queue import PrefillQueue, resolve_order
+from mooncaked.cluster.prefill_queue import (
+    PrefillQueue,
+    resolve_bound_rule,
+    resolve_fcfs_slack_ratio,
+    resolve_order,
+)
 from mooncaked.cluster.prefill_worker import PrefillWorker
 from mooncaked.config import load_settings
 
@@ -81,6 +86,12 @@ def test_the_prefill_node_and_the_conductor_resolve_the_same_order():
     assert resolve_order("cost_aware", "") == "spf"
     assert resolve_order("global_cache_aware", "") == "fcfs"
     assert resolve_order("global_cache_aware", "spf") == "spf"
+    assert resolve_fcfs_slack_ratio("cost_aware", -1.0) == 1.0
+    assert resolve_fcfs_slack_ratio("global_cache_aware", -1.0) == float("inf")
+    assert resolve_fcfs_slack_ratio("cost_aware", 2.0) == 2.0
+    assert resolve_bound_rule("cost_aware", "") == "start"
+    assert resolve_bound_rule("global_cache_aware", "") == "wait"
+    assert resolve_bound_rule("cost_aware", "wait") == "wait"
     with pytest.raises(ValueError, match="prefill order"):
         resolve_order("cost_aware", "lifo")
     s = load_settings(None, {"conductor.policy": "cost_aware", "conductor.prefill_aging_s": 12.0})
@@ -100,7 +111,13 @@ def test_a_real_prefill_node_runs_the_short_prompt_before_the_long_one(tmp_path)
     from mooncaked.engine.llm_engine import LLMEngine
     from mooncaked.engine.types import SamplingParams
 
-    s = load_settings(None, {"conductor.policy": "cost_aware", "node.state_dir": str(tmp_path)})
+    # No slack cap by the FCFS wait (prefill_fcfs_slack_ratio inf): with cost_aware's ratio 1
+    # the long prompt's bound is twice its FCFS wait, 2 x the first prompt's predicted
+    # 0.48 s, and the first prefill on a loaded machine can take longer than that; the
+    # bound itself is tested with a hand-driven clock below and in
+    # test_conductor_policy_beyond.py.
+    s = load_settings(None, {"conductor.policy": "cost_aware", "node.state_dir": str(tmp_path),
+                             "conductor.prefill_fcfs_slack_ratio": float("inf")})
     llm = AsyncLLM(LLMEngine(s))
     w = PrefillWorker("p0", "127.0.0.1:1", s, llm, None, None, None, lambda: False,
                       lambda c: None, KVTransferCounters(), Activity())

@@ -7,13 +7,19 @@ With ``spf`` the node runs one prefill at a time (as the paper's prefill instanc
 the simulator do) and picks the next one with the same pure function the simulator
 uses, `conductor.policy.spf_pick`: the shortest predicted prefill first, except that a
 request that has waited its starvation bound goes first, oldest first: `aging_s`, or
-sooner the wait FCFS would have given it plus `fcfs_slack_s` (`policy.spf_bound_s`). The prediction is the cost model's prefill time of the request's
-(uncached, cached) tokens, the model the conductor places with.
+sooner the wait FCFS would have given it plus `fcfs_slack_s`, a slack of at most
+`fcfs_slack_ratio` x that FCFS wait (`policy.spf_bound_s`). With the bound rule "start"
+(`cost_aware`'s default) the bound is on the start time: a shorter prefill runs only if
+it is predicted to end before every waiting request's bound runs out. The prediction is
+the cost model's prefill time of the request's (uncached, cached) tokens, the model the
+conductor places with.
 
 The option is `conductor.prefill_order` (empty: the placement policy's default, so
 `cost_aware` runs spf on the nodes and predicts spf waits in the conductor) and
-`conductor.prefill_aging_s`, `conductor.prefill_fcfs_slack_s`; `resolve_order` and
-`resolve_fcfs_slack` are where both sides resolve them.
+`conductor.prefill_aging_s`, `conductor.prefill_fcfs_slack_s`,
+`conductor.prefill_fcfs_slack_ratio`, `conductor.prefill_bound_rule`; `resolve_order`,
+`resolve_fcfs_slack`, `resolve_fcfs_slack_ratio` and `resolve_bound_rule` are where both
+sides resolve them (through `PolicyConfig`, as the simulator does).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from dataclasses import dataclass
 
 from mooncaked.conductor.policy import (
     PREFILL_ORDERS,
+    SPF_BOUND_RULES,
     PolicyConfig,
     policy_defaults,
     spf_bound_s,
@@ -51,6 +58,22 @@ def resolve_fcfs_slack(policy: str, fcfs_slack_s: float) -> float:
     return PolicyConfig(policy=policy).fcfs_slack_s
 
 
+def resolve_fcfs_slack_ratio(policy: str, fcfs_slack_ratio: float) -> float:
+    """spf's cap on the slack as a multiple of the FCFS wait (PolicyConfig.fcfs_slack_ratio):
+    `fcfs_slack_ratio` when >= 0, else the placement policy's default (1 for cost_aware,
+    else inf)."""
+    if fcfs_slack_ratio >= 0:
+        return fcfs_slack_ratio
+    return PolicyConfig(policy=policy).fcfs_slack_ratio
+
+
+def resolve_bound_rule(policy: str, bound_rule: str) -> str:
+    """How spf reads the starvation bound (PolicyConfig.spf_bound_rule): `bound_rule` when
+    set, else the placement policy's default ("start" for cost_aware, else "wait").
+    Raises: ValueError on an unknown rule."""
+    return PolicyConfig(policy=policy, spf_bound_rule=bound_rule).spf_bound_rule
+
+
 @dataclass
 class _Waiter:
     enqueued: float                 # seconds on the queue's clock
@@ -68,23 +91,31 @@ class PrefillQueue:
         fcfs_slack_s: spf's adaptive bound: a request also goes first once it has waited
             the FCFS wait it saw when it arrived (the running remainder plus everything
             waiting) plus this, seconds (`policy.spf_bound_s`); inf: aging_s only.
+        fcfs_slack_ratio: the slack is at most this times that FCFS wait (inf: no cap).
+        bound_rule: "wait" (a request goes first once it waited its bound) or "start" (a
+            shorter prefill runs only if predicted to end before every waiting request's
+            bound runs out; `policy.spf_pick`'s bound_on_start).
         clock: monotonic seconds (injectable for tests).
     Use `async with queue.turn(predicted_s):` (or `acquire`/`release`) around the
     engine's prefill. Must be used
     from one event loop. Raises (constructor): ValueError on an unknown order or a
-    negative aging bound.
+    negative aging bound, slack or ratio.
     """
 
     def __init__(self, order: str = "fcfs", aging_s: float = 30.0,
                  fcfs_slack_s: float = float("inf"),
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic,
+                 fcfs_slack_ratio: float = float("inf"), bound_rule: str = "wait"):
         if order not in PREFILL_ORDERS:
             raise ValueError(f"unknown prefill order {order!r}")
-        if not (aging_s >= 0 and fcfs_slack_s >= 0):
-            raise ValueError(f"aging_s and fcfs_slack_s must be >= 0, got {aging_s}, "
-                             f"{fcfs_slack_s}")
+        if bound_rule not in SPF_BOUND_RULES:
+            raise ValueError(f"unknown bound rule {bound_rule!r}")
+        if not (aging_s >= 0 and fcfs_slack_s >= 0 and fcfs_slack_ratio >= 0):
+            raise ValueError(f"aging_s, fcfs_slack_s and fcfs_slack_ratio must be >= 0, got "
+                             f"{aging_s}, {fcfs_slack_s}, {fcfs_slack_ratio}")
         self.order, self.aging_s, self.fcfs_slack_s, self._clock = (order, aging_s,
                                                                     fcfs_slack_s, clock)
+        self.fcfs_slack_ratio, self.bound_on_start = fcfs_slack_ratio, bound_rule == "start"
         self._run_end = 0.0                    # predicted end of the running prefill
         self._waiting: list[_Waiter] = []      # arrival order
         self._running = 0
@@ -105,7 +136,8 @@ class PrefillQueue:
         fcfs_wait = max(0.0, self._run_end - now) * (self._running > 0) + sum(
             x.predicted_s for x in self._waiting)
         w = _Waiter(now, float(predicted_s),
-                    spf_bound_s(self.aging_s, fcfs_wait, self.fcfs_slack_s),
+                    spf_bound_s(self.aging_s, fcfs_wait, self.fcfs_slack_s,
+                                self.fcfs_slack_ratio),
                     asyncio.get_running_loop().create_future())
         self._waiting.append(w)
         self._dispatch()
@@ -139,7 +171,7 @@ class PrefillQueue:
         while self._running < 1 and self._waiting:
             now = self._clock()
             k = spf_pick([(w.enqueued, w.predicted_s, w.bound_s) for w in self._waiting], now,
-                         self.aging_s)
+                         self.aging_s, self.bound_on_start)
             w = self._waiting.pop(k)
             if w.turn.done():          # cancelled meanwhile
                 continue
@@ -150,4 +182,5 @@ class PrefillQueue:
             del self.started[:-1000]
 
 
-__all__ = ["PrefillQueue", "resolve_fcfs_slack", "resolve_order"]
+__all__ = ["PrefillQueue", "resolve_bound_rule", "resolve_fcfs_slack",
+           "resolve_fcfs_slack_ratio", "resolve_order"]

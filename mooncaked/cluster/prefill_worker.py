@@ -30,7 +30,13 @@ from .kv_push import KVPusher
 from .messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
                        PrefillReply, PrefillRequest, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
-from .prefill_queue import PrefillQueue, resolve_fcfs_slack, resolve_order
+from .prefill_queue import (
+    PrefillQueue,
+    resolve_bound_rule,
+    resolve_fcfs_slack,
+    resolve_fcfs_slack_ratio,
+    resolve_order,
+)
 
 log = get_logger(__name__)
 
@@ -82,7 +88,10 @@ class PrefillWorker:
         self.stages: dict[str, StagedKV] = {}
         cs = settings.conductor    # the run order of waiting prefills (cluster/prefill_queue.py)
         self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order), cs.prefill_aging_s,
-                                  resolve_fcfs_slack(cs.policy, cs.prefill_fcfs_slack_s))
+                                  resolve_fcfs_slack(cs.policy, cs.prefill_fcfs_slack_s),
+                                  fcfs_slack_ratio=resolve_fcfs_slack_ratio(
+                                      cs.policy, cs.prefill_fcfs_slack_ratio),
+                                  bound_rule=resolve_bound_rule(cs.policy, cs.prefill_bound_rule))
         self._cost = None
 
     def pending(self) -> dict[str, tuple[int, int]]:

@@ -34,7 +34,10 @@ Policies (Mooncake paper, sections 4.1 and 4.2, Figure 5):
   next turn of a conversation often arrives before the previous turn has run.
   Two more options, also defaults of ``cost_aware``: fcfs_slack_s (10 s), an adaptive
   starvation bound for the shortest-first queue (a request also goes first once it has
-  waited the FCFS wait it saw on arrival plus the slack, `spf_bound_s`), and
+  waited the FCFS wait it saw on arrival plus the slack, `spf_bound_s`), with the slack at
+  most fcfs_slack_ratio (1) x that FCFS wait and the bound kept on the start time
+  (spf_bound_rule "start", `spf_pick`: a shorter prefill runs only if it ends before every
+  waiting request's bound), and
   pipeline_stages (2), elastic chunked pipeline parallelism per request (section 3.3):
   a long prompt may run over up to that many prefill nodes with nothing queued when
   that is predicted faster than the best single node, charging the node time the
@@ -71,6 +74,11 @@ _PLAIN_RULES = ("threshold", "step", "fcfs")
 _PIPELINE_DEFAULTS = {"cost_aware": 2}
 # PolicyConfig.fcfs_slack_s a policy uses unless overridden (inf: the aging bound only)
 _FCFS_SLACK_DEFAULTS = {"cost_aware": 10.0}
+# PolicyConfig.fcfs_slack_ratio a policy uses unless overridden (inf: fcfs_slack_s alone)
+_FCFS_SLACK_RATIO_DEFAULTS = {"cost_aware": 1.0}
+# how spf_pick reads the starvation bound (PolicyConfig.spf_bound_rule)
+SPF_BOUND_RULES = ("wait", "start")
+_SPF_BOUND_RULE_DEFAULTS = {"cost_aware": "start"}
 
 
 def policy_defaults(policy: str) -> tuple[str, str, str]:
@@ -105,6 +113,15 @@ class PolicyConfig:
             seconds: an adaptive starvation bound, so no request starts much later than
             under Algorithm 1's FCFS queues (`spf_bound_s`); inf: aging_s only; None: the
             policy's default (10 s for cost_aware, else inf).
+        fcfs_slack_ratio: with "spf", the slack is also at most this times the request's
+            FCFS wait (`spf_bound_s`): a load-adaptive bound, so that where the node is
+            lightly queued no request starts much later than FCFS would start it; inf: the
+            fixed slack alone; None: the policy's default (1 for cost_aware, else inf).
+        spf_bound_rule: with "spf", "wait" (a request goes first once it has waited its
+            bound; a prefill started just before can still delay it by its length) or
+            "start" (the bound is on its start: a shorter prefill is run only if it ends
+            before every waiting request's bound runs out, `spf_pick`); "" takes the
+            policy's default ("start" for cost_aware, else "wait").
         pipeline_stages: elastic chunked pipeline parallelism (paper section 3.3): the most
             prefill nodes one request may be pipelined over when they are all idle
             (`Snapshot.prefill_idle`); 1 never pipelines; 0 takes the policy's default
@@ -139,6 +156,8 @@ class PolicyConfig:
     pipeline_hidden_bytes_per_token: int = 16384
     pipeline_min_tokens: int = CPP_MIN_TOKENS
     pipeline_under_load_ttft_s: float = 30.0
+    fcfs_slack_ratio: float | None = None
+    spf_bound_rule: str = ""
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -157,6 +176,16 @@ class PolicyConfig:
             object.__setattr__(self, "fcfs_slack_s", _FCFS_SLACK_DEFAULTS.get(self.policy, math.inf))
         if not self.fcfs_slack_s >= 0:
             raise ValueError(f"fcfs_slack_s must be >= 0, got {self.fcfs_slack_s}")
+        if self.fcfs_slack_ratio is None:
+            object.__setattr__(self, "fcfs_slack_ratio",
+                               _FCFS_SLACK_RATIO_DEFAULTS.get(self.policy, math.inf))
+        if not self.fcfs_slack_ratio >= 0:
+            raise ValueError(f"fcfs_slack_ratio must be >= 0, got {self.fcfs_slack_ratio}")
+        rule = self.spf_bound_rule or _SPF_BOUND_RULE_DEFAULTS.get(self.policy, "wait")
+        if rule not in SPF_BOUND_RULES:
+            raise ValueError(f"unknown spf_bound_rule {rule!r}; choose one of "
+                             f"{', '.join(SPF_BOUND_RULES)}")
+        object.__setattr__(self, "spf_bound_rule", rule)
         if self.pipeline_stages == 0:
             object.__setattr__(self, "pipeline_stages", _PIPELINE_DEFAULTS.get(self.policy, 1))
         if (self.pipeline_stages < 1 or self.pipeline_chunk_tokens < 1
@@ -471,14 +500,27 @@ def spf_wait_s(queue_s: float, queued: QueuedWork | Sequence[float],
     return max(0.0, queue_s - queued.total_s()) + before
 
 
-def spf_bound_s(aging_s: float, fcfs_wait_s: float, fcfs_slack_s: float) -> float:
+def spf_bound_s(aging_s: float, fcfs_wait_s: float, fcfs_slack_s: float,
+                fcfs_slack_ratio: float = math.inf) -> float:
     """A request's starvation bound on a shortest-first queue, seconds of waiting after
-    which it goes first: aging_s, or sooner the wait FCFS would have given it (the
-    predicted work ahead of it when it was enqueued) plus fcfs_slack_s."""
-    return min(aging_s, fcfs_wait_s + fcfs_slack_s)
+    which it goes first (`spf_pick`): aging_s, or sooner the wait FCFS would have given it
+    (the predicted work ahead of it when it was enqueued) plus its slack.
+
+    The slack is fcfs_slack_s, and at most fcfs_slack_ratio x fcfs_wait_s (inf: no such
+    cap): with ratio 1 a request never waits more than twice its FCFS wait, so the bound
+    follows the load, tight where the node is lightly queued (FCFS would start it soon)
+    and up to fcfs_slack_s where FCFS itself would keep it waiting
+    (PolicyConfig.fcfs_slack_ratio). Raises nothing; all arguments in seconds except the
+    ratio.
+    """
+    slack = fcfs_slack_s
+    if math.isfinite(fcfs_slack_ratio):
+        slack = min(slack, fcfs_slack_ratio * fcfs_wait_s)
+    return min(aging_s, fcfs_wait_s + slack)
 
 
-def spf_pick(waiting: Sequence[tuple[float, ...]], now: float, aging_s: float) -> int:
+def spf_pick(waiting: Sequence[tuple[float, ...]], now: float, aging_s: float,
+             bound_on_start: bool = False) -> int:
     """Which queued request a shortest-first prefill queue runs next.
 
     Args:
@@ -487,8 +529,15 @@ def spf_pick(waiting: Sequence[tuple[float, ...]], now: float, aging_s: float) -
             arrival order (seconds on any one clock).
         now: the current time on that clock.
         aging_s: the starvation bound of entries without their own.
-    Returns: the index in `waiting`: the oldest request that has waited its bound or more,
-        else the shortest predicted prefill (the earliest among equals).
+        bound_on_start: False: a request goes first once it has waited its bound (a
+            prefill started just before may still make it start later, by up to that
+            prefill's length). True (PolicyConfig.spf_bound_rule "start"): the bound is on
+            the start time: the shortest prefill runs only if it is predicted to end
+            before every waiting request's bound runs out; otherwise the oldest of those
+            it would push past their bound goes first.
+    Returns: the index in `waiting`: the oldest request that has waited its bound or more
+        (or, with bound_on_start, would have by the end of the shortest prefill), else
+        the shortest predicted prefill (the earliest among equals).
     Raises: ValueError when `waiting` is empty.
     """
     if not waiting:
@@ -499,6 +548,11 @@ def spf_pick(waiting: Sequence[tuple[float, ...]], now: float, aging_s: float) -
             return k                     # arrival order: the first aged one is the oldest
         if w[1] < key:
             best, key = k, w[1]
+    if bound_on_start:
+        end = now + key                  # when the shortest would end
+        for k, w in enumerate(waiting):
+            if k != best and end - w[0] > (w[2] if len(w) > 2 else aging_s):
+                return k                 # it would start past its bound: it goes first
     return best
 
 

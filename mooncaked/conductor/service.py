@@ -342,6 +342,9 @@ class ConductorService:
                            prefill_order=cs.prefill_order, aging_s=cs.prefill_aging_s,
                            fcfs_slack_s=(cs.prefill_fcfs_slack_s
                                          if cs.prefill_fcfs_slack_s >= 0 else None),
+                           fcfs_slack_ratio=(cs.prefill_fcfs_slack_ratio
+                                             if cs.prefill_fcfs_slack_ratio >= 0 else None),
+                           spf_bound_rule=cs.prefill_bound_rule,
                            pipeline_stages=1)
         queued: list = []
         if decode_only:

@@ -89,7 +89,9 @@ class SimConfig:
     `cpp_chunk_tokens` (conductor/cpp_cost.py; hidden states of
     `cpp_hidden_bytes_per_token` cross each stage boundary).
     `fcfs_slack_s`: spf's adaptive starvation bound (PolicyConfig.fcfs_slack_s; None: the
-    policy's default).
+    policy's default); `fcfs_slack_ratio` caps that slack at this times the request's FCFS
+    wait (PolicyConfig.fcfs_slack_ratio; None: the policy's default); `spf_bound_rule`
+    "wait" or "start" (PolicyConfig.spf_bound_rule; "": the policy's default).
     `pipeline_stages`: elastic pipelines instead (PolicyConfig.pipeline_stages; 0 = the
     policy's default, 1 = off): the placement may run one request over up to this many
     prefill nodes with nothing queued, all starting when the last is free, in chunks of
@@ -128,6 +130,8 @@ class SimConfig:
     pipeline_stages: int = 0
     fcfs_slack_s: float | None = None
     pipeline_under_load_ttft_s: float = 30.0
+    fcfs_slack_ratio: float | None = None
+    spf_bound_rule: str = ""
 
     def __post_init__(self) -> None:
         if self.policy not in SIM_POLICIES:
@@ -255,10 +259,13 @@ class Simulator:
                                  else cfg.pipeline_stages,
                                  pipeline_chunk_tokens=cfg.cpp_chunk_tokens,
                                  pipeline_hidden_bytes_per_token=cfg.cpp_hidden_bytes_per_token,
-                                 pipeline_under_load_ttft_s=cfg.pipeline_under_load_ttft_s)
+                                 pipeline_under_load_ttft_s=cfg.pipeline_under_load_ttft_s,
+                                 fcfs_slack_ratio=cfg.fcfs_slack_ratio,
+                                 spf_bound_rule=cfg.spf_bound_rule)
         self.elastic = self.pcfg.pipeline_stages > 1
         self.pipelined = 0
         self.spf = self.pcfg.prefill_order == "spf" and not self.coupled
+        self.bound_on_start = self.pcfg.spf_bound_rule == "start"
         # the cost rule may wait for a prefix a queued prefill will store (Snapshot.pending_*)
         self.track_pending = (self.pcfg.fetch_rule == "cost" and not self.coupled
                               and cfg.policy in ("global_cache_aware", "cost_aware"))
@@ -444,7 +451,8 @@ class Simulator:
             after = p.pending.get(q.keys[res.prefix_blocks - 1])
         # spf starvation bound: aging_s, or the FCFS wait it sees now plus the slack
         q.bound = spf_bound_s(self.pcfg.aging_s,
-                              max(0.0, p.busy_until - t) + p.queued_pred, self.pcfg.fcfs_slack_s)
+                              max(0.0, p.busy_until - t) + p.queued_pred, self.pcfg.fcfs_slack_s,
+                              self.pcfg.fcfs_slack_ratio)
         p.queue.append((q, ready, res.predicted_prefill_s, after))
         p._work = None
         if self.track_pending:
@@ -485,7 +493,7 @@ class Simulator:
                 return
             k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2], p.queue[k][0].bound)
                                   for k in ready_k],
-                                 t, self.cfg.aging_s)]
+                                 t, self.cfg.aging_s, self.bound_on_start)]
             q, ready, pred, _ = p.queue[k]
             del p.queue[k]
         else:
