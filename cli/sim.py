@@ -76,8 +76,10 @@ def sim(
                                       "policy's; cost_aware uses spf)."),
     decode_rule: str = typer.Option("", help="step | kv_aware: decode placement (default: the "
                                     "policy's; cost_aware uses kv_aware)."),
-    aging: float = typer.Option(30.0, help="spf starvation bound: a request waiting this long "
-                                "goes first, s."),
+    aging: float | None = typer.Option(None, help="spf starvation bound: a request waiting this "
+                                       "long goes first, s (default: the policy's; 30, "
+                                       "cost_aware inf: its bound is relative to FCFS, "
+                                       "--fcfs-slack and --fcfs-slack-ratio)."),
     fcfs_slack: float | None = typer.Option(None, help="spf adaptive starvation bound: a request "
                                             "also goes first once it waited its FCFS wait at "
                                             "arrival plus this, s (default: the policy's; "

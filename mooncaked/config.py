@@ -311,9 +311,12 @@ class ConductorSettings:
                                  "a request waiting prefill_aging_s going first); empty: the "
                                  "policy's default (spf for cost_aware, else fcfs).",
                              choices=("", "fcfs", "spf"))
-    prefill_aging_s: float = opt(30.0, "With prefill_order = spf: a prefill waiting this long, "
+    prefill_aging_s: float = opt(-1.0, "With prefill_order = spf: a prefill waiting this long, "
                                        "seconds, goes before every younger one (the starvation "
-                                       "bound).", min=0.0)
+                                       "bound); negative: the policy's default (inf for "
+                                       "cost_aware, whose bound is relative to FCFS: "
+                                       "prefill_fcfs_slack_s, prefill_fcfs_slack_ratio; else "
+                                       "30).")
     prefill_fcfs_slack_s: float = opt(-1.0, "With prefill_order = spf: a prefill also goes first "
                                             "once it waited the FCFS wait it saw on arrival plus "
                                             "this, seconds (no request starts much later than "

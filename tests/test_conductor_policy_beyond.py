@@ -422,6 +422,9 @@ def test_spf_slack_follows_the_fcfs_wait():
     assert spf_bound_s(30.0, 4.0, 10.0) == 14.0            # no ratio: the fixed slack
     assert spf_bound_s(30.0, 0.0, 10.0) == 10.0
     assert cfg().fcfs_slack_ratio == 1.0
+    # cost_aware's bound is relative to FCFS alone; the other policies keep the 30 s aging
+    assert cfg().aging_s == math.inf and cfg("global_cache_aware").aging_s == 30.0
+    assert cfg(aging_s=20.0).aging_s == 20.0
     assert cfg("global_cache_aware").fcfs_slack_ratio == math.inf
     assert cfg(fcfs_slack_ratio=2.0).fcfs_slack_ratio == 2.0
     with pytest.raises(ValueError, match="fcfs_slack_ratio"):
@@ -460,10 +463,12 @@ def _order_sim(rule: str) -> list[int]:
 
 def test_live_prefill_queue_runs_the_order_the_simulator_runs():
     """The same four prefills through the simulator's queue and through a live node's
-    PrefillQueue (cost_aware's defaults: slack 10 s, ratio 1, bound on the start) start in
+    PrefillQueue (cost_aware's defaults: no aging bound, slack 10 s, ratio 1, bound on the
+    start) start in
     the same order; with the bound on the wait, L's bound is overrun by S2's 5 s."""
     from mooncaked.cluster.prefill_queue import (
         PrefillQueue,
+        resolve_aging,
         resolve_bound_rule,
         resolve_fcfs_slack,
         resolve_fcfs_slack_ratio,
@@ -471,7 +476,8 @@ def test_live_prefill_queue_runs_the_order_the_simulator_runs():
 
     async def live(rule: str) -> list[int]:
         t = [0.0]
-        q = PrefillQueue("spf", 30.0, resolve_fcfs_slack("cost_aware", -1.0), lambda: t[0],
+        q = PrefillQueue("spf", resolve_aging("cost_aware", -1.0),
+                         resolve_fcfs_slack("cost_aware", -1.0), lambda: t[0],
                          fcfs_slack_ratio=resolve_fcfs_slack_ratio("cost_aware", -1.0),
                          bound_rule=resolve_bound_rule("cost_aware", rule))
         preds = {1: 20.0, 2: 5.0, 3: 5.0}

@@ -11,6 +11,7 @@ import pytest
 from mooncaked.cluster.node_state import Activity, KVTransferCounters
 from mooncaked.cluster.prefill_queue import (
     PrefillQueue,
+    resolve_aging,
     resolve_bound_rule,
     resolve_fcfs_slack_ratio,
     resolve_order,
@@ -87,6 +88,9 @@ def test_the_prefill_node_and_the_conductor_resolve_the_same_order():
     assert resolve_order("global_cache_aware", "") == "fcfs"
     assert resolve_order("global_cache_aware", "spf") == "spf"
     assert resolve_fcfs_slack_ratio("cost_aware", -1.0) == 1.0
+    assert resolve_aging("cost_aware", -1.0) == float("inf")
+    assert resolve_aging("global_cache_aware", -1.0) == 30.0
+    assert resolve_aging("cost_aware", 12.0) == 12.0
     assert resolve_fcfs_slack_ratio("global_cache_aware", -1.0) == float("inf")
     assert resolve_fcfs_slack_ratio("cost_aware", 2.0) == 2.0
     assert resolve_bound_rule("cost_aware", "") == "start"

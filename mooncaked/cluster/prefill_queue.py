@@ -18,7 +18,7 @@ The option is `conductor.prefill_order` (empty: the placement policy's default, 
 `cost_aware` runs spf on the nodes and predicts spf waits in the conductor) and
 `conductor.prefill_aging_s`, `conductor.prefill_fcfs_slack_s`,
 `conductor.prefill_fcfs_slack_ratio`, `conductor.prefill_bound_rule`; `resolve_order`,
-`resolve_fcfs_slack`, `resolve_fcfs_slack_ratio` and `resolve_bound_rule` are where both
+`resolve_aging`, `resolve_fcfs_slack`, `resolve_fcfs_slack_ratio` and `resolve_bound_rule` are where both
 sides resolve them (through `PolicyConfig`, as the simulator does).
 """
 
@@ -56,6 +56,15 @@ def resolve_fcfs_slack(policy: str, fcfs_slack_s: float) -> float:
     if fcfs_slack_s >= 0:
         return fcfs_slack_s
     return PolicyConfig(policy=policy).fcfs_slack_s
+
+
+def resolve_aging(policy: str, aging_s: float) -> float:
+    """spf's absolute starvation bound (PolicyConfig.aging_s), seconds: `aging_s` when >= 0,
+    else the placement policy's default (inf for cost_aware, whose bound is relative to
+    FCFS; else 30)."""
+    if aging_s >= 0:
+        return aging_s
+    return PolicyConfig(policy=policy).aging_s
 
 
 def resolve_fcfs_slack_ratio(policy: str, fcfs_slack_ratio: float) -> float:
@@ -182,5 +191,5 @@ class PrefillQueue:
             del self.started[:-1000]
 
 
-__all__ = ["PrefillQueue", "resolve_bound_rule", "resolve_fcfs_slack",
+__all__ = ["PrefillQueue", "resolve_aging", "resolve_bound_rule", "resolve_fcfs_slack",
            "resolve_fcfs_slack_ratio", "resolve_order"]

@@ -32,6 +32,7 @@ from .messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDel
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
 from .prefill_queue import (
     PrefillQueue,
+    resolve_aging,
     resolve_bound_rule,
     resolve_fcfs_slack,
     resolve_fcfs_slack_ratio,
@@ -87,7 +88,8 @@ class PrefillWorker:
         self.waiting: set[str] = set()     # rids not computing yet: fetching or in the queue
         self.stages: dict[str, StagedKV] = {}
         cs = settings.conductor    # the run order of waiting prefills (cluster/prefill_queue.py)
-        self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order), cs.prefill_aging_s,
+        self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order),
+                                  resolve_aging(cs.policy, cs.prefill_aging_s),
                                   resolve_fcfs_slack(cs.policy, cs.prefill_fcfs_slack_s),
                                   fcfs_slack_ratio=resolve_fcfs_slack_ratio(
                                       cs.policy, cs.prefill_fcfs_slack_ratio),

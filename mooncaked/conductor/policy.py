@@ -74,6 +74,9 @@ _PLAIN_RULES = ("threshold", "step", "fcfs")
 _PIPELINE_DEFAULTS = {"cost_aware": 2}
 # PolicyConfig.fcfs_slack_s a policy uses unless overridden (inf: the aging bound only)
 _FCFS_SLACK_DEFAULTS = {"cost_aware": 10.0}
+# PolicyConfig.aging_s a policy uses unless overridden (else 30 s, the paper's TTFT
+# threshold); cost_aware bounds each wait relative to FCFS instead (fcfs_slack_s, ratio)
+_AGING_DEFAULTS = {"cost_aware": math.inf}
 # PolicyConfig.fcfs_slack_ratio a policy uses unless overridden (inf: fcfs_slack_s alone)
 _FCFS_SLACK_RATIO_DEFAULTS = {"cost_aware": 1.0}
 # how spf_pick reads the starvation bound (PolicyConfig.spf_bound_rule)
@@ -106,8 +109,9 @@ class PolicyConfig:
         prefill_order: "fcfs" or "spf", how the prefill queues run (the simulator's and
             the placement's wait prediction, `spf_wait_s`); "" takes the policy's default.
         aging_s: with "spf", a request that has waited this long (seconds) goes before
-            every younger one, in arrival order: its wait is bounded (default 30 s, the
-            paper's TTFT threshold).
+            every younger one, in arrival order: its wait is bounded; None: the policy's
+            default (30 s, the paper's TTFT threshold; inf for cost_aware, whose bound is
+            relative to FCFS: fcfs_slack_s and fcfs_slack_ratio).
         fcfs_slack_s: with "spf", a request also goes first once it has waited the wait FCFS
             would have given it (the queue ahead of it when it arrived) plus this slack,
             seconds: an adaptive starvation bound, so no request starts much later than
@@ -149,7 +153,7 @@ class PolicyConfig:
     fetch_rule: str = ""
     decode_rule: str = ""
     prefill_order: str = ""
-    aging_s: float = 30.0
+    aging_s: float | None = None
     fcfs_slack_s: float | None = None
     pipeline_stages: int = 0
     pipeline_chunk_tokens: int = 4096
@@ -170,6 +174,8 @@ class PolicyConfig:
             if v not in allowed:
                 raise ValueError(f"unknown {name} {v!r}; choose one of {', '.join(allowed)}")
             object.__setattr__(self, name, v)
+        if self.aging_s is None:
+            object.__setattr__(self, "aging_s", _AGING_DEFAULTS.get(self.policy, 30.0))
         if not self.aging_s >= 0:
             raise ValueError(f"aging_s must be >= 0, got {self.aging_s}")
         if self.fcfs_slack_s is None:

@@ -339,7 +339,8 @@ class ConductorService:
                            fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
                            # the order the prefill nodes run (cluster/prefill_queue.py); no
                            # elastic pipelines: live CPP groups are fixed (issue 14)
-                           prefill_order=cs.prefill_order, aging_s=cs.prefill_aging_s,
+                           prefill_order=cs.prefill_order,
+                           aging_s=cs.prefill_aging_s if cs.prefill_aging_s >= 0 else None,
                            fcfs_slack_s=(cs.prefill_fcfs_slack_s
                                          if cs.prefill_fcfs_slack_s >= 0 else None),
                            fcfs_slack_ratio=(cs.prefill_fcfs_slack_ratio

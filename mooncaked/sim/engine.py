@@ -82,7 +82,7 @@ class SimConfig:
     `ttft_slo_s`/`tbt_slo_s`: early rejection (inf: off). `ttft_threshold_s` and
     `tbt_thresholds_s`: what effective request capacity counts as served in time.
     `fetch_rule`, `decode_rule`, `prefill_order`, `aging_s`: the PolicyConfig options
-    ("" = the policy's default; `policy.policy_defaults`); prefill_order also sets how
+    ("" or None = the policy's default; `policy.policy_defaults`); prefill_order also sets how
     the simulated prefill queues run.
     `cpp` > 1: the prefill instances form pipeline groups of `cpp` nodes (section 3.3),
     each group one placement target with `cpp` x the block cache, prefilling in chunks of
@@ -123,7 +123,7 @@ class SimConfig:
     fetch_rule: str = ""
     decode_rule: str = ""
     prefill_order: str = ""
-    aging_s: float = 30.0
+    aging_s: float | None = None
     cpp: int = 1
     cpp_chunk_tokens: int = 4096
     cpp_hidden_bytes_per_token: int = 16384  # LLaMA3-70B: d_model 8192 x bf16
@@ -493,7 +493,7 @@ class Simulator:
                 return
             k = ready_k[spf_pick([(p.queue[k][0].arrival, p.queue[k][2], p.queue[k][0].bound)
                                   for k in ready_k],
-                                 t, self.cfg.aging_s, self.bound_on_start)]
+                                 t, self.pcfg.aging_s, self.bound_on_start)]
             q, ready, pred, _ = p.queue[k]
             del p.queue[k]
         else:
