@@ -21,7 +21,10 @@ Cases (issue 2):
      (60 blocks of 16) were cached by an earlier request, against the same
      prompt cold (first token changed, so no block key matches). Target: warm /
      cold <= 0.2. Also ours cold against transformers' TTFT (`generate` of one
-     token) on the same prompt: ttft_cold_vs_transformers (no target).
+     token) on the same prompt: ttft_cold_vs_transformers (issue 15: target <= 1.0). The
+     row also holds the engine steps the cold prompt took (`prefill_steps`: 1 when the
+     idle budget, engine.idle_prefill_tokens, covers it) and the same comparison at the
+     other `ttft_cold_lengths` (default 500 and 2,000 tokens), interleaved in the same reps.
   4. constrained_batch1, constrained_batch32 (issue 20, engine_structured.py): decode
      under a JSON schema against the same decode unconstrained, ours on both sides.
      Target: constrained / unconstrained >= 0.9.
@@ -68,7 +71,8 @@ SHORT_PROMPT = [{"role": "user", "content": "Write a short story about a lightho
 # `--quick`: every case at toy sizes (a smoke run of the whole pipeline, about half a minute
 # on 2 cores, mostly loading the model twice); the figures say little about performance.
 QUICK = {"decode_tokens": 8, "concurrent": 4, "concurrent_tokens": 4, "concurrent_max_prompt": 32,
-         "ttft_prompt": 80, "ttft_cached": 64, "kv_cache_bytes": 64 * 1024 * 1024,
+         "ttft_prompt": 80, "ttft_cached": 64, "ttft_cold_lengths": (40,),
+         "kv_cache_bytes": 64 * 1024 * 1024,
          "step_batch": 4, "step_short": 16, "step_long": 64, "step_tokens": 4}
 
 
@@ -131,6 +135,24 @@ def _decode_step_s(engine: LLMEngine, prompts: list[list[int]], steps: int, salt
     while engine.has_work():
         engine.step()
     return statistics.median(times)
+
+
+def _count_steps(engine: LLMEngine):
+    """Starts counting engine.step() calls; returns a function that stops and returns the count."""
+    n = [0]
+    step = engine.step
+
+    def counted():
+        n[0] += 1
+        return step()
+
+    engine.step = counted
+
+    def stop() -> int:
+        del engine.step  # the instance attribute goes: the class's step again
+        return n[0]
+
+    return stop
 
 
 # -- transformers
@@ -223,7 +245,8 @@ def _decode_rate(times: list[float]) -> float:
 
 def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurrent: int = 32,
         concurrent_tokens: int = 32, concurrent_max_prompt: int = 128, ttft_prompt: int = 1000,
-        ttft_cached: int = 960, kv_cache_bytes: int = 2048 * 1024 * 1024, threads: int = 0,
+        ttft_cached: int = 960, ttft_cold_lengths: tuple[int, ...] = (500, 2000),
+        kv_cache_bytes: int = 2048 * 1024 * 1024, threads: int = 0,
         step_batch: int = 32, step_short: int = 100, step_long: int = 1000,
         step_tokens: int = 16) -> dict:
     """Runs the three cases on both sides and returns the result object (see module doc).
@@ -236,6 +259,8 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
             output tokens per request, and longest prompt (prompt lengths spread evenly
             from 16 tokens up to it).
         ttft_prompt, ttft_cached: case 3's prompt length and cached prefix, tokens.
+        ttft_cold_lengths: further cold prompt lengths (tokens) timed against transformers
+            beside ttft_prompt (the row's `by_prompt_tokens`); () for none.
         kv_cache_bytes: our engine's KV page budget, bytes (case 6 holds step_batch x
             step_long tokens: 1.5 GB in fp32).
         step_batch, step_short, step_long, step_tokens: case 6's batch, its two prompt
@@ -263,6 +288,7 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
     rng.shuffle(lengths)
     batch = [_random_prompt(rng, n, vocab) for n in lengths]
     long_prompt = _random_prompt(rng, ttft_prompt, vocab)
+    cold_more = {n: _random_prompt(rng, n, vocab) for n in ttft_cold_lengths}
     step_prompts = {n: [_random_prompt(rng, n, vocab) for _ in range(step_batch)]
                     for n in (step_short, step_long)}
 
@@ -278,13 +304,17 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
     _hf_generate(hf, [short], warm, pad_id)
     _hf_generate(hf, batch, 2, pad_id)
     _hf_generate(hf, [long_prompt], 1, pad_id)
+    for p in cold_more.values():
+        _ours_generate(engine, [p], 1, ids.next("salt"), ids)
+        _hf_generate(hf, [p], 1, pad_id)
     llm = _llamacpp_load(torch.get_num_threads())
     if llm is not None:
         _llamacpp_decode(llm, short, warm)
 
     c1 = {"ours_tps": [], "ours_ttft": [], "hf_tps": [], "hf_ttft": []}
     c2 = {"ours": [], "hf": []}
-    c3 = {"warm": [], "cold": [], "hf": []}
+    c3 = {"warm": [], "cold": [], "hf": [], "cold_steps": []}
+    c3_more = {n: {"ours": [], "hf": []} for n in cold_more}
     c4 = {"llamacpp_tps": [], "llamacpp_ttft": []}
     c6 = {"short": [], "long": []}
     for _ in range(reps):
@@ -323,10 +353,16 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         c3["warm"].append(times[0] - t0)
         cold_prompt = [long_prompt[0] + 1] + long_prompt[1:]
         hits0 = engine.stats().prefix_hit_tokens_total
+        steps = _count_steps(engine)
         t0, (times,) = _ours_generate(engine, [cold_prompt], 1, salt, ids)
+        c3["cold_steps"].append(steps())
         assert engine.stats().prefix_hit_tokens_total == hits0, "the cold prompt hit the prefix cache"
         c3["cold"].append(times[0] - t0)
         c3["hf"].append(_hf_generate(hf, [long_prompt], 1, pad_id))
+        for n, p in cold_more.items():
+            t0, (times,) = _ours_generate(engine, [p], 1, ids.next("salt"), ids)
+            c3_more[n]["ours"].append(times[0] - t0)
+            c3_more[n]["hf"].append(_hf_generate(hf, [p], 1, pad_id))
 
         # 6. decode step time, long against short context (same batch size)
         for n in (step_short, step_long):
@@ -360,8 +396,14 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
             "warm TTFT / cold TTFT",
             prompt_tokens=ttft_prompt, cached_tokens=ttft_cached),
         row("ttft_cold_vs_transformers", "s", med(c3["cold"]), med(c3["hf"]),
-            "transformers generate of 1 token (no prefix cache)", None,
-            "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt),
+            "transformers generate of 1 token (no prefix cache)", "<= 1.0",
+            "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt,
+            prefill_steps=max(c3["cold_steps"]),
+            max_num_batched_tokens=settings.engine.max_num_batched_tokens,
+            idle_prefill_tokens=settings.engine.idle_prefill_tokens,
+            by_prompt_tokens={str(n): {"ours": round(med(v["ours"]), 4), "baseline": round(med(v["hf"]), 4),
+                                       "ratio": round(med(v["ours"]) / med(v["hf"]), 3)}
+                              for n, v in c3_more.items()}),
         row("decode_step_long_context", "s", med(c6["long"]), med(c6["short"]),
             f"ours, the same {step_batch} requests with {step_short}-token prompts", "<= 2.0",
             "long-context step / short-context step", requests=step_batch,
@@ -383,6 +425,7 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         "transformers_version": transformers.__version__, "torch_version": torch.__version__,
         "engine": {"block_size": settings.engine.block_size, "kv_cache_bytes": kv_cache_bytes,
                    "max_num_batched_tokens": settings.engine.max_num_batched_tokens,
+                   "idle_prefill_tokens": settings.engine.idle_prefill_tokens,
                    "max_num_seqs": settings.engine.max_num_seqs},
         "loadavg_1m_before": round(load_before[0], 2), "loadavg_1m_after": round(os.getloadavg()[0], 2),
         "cpu_count": os.cpu_count(), "wall_s": round(time.perf_counter() - t_start, 1),
@@ -390,6 +433,7 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         "weight_format": settings.model.weight_format,
         "llamacpp": llm is not None,
         "samples": {"decode_batch1": c1, f"concurrent_{concurrent}": c2, "ttft": c3,
+                    "ttft_cold_by_prompt_tokens": {str(n): v for n, v in c3_more.items()},
                     "decode_batch1_vs_llamacpp": c4, "decode_step_long_context": c6},
     }
 

@@ -1,14 +1,24 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
-Each step gets a token budget. Running decodes go first (one token each), so
-a long prompt never stalls them. A step with no running decode gets the larger
-`idle_budget`: the budget exists to bound the step time decodes see, and with
-none running, fewer and larger chunks prefill a long prompt sooner (measured,
-`mooncake bench engine` cold TTFT of 1,000 tokens: see docs/benchmarks.md); prefills (and recomputes) then take chunks
-of what budget is left, oldest request first; waiting requests join while
-budget, sequence slots and pages last. When pages run out, the newest running
-request is preempted: its pages are freed (their keyed blocks stay in the
-prefix cache) and it waits to be recomputed.
+Each step gets a token budget (`max_num_batched_tokens`). Running decodes go first
+(one token each), so a long prompt never stalls them; prefills (and recomputes) then
+take chunks of what budget is left, oldest request first; waiting requests join while
+budget, sequence slots and pages last. When pages run out, the newest running request
+is preempted: its pages are freed (their keyed blocks stay in the prefix cache) and it
+waits to be recomputed.
+
+The budget exists to bound how long a prefill chunk holds up running decodes. A step in
+which no running sequence decodes (an idle engine, a prefill node, only prefills or
+recomputes in flight) has nothing to protect, so it gets the larger `idle_budget`
+(`engine.idle_prefill_tokens`, default 2048): a prompt up to that size is prefilled in
+one step instead of in budget-sized chunks, which saves the later chunks' re-reads of
+the earlier KV and their per-step overhead (cold TTFT of 1,000 tokens: two 512-token
+chunks 1.09x transformers, one step 0.96-1.0x; docs/benchmarks.md, "Issue 15, cold
+TTFT"). The idle budget is still a bound (it caps a step's activations and how long a
+request arriving meanwhile waits); pages bound admission as always. vLLM (v1) and SGLang
+keep one fixed per-step cap instead (`max_num_batched_tokens`, `chunked_prefill_size`),
+chunking a long prompt whether or not decodes run, and leave the trade-off to that
+setting's size; here the small cap holds only while it protects something.
 
 A request that brings K/V (HandOver.kv_import: a decode node's prompt, a prefix
 loaded from the store) gets pages for it at admission instead of compute; the
@@ -35,7 +45,8 @@ class Scheduler:
         max_num_seqs: most running sequences.
         max_num_batched_tokens: token budget of one step, tokens.
         idle_prefill_tokens: token budget of a step in which no running sequence
-            decodes; 0 (or less than max_num_batched_tokens) keeps max_num_batched_tokens.
+            decodes, tokens (see module doc); 0 (or less than max_num_batched_tokens) keeps
+            max_num_batched_tokens for every step.
     """
 
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
