@@ -65,10 +65,13 @@ def _prefetch(typingctx, arr, idx):
 @intrinsic
 def _bf16_to_f32(typingctx, u):
     """The float32 whose bits are the bf16 bits `u` (uint16) shifted up 16: a widen in
-    registers (a bitcast), not through a buffer in memory."""
+    registers (a bitcast), not through a buffer in memory. A float32 passes through (so
+    `attend`'s bf16 branch also compiles for fp32 caches, where it is never taken)."""
     sig = types.float32(u)
 
     def codegen(context, builder, signature, args):
+        if isinstance(signature.args[0], types.Float):
+            return context.cast(builder, args[0], signature.args[0], types.float32)
         w = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
         return builder.bitcast(w, ir.FloatType())
 
@@ -104,120 +107,140 @@ def _exp2_inplace(x, n, bits):  # pragma: no cover
         x[t] *= scale[t]
 
 
+@numba.njit(inline="always", **_JIT)
+def _load_row(kv, base, row, D):  # pragma: no cover - compiled
+    """An fp32 row of D elements (bf16 rows are widened in registers where they are used).
+    A slice, then range indices: `kv[base + d]` made Numba emit its negative-index
+    wraparound per element, which turned the row load into a scalar gather (2.5x slower)."""
+    src = kv[base:base + D]
+    for d in range(D):
+        row[d] = src[d]
+
+
+@numba.njit(inline="always", **_JIT)
+def _prefetch_token(kv, base, token_stride, line):  # pragma: no cover - compiled
+    """Prefetches one token's row of every KV head, `line` elements a cache line."""
+    for e in range(0, token_stride, line):
+        _prefetch(kv, base + e)
+
+
 def _make_kernel(bf16: bool, D: int, G: int):
     """The kernel for one cache element type (bf16 as uint16 bits, or fp32), head_dim D
-    and GQA group G (query heads per KV head), the last two fixed at compile time."""
+    and GQA group G (query heads per KV head), the last two fixed at compile time.
 
-    @numba.njit(inline="always", **_JIT)
-    def load_row(kv, base, row):  # pragma: no cover
-        # an fp32 row (bf16 rows are widened in registers where they are used). A slice,
-        # then range indices: `kv[base + d]` made Numba emit its negative-index wraparound
-        # per element, which turned the row load into a scalar gather (2.5x slower)
-        src = kv[base:base + D]
-        for d in range(D):
-            row[d] = src[d]
-
-    LINE = 64 // (2 if bf16 else 4)  # elements per 64-byte cache line
-
-    @numba.njit(inline="always", **_JIT)
-    def prefetch_token(kv, base, token_stride):  # pragma: no cover
-        for e in range(0, token_stride, LINE):
-            _prefetch(kv, base + e)
+    The kernel closes over plain values only and calls the module-level `attend` with them
+    as literals: a closure over another jitted function is keyed in Numba's on-disk cache
+    by that function's pickle, which differs in every process, so it was compiled anew in
+    each (6.7 s here, for every engine start and test process)."""
 
     @numba.njit(**_JIT)
     def kernel(q, qscale, kf, k_off, vf, v_off, block_size, block_stride, token_stride, head_stride,
                tables, lens, out):  # pragma: no cover - compiled
-        num_seqs, num_heads = q.shape[0], q.shape[1]
-        num_kv = num_heads // G
-        qs_u = np.empty((num_heads, D), np.uint32)
-        qs = qs_u.view(np.float32)
-        o_f = np.empty(D, np.float32)
-        o_u = o_f.view(np.uint32)
-        max_len = 0
-        for s in range(num_seqs):
-            max_len = max(max_len, lens[s])
-        rows = np.empty(max_len, np.int64)
-        scores = np.empty((num_heads, max_len), np.float32)
-        bits = np.empty(max_len, np.int32)
-        row = np.empty(D, np.float32)
-        acc = np.empty((num_heads, D), np.float32)
-        for s in range(num_seqs):
-            n = lens[s]
-            _row_offsets(tables, s, n, block_size, block_stride, token_stride, rows)
-            for i in range(num_heads):  # q widened to fp32 and scaled by scale * log2 e
-                if bf16:
-                    for d in range(D):
-                        qs_u[i, d] = np.uint32(q[s, i, d]) << np.uint32(16)
-                    for d in range(D):
-                        qs[i, d] *= qscale
-                else:
-                    for d in range(D):
-                        qs[i, d] = q[s, i, d] * qscale
-            # pass 1: scores (log2 units: q carries scale * log2 e), each K row read once
-            for t in range(n):
-                if t + block_size < n:  # the next page's row, a page ahead (pages lie anywhere)
-                    prefetch_token(kf, k_off + rows[t + block_size], token_stride)
-                for h in range(num_kv):
-                    if bf16:
-                        base = k_off + rows[t] + h * head_stride
-                        src = kf[base:base + D]
-                        for j in range(G):
-                            a = np.float32(0.0)
-                            for d in range(D):
-                                a += qs[h * G + j, d] * _bf16_to_f32(src[d])
-                            scores[h * G + j, t] = a
-                    else:
-                        load_row(kf, k_off + rows[t] + h * head_stride, row)
-                        for j in range(G):
-                            a = np.float32(0.0)
-                            for d in range(D):
-                                a += qs[h * G + j, d] * row[d]
-                            scores[h * G + j, t] = a
-            # softmax numerators (fp32), normalised at the end
-            for i in range(num_heads):
-                m = scores[i, 0]
-                for t in range(1, n):
-                    m = max(m, scores[i, t])
-                for t in range(n):
-                    scores[i, t] -= m
-                _exp2_inplace(scores[i], n, bits)
-                for d in range(D):
-                    acc[i, d] = 0.0
-            # pass 2: out = p . v, each V row read once
-            for t in range(n):
-                if t + block_size < n:
-                    prefetch_token(vf, v_off + rows[t + block_size], token_stride)
-                for h in range(num_kv):
-                    if bf16:
-                        base = v_off + rows[t] + h * head_stride
-                        src = vf[base:base + D]
-                        for j in range(G):
-                            p = scores[h * G + j, t]
-                            for d in range(D):
-                                acc[h * G + j, d] += p * _bf16_to_f32(src[d])
-                    else:
-                        load_row(vf, v_off + rows[t] + h * head_stride, row)
-                        for j in range(G):
-                            p = scores[h * G + j, t]
-                            for d in range(D):
-                                acc[h * G + j, d] += p * row[d]
-            for i in range(num_heads):
-                tot = np.float32(0.0)
-                for t in range(n):
-                    tot += scores[i, t]
-                inv = np.float32(1.0) / tot
-                if bf16:  # round to nearest even, as torch's fp32 -> bf16 cast
-                    for d in range(D):
-                        o_f[d] = acc[i, d] * inv
-                    for d in range(D):
-                        u = o_u[d]
-                        out[s, i, d] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
-                                                 >> np.uint32(16))
-                else:
-                    for d in range(D):
-                        out[s, i, d] = acc[i, d] * inv
+        attend(q, qscale, kf, k_off, vf, v_off, block_size, block_stride, token_stride, head_stride,
+               tables, lens, out, bf16, D, G)
 
     return kernel
+
+
+@numba.njit(**_JIT)
+def attend(q, qscale, kf, k_off, vf, v_off, block_size, block_stride, token_stride, head_stride,
+           tables, lens, out, bf16, D, G):  # pragma: no cover - compiled
+    """The decode attention of `paged_decode_attention` on NumPy views (q, out: [seqs, heads,
+    D] in the cache's element type; kf, vf: flat caches; k_off, v_off, strides in elements),
+    specialised on the literals bf16, D (head_dim) and G (GQA group)."""
+    numba.literally(bf16)
+    numba.literally(D)
+    numba.literally(G)
+    LINE = 64 // (2 if bf16 else 4)  # elements per 64-byte cache line
+    num_seqs, num_heads = q.shape[0], q.shape[1]
+    num_kv = num_heads // G
+    qs_u = np.empty((num_heads, D), np.uint32)
+    qs = qs_u.view(np.float32)
+    o_f = np.empty(D, np.float32)
+    o_u = o_f.view(np.uint32)
+    max_len = 0
+    for s in range(num_seqs):
+        max_len = max(max_len, lens[s])
+    rows = np.empty(max_len, np.int64)
+    scores = np.empty((num_heads, max_len), np.float32)
+    bits = np.empty(max_len, np.int32)
+    row = np.empty(D, np.float32)
+    acc = np.empty((num_heads, D), np.float32)
+    for s in range(num_seqs):
+        n = lens[s]
+        _row_offsets(tables, s, n, block_size, block_stride, token_stride, rows)
+        for i in range(num_heads):  # q widened to fp32 and scaled by scale * log2 e
+            if bf16:
+                for d in range(D):
+                    qs_u[i, d] = np.uint32(q[s, i, d]) << np.uint32(16)
+                for d in range(D):
+                    qs[i, d] *= qscale
+            else:
+                for d in range(D):
+                    qs[i, d] = q[s, i, d] * qscale
+        # pass 1: scores (log2 units: q carries scale * log2 e), each K row read once
+        for t in range(n):
+            if t + block_size < n:  # the next page's row, a page ahead (pages lie anywhere)
+                _prefetch_token(kf, k_off + rows[t + block_size], token_stride, LINE)
+            for h in range(num_kv):
+                if bf16:
+                    base = k_off + rows[t] + h * head_stride
+                    src = kf[base:base + D]
+                    for j in range(G):
+                        a = np.float32(0.0)
+                        for d in range(D):
+                            a += qs[h * G + j, d] * _bf16_to_f32(src[d])
+                        scores[h * G + j, t] = a
+                else:
+                    _load_row(kf, k_off + rows[t] + h * head_stride, row, D)
+                    for j in range(G):
+                        a = np.float32(0.0)
+                        for d in range(D):
+                            a += qs[h * G + j, d] * row[d]
+                        scores[h * G + j, t] = a
+        # softmax numerators (fp32), normalised at the end
+        for i in range(num_heads):
+            m = scores[i, 0]
+            for t in range(1, n):
+                m = max(m, scores[i, t])
+            for t in range(n):
+                scores[i, t] -= m
+            _exp2_inplace(scores[i], n, bits)
+            for d in range(D):
+                acc[i, d] = 0.0
+        # pass 2: out = p . v, each V row read once
+        for t in range(n):
+            if t + block_size < n:
+                _prefetch_token(vf, v_off + rows[t + block_size], token_stride, LINE)
+            for h in range(num_kv):
+                if bf16:
+                    base = v_off + rows[t] + h * head_stride
+                    src = vf[base:base + D]
+                    for j in range(G):
+                        p = scores[h * G + j, t]
+                        for d in range(D):
+                            acc[h * G + j, d] += p * _bf16_to_f32(src[d])
+                else:
+                    _load_row(vf, v_off + rows[t] + h * head_stride, row, D)
+                    for j in range(G):
+                        p = scores[h * G + j, t]
+                        for d in range(D):
+                            acc[h * G + j, d] += p * row[d]
+        for i in range(num_heads):
+            tot = np.float32(0.0)
+            for t in range(n):
+                tot += scores[i, t]
+            inv = np.float32(1.0) / tot
+            if bf16:  # round to nearest even, as torch's fp32 -> bf16 cast
+                for d in range(D):
+                    o_f[d] = acc[i, d] * inv
+                for d in range(D):
+                    u = o_u[d]
+                    out[s, i, d] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
+                                             >> np.uint32(16))
+            else:
+                for d in range(D):
+                    out[s, i, d] = acc[i, d] * inv
 
 
 _KERNELS: dict[tuple[bool, int, int], object] = {}

@@ -84,7 +84,8 @@ class LLMEngine:
         self.model = LlamaModel(cfg, tensors, self.dtype, device,
                                 attention_ops(device, es.attention_backend), max_positions=ctx,
                                 weight_format=ms.weight_format,
-                                dense_above=ms.quantized_max_tokens or None)
+                                dense_above=ms.quantized_max_tokens or None,
+                                fused_decode_max_batch=ms.fused_decode_max_batch)
         del tensors
         self.block_size = es.block_size
         self.block_bytes = block_bytes(self.model, es.block_size)

@@ -22,7 +22,7 @@ from types import ModuleType
 import torch
 import torch.nn.functional as F
 
-from . import quant
+from . import fused, quant
 from .weights import ModelConfig, ModelLoadError
 
 
@@ -93,6 +93,11 @@ class LlamaModel:
         dense_above: quantized weights also keep a dense copy for steps of more than this
             many tokens; None keeps none.
 
+    `fused_decode_max_batch` > 0 also builds the fused CPU decode step
+    (kernels/cpu_fused_decode.py: every layer and the LM head over the GGUF's own Q4/Q8
+    blocks, one Numba call each) where it applies (`fused_decode_reason` says why not):
+    decode steps of up to that many sequences then run it, in place of the per-op path.
+
     `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
     forward pass then runs those layers over a kv_cache holding only them, the embedding
     exists only when the range starts at layer 0 (or serves a tied LM head) and the final
@@ -102,7 +107,7 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, ops: ModuleType, max_positions: int,
                  weight_format: str = "dequantized", dense_above: int | None = None,
-                 layers: range | None = None):
+                 layers: range | None = None, fused_decode_max_batch: int = 0):
         self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
 
@@ -145,6 +150,14 @@ class LlamaModel:
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.fused = None  # kernels.cpu_fused_decode.FusedWeights, when the fused step applies
+        self.fused_decode_max_batch = fused_decode_max_batch
+        self.fused_decode_reason = "off (model.fused_decode_max_batch = 0)"
+        if fused_decode_max_batch > 0:
+            self.fused_decode_reason = fused.why_not(cfg, tensors, weight_format, dtype, device, ops,
+                                                     layers is not None)
+            if self.fused_decode_reason is None:
+                self.fused = fused.build(cfg, tensors, self.freqs_cis)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
@@ -178,11 +191,15 @@ class LlamaModel:
             kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], self.dtype.
             after_layer: called with the layer index as soon as that layer's K/V of this
                 step is in the pages (before its attention), for layer-wise KV export.
-        Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype.
+        Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype
+            (fp32 from the fused decode step, which `logits` recognises).
         """
         cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
+        if (self.fused is not None and nd == T <= self.fused_decode_max_batch and after_layer is None
+                and not input_ids.is_floating_point()):
+            return fused.decode(self, input_ids, positions, meta, kv_cache)
         h = input_ids if input_ids.is_floating_point() else self._embed(input_ids)
         rot = self.freqs_cis[positions].unsqueeze(1)  # once per step, not per layer
         for i, layer in enumerate(self.layers):
@@ -218,5 +235,8 @@ class LlamaModel:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab].
+        fp32 hidden states of a bf16 model come from the fused decode step: its head runs."""
+        if self.fused is not None and hidden.dtype == torch.float32 and self.dtype != torch.float32:
+            return fused.logits(self, hidden)
         return self.lm_head(self._rms_norm(hidden, self.norm)).float()
