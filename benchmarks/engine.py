@@ -24,7 +24,9 @@ Cases (issue 2):
      token) on the same prompt: ttft_cold_vs_transformers (issue 15: target <= 1.0). The
      row also holds the engine steps the cold prompt took (`prefill_steps`: 1 when the
      idle budget, engine.idle_prefill_tokens, covers it) and the same comparison at the
-     other `ttft_cold_lengths` (default 500 and 2,000 tokens), interleaved in the same reps.
+     other `ttft_cold_lengths` (default 500 and 2,000 tokens), interleaved in the same reps,
+     and `paired_ratio_median`, the median of the reps' own ours / baseline (the two sides
+     of a rep run back to back, so it follows load swings less than the ratio of medians).
   4. constrained_batch1, constrained_batch32 (issue 20, engine_structured.py): decode
      under a JSON schema against the same decode unconstrained, ours on both sides.
      Target: constrained / unconstrained >= 0.9.
@@ -398,11 +400,14 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         row("ttft_cold_vs_transformers", "s", med(c3["cold"]), med(c3["hf"]),
             "transformers generate of 1 token (no prefix cache)", "<= 1.0",
             "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt,
+            paired_ratio_median=round(med([o / h for o, h in zip(c3["cold"], c3["hf"])]), 3),
             prefill_steps=max(c3["cold_steps"]),
             max_num_batched_tokens=settings.engine.max_num_batched_tokens,
             idle_prefill_tokens=settings.engine.idle_prefill_tokens,
             by_prompt_tokens={str(n): {"ours": round(med(v["ours"]), 4), "baseline": round(med(v["hf"]), 4),
-                                       "ratio": round(med(v["ours"]) / med(v["hf"]), 3)}
+                                       "ratio": round(med(v["ours"]) / med(v["hf"]), 3),
+                                       "paired_ratio_median": round(med([o / h for o, h in zip(
+                                           v["ours"], v["hf"])]), 3)}
                               for n, v in c3_more.items()}),
         row("decode_step_long_context", "s", med(c6["long"]), med(c6["short"]),
             f"ours, the same {step_batch} requests with {step_short}-token prompts", "<= 2.0",
