@@ -436,6 +436,10 @@ def run(dtype: str = "float32", reps: int = 3, decode_tokens: int = 64, concurre
         "cpu_count": os.cpu_count(), "wall_s": round(time.perf_counter() - t_start, 1),
         "results": results,
         "weight_format": settings.model.weight_format,
+        # decode steps of up to this many sequences run the fused step (kernels/cpu_fused_decode.py);
+        # fused_decode says why not when it is off for this model / machine
+        "fused_decode_max_batch": engine.model.fused_decode_max_batch if engine.model.fused is not None else 0,
+        "fused_decode": engine.model.fused_decode_reason or "on",
         "llamacpp": llm is not None,
         "samples": {"decode_batch1": c1, f"concurrent_{concurrent}": c2, "ttft": c3,
                     "ttft_cold_by_prompt_tokens": {str(n): v for n, v in c3_more.items()},

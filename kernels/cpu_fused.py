@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from . import reference
 from .cpu_decode import _flat, _np
 
-__all__ = ["rms_norm", "write_kv"]
+__all__ = ["rms_norm", "rotary_", "write_kv"]
 
 _JIT = {"cache": True, "fastmath": True, "nogil": True, "boundscheck": False}
 
@@ -100,11 +100,48 @@ _RMS = {torch.bfloat16: _make_rms(True), torch.float32: _make_rms(False)}
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """F.rms_norm(x, (hidden,), weight, eps) for x [T, hidden], computed in fp32 like torch's
-    (x * rsqrt(mean(x^2) + eps) * weight, one rounding to x's dtype). Other shapes/dtypes,
-    or T above 64 (torch's vectorized ops win there), use F.rms_norm."""
+    (x * rsqrt(mean(x^2) + eps) * weight, one rounding to x's dtype). Other shapes/dtypes
+    use F.rms_norm. At every T: bf16 [T, 576], one thread, F.rms_norm against this kernel
+    (medians of 31): T = 128 57 vs 21 us, 512 394 vs 69 us, 1,000 2,224 vs 130 us (the
+    prefill's norms were 120 ms of a 950 ms 1,000-token prefill); equal bf16 outputs."""
     kern = _RMS.get(x.dtype)
-    if kern is None or x.dim() != 2 or weight.dtype != x.dtype or x.shape[0] > 64 or x.stride(-1) != 1:
+    if kern is None or x.dim() != 2 or weight.dtype != x.dtype or x.stride(-1) != 1:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     out = torch.empty(x.shape, dtype=x.dtype)
     kern(_np(x.detach()), _np(weight), np.float32(eps), _np(out))
     return out
+
+
+@numba.njit(cache=True, nogil=True, boundscheck=False)  # no fastmath: no FMA contraction, torch's rounding
+def _rotary_bf16(qk, cos, sin, pos):  # pragma: no cover - compiled
+    T, H, D = qk.shape
+    half = D // 2
+    f = np.empty(D, np.float32)
+    u = f.view(np.uint32)
+    for t in range(T):
+        c, s = cos[pos[t]], sin[pos[t]]
+        for h in range(H):
+            row = qk[t, h]
+            for i in range(D):
+                u[i] = np.uint32(row[i]) << np.uint32(16)
+            for j in range(half):
+                x0, x1 = f[2 * j], f[2 * j + 1]
+                f[2 * j] = x0 * c[j] - x1 * s[j]
+                f[2 * j + 1] = x0 * s[j] + x1 * c[j]
+            for i in range(D):  # round to nearest even, as torch's fp32 -> bf16 cast
+                b = u[i]
+                row[i] = np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+
+
+def rotary_(qk: torch.Tensor, cos: np.ndarray, sin: np.ndarray, positions: torch.Tensor) -> bool:
+    """Rotates qk in place (rotary embedding of interleaved pairs, fp32 arithmetic, one
+    rounding back: bitwise the model's complex multiply) and returns True; returns False
+    (nothing done) for anything but a bf16 CPU qk with a unit head_dim stride.
+
+    Args: qk: bf16 [T, heads, head_dim] (may be a strided view of the QKV output);
+        cos, sin: fp32 [max_positions, head_dim / 2]; positions: int64 [T].
+    Measured: 0.55 vs 0.84 ms a layer at T = 1,000 (one thread)."""
+    if qk.dtype != torch.bfloat16 or qk.device.type != "cpu" or qk.stride(-1) != 1 or qk.dim() != 3:
+        return False
+    _rotary_bf16(_np(qk.detach()), cos, sin, positions.numpy())
+    return True

@@ -13,12 +13,12 @@ from __future__ import annotations
 import torch
 
 from . import cpu_decode
-from .cpu_fused import rms_norm, write_kv
+from .cpu_fused import rms_norm, rotary_, write_kv
 from .reference import gather_blocks, paged_prefill_attention, scatter_blocks
 from .reference import paged_decode_attention as _reference_decode
 
 __all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "scatter_blocks", "write_kv"]
+           "rotary_", "scatter_blocks", "write_kv"]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

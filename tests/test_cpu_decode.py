@@ -57,3 +57,28 @@ def test_cpu_fused_write_kv_and_rms_norm_match_torch(dtype):
     got, ref = cpu_fused.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
     assert got.dtype == dtype
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+def test_cpu_fused_rms_norm_at_prefill_sizes_and_rotary_match_torch():
+    """The Numba norm at a prefill's T (no small-T cutoff): bf16 outputs within one bf16
+    rounding of torch's (the fp32 sum of squares is reassociated), nearly all equal; the
+    in-place rotary: bitwise torch's (the model's complex multiply, one rounding)."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(1000, 576, generator=g) * 3).to(torch.bfloat16)
+    w = torch.randn(576, generator=g).to(torch.bfloat16)
+    got, ref = cpu_fused.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (576,), w, 1e-5)
+    assert (got == ref).float().mean() > 0.999
+    torch.testing.assert_close(got, ref, atol=0, rtol=2 ** -7)
+    qkv = torch.randn(300, 960, generator=g).to(torch.bfloat16)
+    qk = qkv[:, :768].view(300, 12, 64)  # q and k heads: a strided view, as the model passes it
+    positions = torch.randint(0, 4096, (300,), generator=g)
+    angles = torch.outer(torch.arange(4096, dtype=torch.float32), torch.rand(32, generator=g))
+    freqs = torch.polar(torch.ones_like(angles), angles)
+    rot = freqs[positions].unsqueeze(1)
+    want = torch.view_as_real(torch.view_as_complex(qk.float().reshape(300, 12, 32, 2)) * rot)
+    want = want.reshape(300, 12, 64).to(torch.bfloat16)
+    before = qkv.clone()
+    assert cpu_fused.rotary_(qk, freqs.real.numpy().copy(), freqs.imag.numpy().copy(), positions)
+    assert torch.equal(qk, want) and not torch.equal(qk, before[:, :768].view(300, 12, 64))
+    assert torch.equal(qkv[:, 768:], before[:, 768:])  # v untouched
+    assert not cpu_fused.rotary_(qk.float(), freqs.real.numpy(), freqs.imag.numpy(), positions)

@@ -147,6 +147,9 @@ class LlamaModel:
         inv = rope_inv_freq(cfg, quant.dense(rope_freqs) if rope_freqs is not None else None)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv)
         self.freqs_cis = torch.polar(torch.ones_like(angles), angles).to(device)  # complex64 [P, hd/2]
+        # the same table as fp32 cos / sin [P, hd/2] for an ops module's in-place rotary
+        self._rope_cos = self.freqs_cis.real.cpu().numpy().copy()
+        self._rope_sin = self.freqs_cis.imag.cpu().numpy().copy()
         self.scale = cfg.head_dim ** -0.5
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
@@ -170,9 +173,14 @@ class LlamaModel:
             return fused(x, weight, self.cfg.rms_norm_eps)
         return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
 
-    def _rotary(self, qk: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    def _rotary(self, qk: torch.Tensor, rot: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """qk: [T, heads, head_dim] interleaved pairs, rot: complex64 [T, 1, head_dim / 2]
-        (freqs_cis at the tokens' positions) -> rotated copy, qk's dtype."""
+        (freqs_cis at the tokens' positions), positions: int64 [T] -> rotated, qk's dtype:
+        in place by the ops module's `rotary_` where it handles qk (bf16 on the CPU,
+        bitwise the same), else a rotated copy."""
+        fused = getattr(self.ops, "rotary_", None)
+        if fused is not None and fused(qk, self._rope_cos, self._rope_sin, positions):
+            return qk
         t, h, d = qk.shape
         x = torch.view_as_complex(qk.float().reshape(t, h, d // 2, 2))
         x = x * rot
@@ -206,7 +214,7 @@ class LlamaModel:
             x = self._rms_norm(h, layer["attn_norm"])
             qkv = layer["wqkv"](x)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
-            qk = self._rotary(qk, rot)
+            qk = self._rotary(qk, rot, positions)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, self.q_size + self.kv_size:].view(T, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_cache[:, i, 0], kv_cache[:, i, 1]
