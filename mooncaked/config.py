@@ -93,7 +93,7 @@ class ModelSettings:
                                        "kept beside them, where a dense bf16 matmul is faster. 0 "
                                        "keeps no dense copy (every step quantized, least memory).",
                                     min=0)
-    fused_decode_max_batch: int = opt(4, "CPU decode steps of up to this many sequences run the "
+    fused_decode_max_batch: int = opt(8, "CPU decode steps of up to this many sequences run the "
                                          "fused decode step (every layer and the LM head in one "
                                          "Numba call each, over the GGUF's own Q4_0/Q4_1/Q8_0 "
                                          "blocks with int8 activations, as llama.cpp; needs "
