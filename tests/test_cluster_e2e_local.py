@@ -436,7 +436,9 @@ def test_hot_prefix_is_replicated_onto_the_cache_node(env):
         assert code == 200, body
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == reusable(n)
     # the cache node fetches every full block of the prefix from p1's store, once; its store
-    # events reach the index
+    # events reach the index. p1 may be a restarted process (the drain and leader-kill tests
+    # restart it at the same control address, on a new transfer engine): c1 must read from
+    # the new one, not the data port it learnt before
     rep = before["replication"]
 
     def replicated() -> dict | None:
@@ -447,7 +449,16 @@ def test_hot_prefix_is_replicated_onto_the_cache_node(env):
                 == before["nodes"]["c1"]["indexed_blocks"] + full)
         return st if done else None
 
-    st = wait_until(replicated, 20, "the prefix replicated onto c1 and indexed")
+    def rep_state() -> dict:
+        st = conductor(cluster)
+        return {"before": {"replication": rep, **{n: before["nodes"][n]["indexed_blocks"]
+                                                    for n in NODES}},
+                "now": {"replication": st["replication"],
+                        **{n: st["nodes"][n]["indexed_blocks"] for n in NODES}},
+                "full": full, "leader": leader(cluster),
+                "c1_dram": (c1_blocks, status(cluster, "c1")["store"]["dram_blocks"])}
+
+    st = wait_until(replicated, 20, "the prefix replicated onto c1 and indexed", rep_state)
     assert st["replication"]["failed"] == rep["failed"]
     assert st["replication"]["started"] == rep["started"] + 1
     assert status(cluster, "c1")["store"]["dram_blocks"] - c1_blocks == full

@@ -68,6 +68,41 @@ def test_two_nodes_put_get_fetch_copy_move():
     run(main())
 
 
+def test_peer_restarted_at_the_same_address_is_described_again():
+    """A holder that restarts at the same control address keeps its segment name but gets a
+    new transfer engine (data port, access key): the reader that learnt the old descriptor
+    sees the new instance in the locate answer and describes the holder again, so reads and
+    fetches (the conductor's hot-block replication onto a cache node) still succeed."""
+    async def main():
+        a = await start_node("a", BLOCK, dram(8))
+        b = await start_node("b", BLOCK, dram(8))
+        a2 = None
+        try:
+            ks, data = fill_keys(4, 5), fill_blocks(4, 5, BLOCK)
+            await a.store.put_many(ks[:2], data[:2])
+            res = await b.node.fetch(a.address, ks[:1])          # b learns a's descriptor
+            assert [r.status for r in res] == [PutStatus.STORED]
+            port, old_instance = int(a.address.rsplit(":", 1)[1]), a.engine.instance
+            addr = a.address
+            await a.close()
+            a = None
+            a2 = await start_node("a", BLOCK, dram(8), control_port=port)
+            assert a2.address == addr and a2.engine.instance != old_instance
+            await a2.store.put_many(ks[2:], data[2:])
+            res = await b.node.fetch(a2.address, ks[2:3])
+            assert [r.status for r in res] == [PutStatus.STORED], res
+            assert await b.store.get(ks[2]) == data[2].tobytes()
+            dst = np.zeros(BLOCK, np.uint8)
+            assert await b.node.get_many(a2.address, ks[3:], [dst]) == [True]
+            assert dst.tobytes() == data[3].tobytes()
+            assert not any(a2.store.is_pinned(k) for k in ks[2:])   # leases released
+        finally:
+            for n in (a, a2, b):
+                if n is not None:
+                    await n.close()
+    run(main())
+
+
 def test_remote_read_after_lease_expiry_is_discarded(tmp_path):
     async def main():
         a = await start_node("a", BLOCK, dram(4))

@@ -145,8 +145,10 @@ class HotBlockReplicator:
                                        timeout_s=timeout)
             ok = sum(1 for x in r["results"] if x.get("status") == "stored")
             self.replicated["blocks"] += ok
+            why = next((x.get("reason") for x in r["results"] if x.get("status") == "failed"),
+                       None)
             log.info("hot_blocks_replicated", source=src.node_id, target=dst.node_id,
-                     blocks=len(keys), stored=ok)
+                     blocks=len(keys), stored=ok, **({"first_failure": why} if why else {}))
         except Exception as e:  # noqa: BLE001 - a replica is an optimisation; log and go on
             self.replicated["failed"] += 1
             log.warning("hot_blocks_replication_failed", source=src.node_id,

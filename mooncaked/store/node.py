@@ -68,9 +68,10 @@ class RunningNode:
 
 async def start_node(node_id: str, block_bytes: int, store_settings: StoreSettings,
                      ssd_dir: str | None = None, host: str = "127.0.0.1",
-                     transfer: TransferSettings | None = None) -> RunningNode:
-    """Starts a store node; the control server on `host`, port chosen by the OS, and the
-    transfer engine from `transfer` (default: TCP on `host`, OS-chosen port).
+                     transfer: TransferSettings | None = None,
+                     control_port: int = 0) -> RunningNode:
+    """Starts a store node; the control server on `host`, port `control_port` (0: chosen by
+    the OS), and the transfer engine from `transfer` (default: TCP on `host`, OS-chosen port).
     Raises: OSError if a port cannot be bound; what BlockStore/TransferEngine raise."""
     store = await BlockStore(block_bytes, store_settings, node_id=node_id, ssd_dir=ssd_dir).start()
     engine = TransferEngine(transfer or TransferSettings(host=host, port=0, backend="tcp"),
@@ -81,7 +82,7 @@ async def start_node(node_id: str, block_bytes: int, store_settings: StoreSettin
     node = StoreNode(store, engine, client)
     node.start()
     node.add_handlers(server)
-    h, p = await server.start(host, 0)
+    h, p = await server.start(host, control_port)
     node.address = f"{h}:{p}"
     return RunningNode(store, engine, server, client, node)
 

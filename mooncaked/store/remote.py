@@ -10,7 +10,10 @@ control RPC (`ControlServer` / `ControlClient`, JSON; keys as hex strings).
 Reading blocks held by node H (what a prefill node does on a remote prefix hit):
   1. `store.locate` on H: H brings the blocks into DRAM if they are on SSD,
      leases them (pinned, so their slots are not reused) and answers
-     (segment, offset, length) per key and the lease id;
+     (segment, offset, length) per key, the lease id and its transfer engine's
+     instance; the reader learns H's segment descriptor once (`store.describe`) and
+     again when a locate names another segment or instance (H restarted at the same
+     control address: a new data port and access key);
   2. the reader READs them through the transfer engine, in one batch, directly
      into its destination (engine pages, or slots of its own pool);
   3. `store.release` on H: if the lease had expired first, the bytes read may
@@ -85,7 +88,9 @@ class StoreNode:
         self.control = control
         self.address = address
         self.descriptor: dict | None = None
-        self._peers: dict[str, tuple[str, int]] = {}  # addr -> (segment, block_bytes)
+        # addr -> (segment, block_bytes, instance): the instance changes on every start of
+        # the peer's transfer engine (its data port and access key with it)
+        self._peers: dict[str, tuple[str, int, str]] = {}
         self.remote_reads_discarded = 0  # READs thrown away because their lease expired
 
     def start(self) -> dict:
@@ -125,6 +130,7 @@ class StoreNode:
         locs, lease = await self.store.locate_many(keys, None if ttl is None else float(ttl))
         self.store.metrics.served += sum(loc is not None for loc in locs)
         return {"lease": lease.id, "segment": self.store.dram.segment,
+                "instance": self.start()["instance"],
                 "locations": [None if loc is None else [loc.offset + a, b - a] for loc in locs]}
 
     def _range(self, span: Any) -> tuple[int, int]:
@@ -178,15 +184,20 @@ class StoreNode:
         """The DRAM segment of the node at `addr`, learnt once (store.describe). With
         `same_blocks`, raises ValueError when its blocks differ in size from this node's
         (a ranged read takes part of a block of any size)."""
+        return (await self._peer_of(addr, same_blocks))[0]
+
+    async def _peer_of(self, addr: str, same_blocks: bool = True) -> tuple[str, int, str]:
+        """(segment, block_bytes, transfer-engine instance) of the node at `addr`, learnt
+        once (store.describe); raises as `_segment_of`."""
         known = self._peers.get(addr)
         if known is None:
             d = await self.control.call(addr, PREFIX + "describe")
             name = self.engine.add_peer_segment(d["segment"])
-            known = self._peers[addr] = (name, d["block_bytes"])
+            known = self._peers[addr] = (name, d["block_bytes"], d["segment"]["instance"])
         if same_blocks and known[1] != self.store.block_bytes:
             raise ValueError(f"peer {addr} stores blocks of {known[1]} bytes, "
                              f"this node {self.store.block_bytes}")
-        return known[0]
+        return known
 
     async def query(self, addr: str, keys: Sequence[bytes]) -> tuple[list[str | None], int]:
         """Which tier of node `addr` holds each key, and its longest held prefix of `keys`."""
@@ -198,16 +209,25 @@ class StoreNode:
         """Steps 1-3 of the module doc: per key "" if `views[i]` now holds block keys[i]
         (with `span`, bytes [start, stop) of it), else the reason. Never returns bytes read
         under an expired lease."""
-        segment = await self._segment_of(addr, span is None)
+        segment, _, seen = await self._peer_of(addr, span is None)
         payload: dict = {"keys": hex_keys(keys)}
         if ttl_s is not None:
             payload["ttl_s"] = ttl_s
         if span is not None:
             payload["range"] = list(span)
         loc = await self.control.call(addr, PREFIX + "locate", payload)
-        if loc["segment"] != segment:  # the peer restarted under another segment name
-            self._peers.pop(addr, None)
-            segment = await self._segment_of(addr, span is None)
+        instance = loc.get("instance", seen)     # absent from an older peer: the name decides
+        if loc["segment"] != segment or instance != seen:
+            # the peer restarted since it was described (at the same control address): under
+            # another segment name, or the same name on a new transfer engine, whose data
+            # port and access key the learnt descriptor does not have. Describe it again.
+            if self._peers.get(addr, (None, 0, None))[2] == seen:
+                self._peers.pop(addr, None)      # (unless a concurrent read did already)
+            segment, _, seen = await self._peer_of(addr, span is None)
+            if loc["segment"] != segment or instance != seen:
+                # restarted again between the locate and the describe: the lease was the
+                # old process's, so read nothing (and release nothing: the id is not ours)
+                return [f"{addr} restarted during the read"] * len(keys)
         reasons = ["not held by " + addr] * len(keys)
         reqs, idx = [], []
         for i, (where, view) in enumerate(zip(loc["locations"], views)):
