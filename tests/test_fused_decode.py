@@ -138,3 +138,17 @@ def test_a_fused_batch_equals_its_sequences_alone(models):
     assert torch.equal(together, alone)
     assert torch.equal(kv, alone_kv)
     assert not torch.equal(alone[0], alone[1])  # different sequences, different logits
+
+
+def test_small_batches_get_fp32_logits_from_the_files_head(models):
+    """A prefill's first token (bf16 hidden states, few rows) takes the fused head too:
+    fp32 logits, not bf16-rounded ones (where near ties became exact ties)."""
+    ref, model, _, _ = models
+    h = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    got = model.logits(h)
+    assert got.dtype == torch.float32 and got.shape == (2, model.cfg.vocab_size)
+    assert (got.to(torch.bfloat16).float() != got).float().mean() > 0.9  # not on the bf16 grid
+    want = ref.logits(h.float())  # the dequantized fp32 head
+    assert (got - want).abs().max() < 0.5  # only the int8 activations' rounding apart
+    big = torch.randn(model.fused_decode_max_batch + 1, model.cfg.hidden_size).to(torch.bfloat16)
+    assert (model.logits(big).to(torch.bfloat16).float() == model.logits(big)).all()  # the per-op head

@@ -244,7 +244,14 @@ class LlamaModel:
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab].
-        fp32 hidden states of a bf16 model come from the fused decode step: its head runs."""
-        if self.fused is not None and hidden.dtype == torch.float32 and self.dtype != torch.float32:
-            return fused.logits(self, hidden)
+
+        With the fused step built, up to fused_decode_max_batch rows (every decode step it
+        runs, and the first token of prefills) take its head: fp32 norm and logits over the
+        file's own Q8_0/Q4 head. The per-op head rounds logits to bf16 (steps of 1/8 at a
+        logit of 20), which made near ties exact, and which of two tied tokens won then
+        depended on the path: a cached prefix (a 1-token int4 step) answered a chat
+        prompt differently from a cold prefill of the same prompt."""
+        if self.fused is not None and (hidden.dtype == torch.float32 and self.dtype != torch.float32
+                                       or hidden.shape[0] <= self.fused_decode_max_batch):
+            return fused.logits(self, hidden.float())
         return self.lm_head(self._rms_norm(hidden, self.norm)).float()
