@@ -152,3 +152,38 @@ def test_small_batches_get_fp32_logits_from_the_files_head(models):
     assert (got - want).abs().max() < 0.5  # only the int8 activations' rounding apart
     big = torch.randn(model.fused_decode_max_batch + 1, model.cfg.hidden_size).to(torch.bfloat16)
     assert (model.logits(big).to(torch.bfloat16).float() == model.logits(big)).all()  # the per-op head
+
+
+def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
+    """A mixed step (decodes + prefill chunks) runs its decodes through the fused step
+    too: the decode's logits and K/V equal those of a decode-only step (batch invariance)."""
+    _, model, _, tok = models
+    cfg, bs = model.cfg, 16
+    a, b = (tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:2])
+    kv = torch.zeros(16, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    ta = torch.arange(0, 8, dtype=torch.int32)[None]
+    tb = torch.arange(8, 16, dtype=torch.int32)[None]
+
+    def slots(table, ps):
+        return [int(table[0, p // bs]) * bs + p % bs for p in ps]
+
+    n = len(a)
+    model.forward(torch.tensor(a), torch.arange(n), AttentionMetadata(
+        torch.tensor(slots(ta, range(n))), 0, prefill_block_tables=ta,
+        prefill_cu_seqlens_q=torch.tensor([0, n], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([n], dtype=torch.int32)), kv)
+    dec = dict(decode_block_tables=ta, decode_context_lens=torch.tensor([n + 1], dtype=torch.int32))
+    alone_kv = kv.clone()
+    alone = model.logits(model.forward(torch.tensor([7]), torch.tensor([n]), AttentionMetadata(
+        torch.tensor(slots(ta, [n])), 1, **dec), alone_kv))
+    m = len(b)  # the same decode, beside b's whole prompt as a prefill chunk
+    width = max(ta.shape[1], tb.shape[1])
+    hidden = model.forward(torch.tensor([7] + b), torch.tensor([n, *range(m)]), AttentionMetadata(
+        torch.tensor(slots(ta, [n]) + slots(tb, range(m))), 1, **dec,
+        prefill_block_tables=torch.nn.functional.pad(tb, (0, width - tb.shape[1])),
+        prefill_cu_seqlens_q=torch.tensor([0, m], dtype=torch.int32),
+        prefill_context_lens=torch.tensor([m], dtype=torch.int32)), kv)
+    mixed = model.logits(hidden[[0, m]])
+    assert torch.equal(mixed[:1], alone)
+    assert torch.equal(kv[:8], alone_kv[:8])  # a's pages: the same K/V
+    assert kv[8:].abs().sum() > 0 and not torch.equal(mixed[1], mixed[0])  # b's chunk ran

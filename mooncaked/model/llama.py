@@ -200,14 +200,26 @@ class LlamaModel:
             after_layer: called with the layer index as soon as that layer's K/V of this
                 step is in the pages (before its attention), for layer-wise KV export.
         Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype
-            (fp32 from the fused decode step, which `logits` recognises).
+            (fp32 when the fused decode step ran the step's decodes, which `logits` recognises).
         """
         cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
-        if (self.fused is not None and nd == T <= self.fused_decode_max_batch and after_layer is None
+        if (self.fused is not None and 0 < nd <= self.fused_decode_max_batch and after_layer is None
                 and not input_ids.is_floating_point()):
-            return fused.decode(self, input_ids, positions, meta, kv_cache)
+            if nd == T:
+                return fused.decode(self, input_ids, positions, meta, kv_cache)
+            # A step of decodes and prefill chunks: the decodes still take the fused step,
+            # so a decode token gets the same numerics whatever else shares its step (batch
+            # invariance); the chunks run the per-op path. fp32 [T, hidden] either way.
+            dmeta = AttentionMetadata(meta.slot_mapping[:nd], nd, decode_block_tables=meta.decode_block_tables,
+                                      decode_context_lens=meta.decode_context_lens)
+            pmeta = AttentionMetadata(meta.slot_mapping[nd:], 0, prefill_block_tables=meta.prefill_block_tables,
+                                      prefill_cu_seqlens_q=meta.prefill_cu_seqlens_q,
+                                      prefill_context_lens=meta.prefill_context_lens)
+            head = fused.decode(self, input_ids[:nd], positions[:nd], dmeta, kv_cache)
+            rest = self.forward(input_ids[nd:], positions[nd:], pmeta, kv_cache)
+            return torch.cat([head, rest.float()])
         h = input_ids if input_ids.is_floating_point() else self._embed(input_ids)
         rot = self.freqs_cis[positions].unsqueeze(1)  # once per step, not per layer
         for i, layer in enumerate(self.layers):
@@ -253,5 +265,6 @@ class LlamaModel:
         prompt differently from a cold prefill of the same prompt."""
         if self.fused is not None and (hidden.dtype == torch.float32 and self.dtype != torch.float32
                                        or hidden.shape[0] <= self.fused_decode_max_batch):
+            # (fp32 rows come from a step the fused decode took part in: its head for all)
             return fused.logits(self, hidden.float())
         return self.lm_head(self._rms_norm(hidden, self.norm)).float()
