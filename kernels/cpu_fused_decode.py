@@ -57,10 +57,11 @@ class FusedWeights:
 
     @staticmethod
     def stack(layers: list[dict[str, cpu_gemv.GemvWeight]], attn_norm: list[np.ndarray],
-              mlp_norm: list[np.ndarray], freqs_cis: torch.Tensor, head: cpu_gemv.GemvWeight,
+              mlp_norm: list[np.ndarray], cos: np.ndarray, sin: np.ndarray, head: cpu_gemv.GemvWeight,
               norm: np.ndarray) -> FusedWeights:
         """From per-layer {"qkv", "o", "gate_up", "down"} GemvWeights (4-bit), the norms
-        (fp32 [hidden] each), freqs_cis (complex64 [P, head_dim / 2]) and the head.
+        (fp32 [hidden] each), the rotary cos / sin tables (fp32 [P, head_dim / 2], the
+        model's own, not copied) and the head.
         Raises: ValueError when a layer weight is not 4-bit."""
         def st(name):
             ws = [lay[name] for lay in layers]
@@ -73,8 +74,7 @@ class FusedWeights:
         return FusedWeights(st("qkv"), st("o"), st("gate_up"), st("down"),
                             np.ascontiguousarray(np.stack(attn_norm), np.float32),
                             np.ascontiguousarray(np.stack(mlp_norm), np.float32),
-                            np.ascontiguousarray(freqs_cis.real.numpy(), np.float32),
-                            np.ascontiguousarray(freqs_cis.imag.numpy(), np.float32),
+                            np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
                             head, np.ascontiguousarray(norm, np.float32))
 
     def nbytes(self) -> int:
@@ -150,7 +150,7 @@ def _make_step(D: int, G: int):
         for layer in range(L):
             # attention block
             _rms_norm(h, attn_norm[layer], eps, x)
-            _quant(x, xq_h, dx_h, xs_h)
+            _quant(x, xq_h, dx_h, xs_h, 0)
             cpu_gemv.gemv_q4(qkv_c[layer], qkv_d[layer], qkv_m[layer], xq_h, dx_h, xs_h, qkv)
             for t in range(T):  # rotary on q and k heads (interleaved pairs), fp32
                 c, s = cos[pos[t]], sin[pos[t]]
@@ -179,17 +179,17 @@ def _make_step(D: int, G: int):
             for t in range(T):
                 for i in range(q_size):
                     a_u[t, i] = np.uint32(ou[t, i]) << np.uint32(16)
-            _quant(a, xq_q, dx_q, xs_q)
+            _quant(a, xq_q, dx_q, xs_q, 0)
             cpu_gemv.gemv_q4(o_c[layer], o_d[layer], o_m[layer], xq_q, dx_q, xs_q, proj)
             for t in range(T):
                 for i in range(H):
                     h[t, i] += proj[t, i]
             # MLP block
             _rms_norm(h, mlp_norm[layer], eps, x)
-            _quant(x, xq_h, dx_h, xs_h)
+            _quant(x, xq_h, dx_h, xs_h, 0)
             cpu_gemv.gemv_q4(gu_c[layer], gu_d[layer], gu_m[layer], xq_h, dx_h, xs_h, gu)
             _silu_mul(gu, inter, e, bits, act)
-            _quant(act, xq_i, dx_i, xs_i)
+            _quant(act, xq_i, dx_i, xs_i, 0)
             cpu_gemv.gemv_q4(dn_c[layer], dn_d[layer], dn_m[layer], xq_i, dx_i, xs_i, proj)
             for t in range(T):
                 for i in range(H):
@@ -206,10 +206,10 @@ def _qbufs(t, k):  # pragma: no cover - compiled
 
 
 @numba.njit(inline="always", **_JIT)
-def _quant(x, xq, dx, xs):  # pragma: no cover - compiled
+def _quant(x, xq, dx, xs, offset):  # pragma: no cover - compiled
     """Quantizes each row of x fp32 [T, K] into xq, dx, xs (cpu_gemv.quantize)."""
     for t in range(x.shape[0]):
-        cpu_gemv._quantize_row(x[t], xq[t], dx[t], xs[t], 0)
+        cpu_gemv._quantize_row(x[t], xq[t], dx[t], xs[t], offset)
 
 
 _STEPS: dict[tuple[int, int], object] = {}
@@ -255,27 +255,24 @@ def decode_layers(w: FusedWeights, h: np.ndarray, positions: torch.Tensor, slot_
 
 
 @numba.njit(**_JIT)
-def _head4(h, norm, eps, codes, d, m, out):  # pragma: no cover - compiled
+def _head(h, norm, eps, codes, d, m, out, nibbles):  # pragma: no cover - compiled
+    """Final RMSNorm, int8 activations and the head's GEMV (4-bit or, nibbles False, Q8_0).
+    `nibbles` is a runtime flag here: a literal one would make every call from Python retry
+    its dispatch (measured: 8.5 instead of 117 tok/s)."""
     x = np.empty(h.shape, np.float32)
     _rms_norm(h, norm, eps, x)
     xq, dx, xs = _qbufs(h.shape[0], h.shape[1])
-    _quant(x, xq, dx, xs)
-    cpu_gemv.gemv_q4(codes, d, m, xq, dx, xs, out)
-
-
-@numba.njit(**_JIT)
-def _head8(h, norm, eps, codes, d, m, out):  # pragma: no cover - compiled
-    x = np.empty(h.shape, np.float32)
-    _rms_norm(h, norm, eps, x)
-    xq, dx, xs = _qbufs(h.shape[0], h.shape[1])
-    for t in range(h.shape[0]):
-        cpu_gemv._quantize_row(x[t], xq[t], dx[t], xs[t], 128)
-    cpu_gemv.gemv_q8(codes, d, m, xq, dx, xs, out)
+    if nibbles:
+        _quant(x, xq, dx, xs, 0)
+        cpu_gemv.gemv_q4(codes, d, m, xq, dx, xs, out)
+    else:
+        _quant(x, xq, dx, xs, 128)
+        cpu_gemv.gemv_q8(codes, d, m, xq, dx, xs, out)
 
 
 def head_logits(w: FusedWeights, h: np.ndarray, eps: float) -> torch.Tensor:
     """Final RMSNorm and LM head: h fp32 [T, hidden] -> fp32 logits [T, vocab] (a tensor)."""
     out = np.empty((h.shape[0], w.head.shape[0]), np.float32)
-    (_head4 if w.head.bits == 4 else _head8)(np.ascontiguousarray(h, np.float32), w.norm, np.float32(eps),
-                                              w.head.codes, w.head.d, w.head.m, out)
+    _head(np.ascontiguousarray(h, np.float32), w.norm, np.float32(eps), w.head.codes, w.head.d, w.head.m,
+          out, w.head.bits == 4)
     return torch.from_numpy(out)

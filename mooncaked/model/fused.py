@@ -59,8 +59,9 @@ def why_not(cfg: ModelConfig, tensors: dict, weight_format: str, dtype: torch.dt
     return None
 
 
-def build(cfg: ModelConfig, tensors: dict, freqs_cis: torch.Tensor):
-    """The model's cpu_fused_decode.FusedWeights (check `why_not` first)."""
+def build(cfg: ModelConfig, tensors: dict, rope_cos: np.ndarray, rope_sin: np.ndarray):
+    """The model's cpu_fused_decode.FusedWeights (check `why_not` first); rope_cos, rope_sin:
+    the model's rotary tables, fp32 [P, head_dim / 2]."""
     from mooncaked.kernels.cpu_fused_decode import FusedWeights  # noqa: PLC0415
     from mooncaked.kernels.cpu_gemv import GemvWeight  # noqa: PLC0415
     layers, attn_norm, mlp_norm = [], [], []
@@ -72,7 +73,7 @@ def build(cfg: ModelConfig, tensors: dict, freqs_cis: torch.Tensor):
         attn_norm.append(quant.dense(t["attn_norm"]).float().numpy())
         mlp_norm.append(quant.dense(t["mlp_norm"]).float().numpy())
     head = _gemv_weight(tensors.get("lm_head", tensors.get("embed")))
-    return FusedWeights.stack(layers, attn_norm, mlp_norm, freqs_cis.cpu(), head,
+    return FusedWeights.stack(layers, attn_norm, mlp_norm, rope_cos, rope_sin, head,
                               quant.dense(tensors["norm"]).float().numpy())
 
 

@@ -160,7 +160,7 @@ class LlamaModel:
             self.fused_decode_reason = fused.why_not(cfg, tensors, weight_format, dtype, device, ops,
                                                      layers is not None)
             if self.fused_decode_reason is None:
-                self.fused = fused.build(cfg, tensors, self.freqs_cis)
+                self.fused = fused.build(cfg, tensors, self._rope_cos, self._rope_sin)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
