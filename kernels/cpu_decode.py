@@ -1,4 +1,4 @@
-"""Paged decode attention for the CPU that reads the KV pages in place (Numba).
+"""Paged decode attention for the CPU that reads the KV pages in place (Numba + LLVM IR).
 
 The torch reference (`reference.paged_decode_attention`) gathers every running
 sequence's whole context out of the pages into a new fp32 tensor padded to the
@@ -8,24 +8,28 @@ sequence's block table and reads K and V where they lie, in the cache's dtype
 (bf16 is widened to fp32 in registers), so a step's attention costs what the
 KV it reads costs, and nothing scales with the longest sequence in the batch.
 
-Per sequence: the token rows' offsets in the pages are computed once from the
-block table (`_row_offsets`) and serve both passes; pass 1 reads each K row once
-for all the query heads that share it (GQA) and computes scores; softmax in fp32
-with an exp2 written out (`_exp2_inplace`) so that it vectorizes (Numba has no
-vector exp without Intel's SVML); pass 2 reads each V row once and accumulates.
+One pass per sequence, flash-decoding style (online softmax): the token rows'
+offsets in the pages are computed once from the block table (`_row_offsets`);
+then a tile of 16 tokens at a time, for each KV head and the G query heads that
+share it (GQA), `_attend_tile` scores the 16 K rows, rescales the running max,
+sum and output accumulator, and adds the 16 V rows. The tile is written as LLVM
+IR (an intrinsic): its 16 tokens' partial dot products are reduced together
+(`_combine`), 15 shuffle-and-add steps for 16 scores where a horizontal
+reduction per token and head cost 4 each (that reduction bounded the two-pass
+Numba kernel this replaced), and its accumulators stay in registers for the tile.
+Softmax is in fp32 with q pre-scaled by scale * log2 e and a polynomial exp2
+(`_exp2_vector`, the same as `_exp2_inplace`).
+
 Pages lie anywhere in memory, so the hardware prefetcher loses the stream at
-every page boundary: each pass prefetches the row one page ahead.
+every page boundary: each row of a tile prefetches the same row of the next tile,
+into L2 (prefetcht2). Prefetched into L1 instead, the next tile's 12 KiB evicted the
+current one's (32 KiB L1d here) and the kernel ran at a third of the memory's speed.
 
 The caches are passed as flat 1-D arrays of their whole storage plus element
-offsets and strides, and head_dim and the GQA group are compile-time constants,
-so LLVM sees unit-stride rows of known length and vectorizes and unrolls the
-inner loops. Rows are read through a slice: `kv[base + d]` with a signed base
-made Numba emit its negative-index wraparound per element, a scalar gather
-(the K pass alone ran 2.5x slower). Same signature and layout as the
-reference (see reference.py); numerics: fp32 accumulation, like the reference.
-A bf16 element is widened where it is used (`_bf16_to_f32`, a shift and a bitcast in
-registers) rather than through an fp32 row buffer in memory: about 0.85-0.95x the
-kernel time at 32 x 1,000 tokens (benchmarks/ figures in the commit).
+offsets and strides; head_dim (a multiple of 16) and the GQA group are
+compile-time constants. Same signature and layout as the reference (see
+reference.py); numerics: fp32 accumulation, like the reference, within 1e-5
+(fp32) or one bf16 rounding of the output (tests/test_cpu_decode.py).
 """
 
 from __future__ import annotations
@@ -62,27 +66,21 @@ def _prefetch(typingctx, arr, idx):
     return sig, codegen
 
 
-@intrinsic
-def _bf16_to_f32(typingctx, u):
-    """The float32 whose bits are the bf16 bits `u` (uint16) shifted up 16: a widen in
-    registers (a bitcast), not through a buffer in memory. A float32 passes through (so
-    `attend`'s bf16 branch also compiles for fp32 caches, where it is never taken)."""
-    sig = types.float32(u)
-
-    def codegen(context, builder, signature, args):
-        if isinstance(signature.args[0], types.Float):
-            return context.cast(builder, args[0], signature.args[0], types.float32)
-        w = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(w, ir.FloatType())
-
-    return sig, codegen
+def _data_ptr(context, builder, aryty, ary, offset, elt):
+    """An `elt` pointer to element `offset` of a Numba array value (in an intrinsic's codegen)."""
+    a = context.make_array(aryty)(context, builder, ary)
+    return builder.bitcast(builder.gep(a.data, [offset]), elt.as_pointer())
 
 
 @numba.njit(inline="always", **_JIT)
 def _row_offsets(tables, s, n, block_size, block_stride, token_stride, rows):  # pragma: no cover
-    """rows[t] = element offset of token t's row (head 0, dim 0) in the layer's cache."""
-    for t in range(n):
-        rows[t] = tables[s, t // block_size] * block_stride + (t % block_size) * token_stride
+    """rows[t] = element offset of token t's row (head 0, dim 0) in the layer's cache
+    (a page at a time: a division per token, by the runtime block_size, cost 20-40 cycles)."""
+    for b in range((n + block_size - 1) // block_size):
+        base = tables[s, b] * block_stride
+        t0 = b * block_size
+        for o in range(min(block_size, n - t0)):
+            rows[t0 + o] = base + o * token_stride
 
 
 @numba.njit(inline="always", **_JIT)
@@ -107,21 +105,176 @@ def _exp2_inplace(x, n, bits):  # pragma: no cover
         x[t] *= scale[t]
 
 
-@numba.njit(inline="always", **_JIT)
-def _load_row(kv, base, row, D):  # pragma: no cover - compiled
-    """An fp32 row of D elements (bf16 rows are widened in registers where they are used).
-    A slice, then range indices: `kv[base + d]` made Numba emit its negative-index
-    wraparound per element, which turned the row load into a scalar gather (2.5x slower)."""
-    src = kv[base:base + D]
-    for d in range(D):
-        row[d] = src[d]
+TILE = 16  # tokens scored at once: one AVX-512 vector of fp32 scores
+PREFETCH_TILES = 1  # how far ahead each row is prefetched
+_NEG = -1e30  # the running max before any token (finite: fastmath assumes no infinities)
 
 
-@numba.njit(inline="always", **_JIT)
-def _prefetch_token(kv, base, token_stride, line):  # pragma: no cover - compiled
-    """Prefetches one token's row of every KV head, `line` elements a cache line."""
-    for e in range(0, token_stride, line):
-        _prefetch(kv, base + e)
+def _splat(builder, value, vty):
+    """A vector of type vty with every lane `value`."""
+    v = builder.insert_element(ir.Constant(vty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+    return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count))
+
+
+def _exp2_vector(builder, x):
+    """2 ** x per lane of a <16 x float> for x <= 0: the polynomial of `_exp2_inplace`."""
+    v16 = x.type
+    module = builder.module
+    floor = cgutils.get_or_insert_function(module, ir.FunctionType(v16, [v16]), "llvm.floor.v16f32")
+    c = lambda value: ir.Constant(v16, [value] * 16)  # noqa: E731
+    y = builder.select(builder.fcmp_ordered("<", x, c(-126.0)), c(-126.0), x)
+    k = builder.call(floor, [builder.fadd(y, c(0.5))])
+    f = builder.fmul(builder.fsub(y, k), c(0.6931471805599453))  # e ** f with |f| <= ln2 / 2
+    p = c(1.0 / 5040.0)
+    for coef in (1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0):
+        p = builder.fadd(builder.fmul(p, f), c(coef))
+    i32v = ir.VectorType(ir.IntType(32), 16)
+    e = builder.shl(builder.add(builder.fptosi(k, i32v), ir.Constant(i32v, [127] * 16)),
+                    ir.Constant(i32v, [23] * 16))
+    return builder.fmul(p, builder.bitcast(e, v16))
+
+
+def _combine(builder, x, y, level):
+    """Halves the partial sums of two vectors of partial dot products into one.
+
+    At `level`, x and y each hold 2 ** level tokens' partial sums, 16 >> level lanes a
+    token, in token order; the result holds x's tokens then y's, half as many lanes each
+    (lane pairs summed). Four levels turn 16 vectors of 16 partial sums into 16 scores:
+    15 combines of two shuffles and an add, against 16 horizontal reductions of 4 steps."""
+    g, n = 16 >> level, 1 << level
+    half = g // 2
+    first = [i * g + e for i in range(n) for e in range(half)]
+    first += [16 + a for a in first]
+    second = [a + half for a in first]
+    i32 = ir.IntType(32)
+    a = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 16), first))
+    b = builder.shuffle_vector(x, y, ir.Constant(ir.VectorType(i32, 16), second))
+    return builder.fadd(a, b)
+
+
+@intrinsic
+def _attend_tile(typingctx, kf, vf, kbase, vbase, rows, t0, valid, pf0, pf_valid, qs, head0, m, l, acc,
+                 D, G):
+    """One tile of online-softmax decode attention for one KV head and its G query heads.
+
+    For the tokens t0 .. t0 + valid - 1 (valid in 1..16) of one sequence, whose rows start
+    at element rows[t] of the layer's flat K/V caches (kf, vf: uint16 bf16 bits or float32;
+    kbase, vbase: the KV head's element offset): scores s = qs[i] . k_t (qs: float32
+    [heads * D], q scaled by scale * log2 e, so s is in log2 units) for the query heads
+    i = head0 .. head0 + G - 1, then the running softmax state of those heads (m: float32
+    max, l: float32 sum of 2 ** (s - m), acc: float32 [heads * D], sum of 2 ** (s - m) v_t)
+    is rescaled to the new max and updated, flash-decoding style. D (a multiple of 16) and
+    G are compile-time literals.
+
+    Scores are computed 16 tokens at once: each token's D-long products leave a vector of
+    16 partial sums, and `_combine` reduces the 16 vectors together, which is what makes the
+    scores cheap (a horizontal reduction per token and head was the bound of the two-pass
+    kernel this replaced). Rows past `valid` read token t0's row and get weight 0."""
+    if not (isinstance(D, types.IntegerLiteral) and isinstance(G, types.IntegerLiteral)):
+        return None
+    n_chunks, group = D.literal_value // 16, G.literal_value
+    bf16 = kf.dtype == types.uint16
+    sig = types.void(kf, vf, kbase, vbase, rows, t0, valid, pf0, pf_valid, qs, head0, m, l, acc, D, G)
+
+    def codegen(context, builder, signature, args):
+        kf_, vf_, kb, vb, rows_, t0_, valid_, pf0_, pfv_, qs_, h0, m_, l_, acc_ = args[:14]
+        ty = signature.args[:7] + signature.args[9:]
+        i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
+        v16 = ir.VectorType(f32, 16)
+        elt = ir.IntType(16) if bf16 else f32
+        velt = ir.VectorType(elt, 16)
+        kb, vb, t0_, valid_, h0 = (context.cast(builder, a, t, types.int64)
+                                   for a, t in ((kb, ty[2]), (vb, ty[3]), (t0_, ty[5]), (valid_, ty[6]),
+                                                (h0, ty[8])))
+        pf0_, pfv_ = (context.cast(builder, a, t, types.int64)
+                      for a, t in ((pf0_, signature.args[7]), (pfv_, signature.args[8])))
+        i8p = ir.IntType(8).as_pointer()
+        prefetch = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
+        row_bytes = 16 * n_chunks * (2 if bf16 else 4)
+        zero = i64(0)
+        kp = _data_ptr(context, builder, ty[0], kf_, zero, elt)
+        vp = _data_ptr(context, builder, ty[1], vf_, zero, elt)
+        rp = _data_ptr(context, builder, ty[4], rows_, zero, i64)
+        qp = _data_ptr(context, builder, ty[7], qs_, builder.mul(h0, i64(16 * n_chunks)), f32)
+        mp = _data_ptr(context, builder, ty[9], m_, h0, f32)
+        lp = _data_ptr(context, builder, ty[10], l_, h0, f32)
+        ap = _data_ptr(context, builder, ty[11], acc_, builder.mul(h0, i64(16 * n_chunks)), f32)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
+        rmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [v16]),
+                                              "llvm.vector.reduce.fmax.v16f32")
+        radd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, v16]),
+                                              "llvm.vector.reduce.fadd.v16f32")
+
+        def vec_at(ptr, offset, vty, align):
+            return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vty.as_pointer()), align=align)
+
+        def row_chunks(ptr, base, t):
+            """Token t's row (D elements) as fp32 vectors: bf16 widened by a shift. Also
+            prefetches the same row of token t of the tile at pf0 (pages lie anywhere, so
+            the hardware prefetcher loses the stream at every page boundary)."""
+            ahead = builder.select(builder.icmp_signed("<", i64(t), pfv_), builder.add(pf0_, i64(t)), t0_)
+            at = builder.gep(ptr, [builder.add(base, builder.load(builder.gep(rp, [ahead])))])
+            for line in range(0, row_bytes, 64):  # read, locality 1 (L2: see the module doc), data
+                builder.call(prefetch, [builder.gep(builder.bitcast(at, i8p), [i64(line)]), i32(0), i32(1), i32(1)])
+            idx = builder.select(builder.icmp_signed("<", i64(t), valid_), builder.add(t0_, i64(t)), t0_)
+            start = builder.add(base, builder.load(builder.gep(rp, [idx])))
+            out = []
+            for c in range(n_chunks):
+                raw = vec_at(ptr, builder.add(start, i64(16 * c)), velt, 2 if bf16 else 4)
+                if bf16:
+                    w = builder.shl(builder.zext(raw, ir.VectorType(i32, 16)), ir.Constant(ir.VectorType(i32, 16), [16] * 16))
+                    raw = builder.bitcast(w, v16)
+                out.append(raw)
+            return out
+
+        q = [[vec_at(qp, i64(16 * (j * n_chunks + c)), v16, 4) for c in range(n_chunks)] for j in range(group)]
+        # pass over K: a binary counter of partially combined tokens per query head
+        stacks = [[] for _ in range(group)]
+        for t in range(TILE):
+            k = row_chunks(kp, kb, t)
+            for j in range(group):
+                part = builder.fmul(q[j][0], k[0])
+                for c in range(1, n_chunks):
+                    part = builder.call(fma, [q[j][c], k[c], part])
+                stack, level = stacks[j], 0
+                while stack and stack[-1][0] == level:
+                    part = _combine(builder, stack.pop()[1], part, level)
+                    level += 1
+                stack.append((level, part))
+        lanes = ir.Constant(ir.VectorType(i64, 16), list(range(16)))
+        live = builder.icmp_signed("<", lanes, _splat(builder, valid_, ir.VectorType(i64, 16)))
+        probs, alphas = [], []
+        for j in range(group):
+            s = builder.select(live, stacks[j][0][1], ir.Constant(v16, [_NEG] * 16))
+            m_old = builder.load(builder.gep(mp, [i64(j)]))
+            m_tile = builder.call(rmax, [s], fastmath=("fast",))
+            m_new = builder.select(builder.fcmp_ordered(">", m_old, m_tile), m_old, m_tile)
+            alpha = _exp2_vector(builder, _splat(builder, builder.fsub(m_old, m_new), v16))
+            p = _exp2_vector(builder, builder.fsub(s, _splat(builder, m_new, v16)))
+            p = builder.select(live, p, ir.Constant(v16, [0.0] * 16))
+            l_old = builder.load(builder.gep(lp, [i64(j)]))
+            l_new = builder.call(radd, [builder.fmul(l_old, builder.extract_element(alpha, i32(0))), p],
+                                 fastmath=("fast",))
+            builder.store(m_new, builder.gep(mp, [i64(j)]))
+            builder.store(l_new, builder.gep(lp, [i64(j)]))
+            probs.append(p)
+            alphas.append(alpha)
+        acc = [[builder.fmul(vec_at(ap, i64(16 * (j * n_chunks + c)), v16, 4), alphas[j])
+                for c in range(n_chunks)] for j in range(group)]
+        for t in range(TILE):  # pass over V: acc += p_t v_t
+            v = row_chunks(vp, vb, t)
+            for j in range(group):
+                pt = builder.shuffle_vector(probs[j], probs[j], ir.Constant(ir.VectorType(i32, 16), [t] * 16))
+                for c in range(n_chunks):
+                    acc[j][c] = builder.call(fma, [pt, v[c], acc[j][c]])
+        for j in range(group):
+            for c in range(n_chunks):
+                builder.store(acc[j][c], builder.bitcast(builder.gep(ap, [i64(16 * (j * n_chunks + c))]),
+                                                          v16.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def _make_kernel(bf16: bool, D: int, G: int):
@@ -147,14 +300,18 @@ def attend(q, qscale, kf, k_off, vf, v_off, block_size, block_stride, token_stri
            tables, lens, out, bf16, D, G):  # pragma: no cover - compiled
     """The decode attention of `paged_decode_attention` on NumPy views (q, out: [seqs, heads,
     D] in the cache's element type; kf, vf: flat caches; k_off, v_off, strides in elements),
-    specialised on the literals bf16, D (head_dim) and G (GQA group)."""
+    specialised on the literals bf16, D (head_dim, a multiple of 16) and G (GQA group).
+
+    One pass over each sequence's pages, a tile of 16 tokens at a time (`_attend_tile`, every
+    KV head of the tile before the next tile, so each page is read while it is in cache),
+    with the next tile's rows prefetched: pages lie anywhere, so the hardware prefetcher
+    loses the stream at every page boundary."""
     numba.literally(bf16)
     numba.literally(D)
     numba.literally(G)
-    LINE = 64 // (2 if bf16 else 4)  # elements per 64-byte cache line
     num_seqs, num_heads = q.shape[0], q.shape[1]
     num_kv = num_heads // G
-    qs_u = np.empty((num_heads, D), np.uint32)
+    qs_u = np.empty(num_heads * D, np.uint32)
     qs = qs_u.view(np.float32)
     o_f = np.empty(D, np.float32)
     o_u = o_f.view(np.uint32)
@@ -162,94 +319,53 @@ def attend(q, qscale, kf, k_off, vf, v_off, block_size, block_stride, token_stri
     for s in range(num_seqs):
         max_len = max(max_len, lens[s])
     rows = np.empty(max_len, np.int64)
-    scores = np.empty((num_heads, max_len), np.float32)
-    bits = np.empty(max_len, np.int32)
-    row = np.empty(D, np.float32)
-    acc = np.empty((num_heads, D), np.float32)
+    m = np.empty(num_heads, np.float32)
+    l = np.empty(num_heads, np.float32)  # noqa: E741 - the softmax denominator, as in the papers
+    acc = np.empty(num_heads * D, np.float32)
     for s in range(num_seqs):
         n = lens[s]
         _row_offsets(tables, s, n, block_size, block_stride, token_stride, rows)
         for i in range(num_heads):  # q widened to fp32 and scaled by scale * log2 e
             if bf16:
                 for d in range(D):
-                    qs_u[i, d] = np.uint32(q[s, i, d]) << np.uint32(16)
+                    qs_u[i * D + d] = np.uint32(q[s, i, d]) << np.uint32(16)
                 for d in range(D):
-                    qs[i, d] *= qscale
+                    qs[i * D + d] *= qscale
             else:
                 for d in range(D):
-                    qs[i, d] = q[s, i, d] * qscale
-        # pass 1: scores (log2 units: q carries scale * log2 e), each K row read once
-        for t in range(n):
-            if t + block_size < n:  # the next page's row, a page ahead (pages lie anywhere)
-                _prefetch_token(kf, k_off + rows[t + block_size], token_stride, LINE)
+                    qs[i * D + d] = q[s, i, d] * qscale
+        m[:] = _NEG
+        l[:] = 0.0
+        acc[:] = 0.0
+        for t0 in range(0, n, TILE):
+            valid = min(TILE, n - t0)
+            pf0 = t0 + PREFETCH_TILES * TILE
+            pf_valid = max(0, min(TILE, n - pf0))
             for h in range(num_kv):
-                if bf16:
-                    base = k_off + rows[t] + h * head_stride
-                    src = kf[base:base + D]
-                    for j in range(G):
-                        a = np.float32(0.0)
-                        for d in range(D):
-                            a += qs[h * G + j, d] * _bf16_to_f32(src[d])
-                        scores[h * G + j, t] = a
-                else:
-                    _load_row(kf, k_off + rows[t] + h * head_stride, row, D)
-                    for j in range(G):
-                        a = np.float32(0.0)
-                        for d in range(D):
-                            a += qs[h * G + j, d] * row[d]
-                        scores[h * G + j, t] = a
-        # softmax numerators (fp32), normalised at the end
+                _attend_tile(kf, vf, k_off + h * head_stride, v_off + h * head_stride, rows, t0, valid,
+                             pf0, pf_valid, qs, h * G, m, l, acc, D, G)
         for i in range(num_heads):
-            m = scores[i, 0]
-            for t in range(1, n):
-                m = max(m, scores[i, t])
-            for t in range(n):
-                scores[i, t] -= m
-            _exp2_inplace(scores[i], n, bits)
-            for d in range(D):
-                acc[i, d] = 0.0
-        # pass 2: out = p . v, each V row read once
-        for t in range(n):
-            if t + block_size < n:
-                _prefetch_token(vf, v_off + rows[t + block_size], token_stride, LINE)
-            for h in range(num_kv):
-                if bf16:
-                    base = v_off + rows[t] + h * head_stride
-                    src = vf[base:base + D]
-                    for j in range(G):
-                        p = scores[h * G + j, t]
-                        for d in range(D):
-                            acc[h * G + j, d] += p * _bf16_to_f32(src[d])
-                else:
-                    _load_row(vf, v_off + rows[t] + h * head_stride, row, D)
-                    for j in range(G):
-                        p = scores[h * G + j, t]
-                        for d in range(D):
-                            acc[h * G + j, d] += p * row[d]
-        for i in range(num_heads):
-            tot = np.float32(0.0)
-            for t in range(n):
-                tot += scores[i, t]
-            inv = np.float32(1.0) / tot
+            inv = np.float32(1.0) / l[i]
             if bf16:  # round to nearest even, as torch's fp32 -> bf16 cast
                 for d in range(D):
-                    o_f[d] = acc[i, d] * inv
+                    o_f[d] = acc[i * D + d] * inv
                 for d in range(D):
                     u = o_u[d]
                     out[s, i, d] = np.uint16((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))
                                              >> np.uint32(16))
             else:
                 for d in range(D):
-                    out[s, i, d] = acc[i, d] * inv
+                    out[s, i, d] = acc[i * D + d] * inv
 
 
 _KERNELS: dict[tuple[bool, int, int], object] = {}
 _DTYPES = (torch.bfloat16, torch.float32)
 
 
-def supports(dtype: torch.dtype) -> bool:
-    """Whether this kernel handles a cache of `dtype` (bf16 and fp32; others use the reference)."""
-    return dtype in _DTYPES
+def supports(dtype: torch.dtype, head_dim: int = 64) -> bool:
+    """Whether this kernel handles a cache of `dtype` (bf16 and fp32) and `head_dim` (a
+    multiple of 16: a row is whole AVX-512 vectors); others use the reference."""
+    return dtype in _DTYPES and head_dim % TILE == 0
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -281,14 +397,16 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         scale: softmax scale.
     Returns: [num_seqs, num_heads, head_dim] in the cache's dtype (the model's; computed
         in fp32, q converted to the cache's dtype first if it differs).
-    Raises: ValueError for a cache dtype other than bf16/fp32 (check `supports` first) or
-        a layout it cannot read in place.
+    Raises: ValueError for a cache dtype other than bf16/fp32 or a head_dim not a multiple
+        of 16 (check `supports` first), or a layout it cannot read in place.
     """
     if k_cache.dtype not in _DTYPES or v_cache.dtype != k_cache.dtype:
         raise ValueError(f"cpu_decode handles bf16/fp32 caches, not {k_cache.dtype}/{v_cache.dtype}")
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("cpu_decode needs head_dim-contiguous K/V views with equal strides")
     _, num_heads, head_dim = q.shape
+    if head_dim % TILE:
+        raise ValueError(f"cpu_decode needs head_dim a multiple of {TILE}, not {head_dim}")
     group = num_heads // k_cache.shape[2]
     key = (k_cache.dtype == torch.bfloat16, head_dim, group)
     kernel = _KERNELS.get(key)

@@ -37,7 +37,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_decode import _prefetch
+from .cpu_decode import _data_ptr, _prefetch
 
 __all__ = ["GemvWeight", "gemv", "gemv_reference", "quantize", "supported"]
 
@@ -59,11 +59,6 @@ def supported() -> bool:
     except RuntimeError:
         return False
     return bool(feats.get("avx512vnni")) and bool(feats.get("avx512bw"))
-
-
-def _data_ptr(context, builder, aryty, ary, offset, elt):
-    a = context.make_array(aryty)(context, builder, ary)
-    return builder.bitcast(builder.gep(a.data, [offset]), elt.as_pointer())
 
 
 def _make_row_dot(nibbles: bool):

@@ -26,7 +26,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float) -> torch.Tensor:
     """reference.paged_decode_attention's contract, KV read in place (cpu_decode) for
     bf16/fp32 CPU caches; other dtypes or devices fall back to the reference."""
-    if (k_cache.device.type == "cpu" and cpu_decode.supports(k_cache.dtype)
+    if (k_cache.device.type == "cpu" and cpu_decode.supports(k_cache.dtype, q.shape[-1])
             and k_cache.stride(-1) == 1 and k_cache.stride() == v_cache.stride()):
         return cpu_decode.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
     return _reference_decode(q, k_cache, v_cache, block_tables, context_lens, scale)

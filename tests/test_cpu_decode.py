@@ -8,12 +8,15 @@ import torch
 from mooncaked.kernels import attention_ops, cpu_decode, cpu_fused, cpu_ops, reference
 
 
-@pytest.mark.parametrize("dtype,hd,group", [(torch.float32, 64, 3), (torch.bfloat16, 64, 3),
-                                            (torch.bfloat16, 32, 1)])
-def test_cpu_decode_matches_reference(dtype, hd, group):
-    # head_dim and the GQA group are compile-time constants of the kernel: two shapes
+@pytest.mark.parametrize("dtype,hd,group,bs", [(torch.float32, 64, 3, 16), (torch.bfloat16, 64, 3, 16),
+                                               (torch.bfloat16, 32, 1, 16), (torch.bfloat16, 128, 4, 16),
+                                               (torch.bfloat16, 64, 3, 5), (torch.float32, 64, 2, 32)])
+def test_cpu_decode_matches_reference(dtype, hd, group, bs):
+    # head_dim and the GQA group are compile-time constants of the kernel. Its tiles are 16
+    # tokens: lengths around 16 and block sizes other than 16 (tiles that span pages, pages
+    # that hold two tiles) check the tile edges.
     g = torch.Generator().manual_seed(0)
-    bs, kv_heads, layers = 16, 3, 2
+    kv_heads, layers = 3, 2
     lens = [1, 15, 16, 17, 100, 250]
     need = [-(-n // bs) for n in lens]
     num_blocks = sum(need) + 5
@@ -34,11 +37,32 @@ def test_cpu_decode_matches_reference(dtype, hd, group):
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=atol)
 
 
+def test_cpu_decode_rescales_as_scores_grow():
+    """Online softmax: keys that grow along the context move the running max in nearly
+    every tile, so each tile rescales what came before; fp32 within 1e-5 of the reference."""
+    g = torch.Generator().manual_seed(3)
+    bs, kv_heads, hd, group = 16, 3, 64, 3
+    lens = [1, 33, 300, 1000]
+    need = [-(-n // bs) for n in lens]
+    cache = torch.randn(sum(need), 1, 2, bs, kv_heads, hd, generator=g)
+    cache[:, 0, 0] *= torch.linspace(0.1, 4, cache.shape[0])[:, None, None, None]
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    table[0, :1], table[1, :3], table[2, :19], table[3, :63] = (torch.arange(a, b, dtype=torch.int32) for a, b in
+                                                                ((0, 1), (1, 4), (4, 23), (23, 86)))
+    q = torch.randn(len(lens), kv_heads * group, hd, generator=g) * 6
+    ctx = torch.tensor(lens, dtype=torch.int32)
+    got = cpu_decode.paged_decode_attention(q, cache[:, 0, 0], cache[:, 0, 1], table, ctx, 0.125)
+    want = reference.paged_decode_attention(q, cache[:, 0, 0], cache[:, 0, 1], table, ctx, 0.125)
+    assert want.abs().max() > 1.0  # not washed out to a mean of the values
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_cpu_backend_selection():
     assert attention_ops("cpu") is cpu_ops
     assert attention_ops("cpu", "cpu") is cpu_ops
     assert attention_ops("cpu", "torch") is reference
     assert cpu_decode.supports(torch.bfloat16) and not cpu_decode.supports(torch.float16)
+    assert cpu_decode.supports(torch.float32, 80) and not cpu_decode.supports(torch.bfloat16, 72)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

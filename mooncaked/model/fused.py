@@ -54,8 +54,8 @@ def why_not(cfg: ModelConfig, tensors: dict, weight_format: str, dtype: torch.dt
     head = tensors.get("lm_head", tensors.get("embed"))
     if not isinstance(head, quant.QuantizedWeight) or head.shape[1] % 64:
         return "the LM head is not a GGUF Q4_0/Q4_1/Q8_0 matrix"
-    if cfg.head_dim % 2:
-        return "odd head_dim"
+    if cfg.head_dim % 16:
+        return "head_dim not a multiple of 16 (cpu_decode's rows are whole vectors)"
     return None
 
 
