@@ -49,6 +49,15 @@ _LOG2E = 1.4426950408889634
 _JIT = {"cache": True, "fastmath": True, "nogil": True, "boundscheck": False}
 
 
+def _emit_prefetch(builder, ptr, locality):
+    """Emits llvm.prefetch (read, data cache) of the line at `ptr`; locality 3 fills L1,
+    1 fills L2 (prefetcht2 on x86)."""
+    i32, i8p = ir.IntType(32), ir.IntType(8).as_pointer()
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                        "llvm.prefetch.p0")
+    builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(locality), i32(1)])
+
+
 @intrinsic
 def _prefetch(typingctx, arr, idx):
     """Hints the CPU to fetch the cache line of arr[idx] into all cache levels (llvm.prefetch)."""
@@ -56,11 +65,7 @@ def _prefetch(typingctx, arr, idx):
 
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
-        ptr = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(8).as_pointer())
-        i32 = ir.IntType(32)
-        fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
-        builder.call(fn, [ptr, i32(0), i32(3), i32(1)])  # read, high locality, data cache
+        _emit_prefetch(builder, builder.gep(ary.data, [args[1]]), 3)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -177,29 +182,22 @@ def _attend_tile(typingctx, kf, vf, kbase, vbase, rows, t0, valid, pf0, pf_valid
     sig = types.void(kf, vf, kbase, vbase, rows, t0, valid, pf0, pf_valid, qs, head0, m, l, acc, D, G)
 
     def codegen(context, builder, signature, args):
-        kf_, vf_, kb, vb, rows_, t0_, valid_, pf0_, pfv_, qs_, h0, m_, l_, acc_ = args[:14]
-        ty = signature.args[:7] + signature.args[9:]
+        ty = signature.args
+        kb, vb, t0_, valid_, pf0_, pfv_, h0 = (context.cast(builder, args[i], ty[i], types.int64)
+                                               for i in (2, 3, 5, 6, 7, 8, 10))
         i32, i64, f32 = ir.IntType(32), ir.IntType(64), ir.FloatType()
         v16 = ir.VectorType(f32, 16)
         elt = ir.IntType(16) if bf16 else f32
         velt = ir.VectorType(elt, 16)
-        kb, vb, t0_, valid_, h0 = (context.cast(builder, a, t, types.int64)
-                                   for a, t in ((kb, ty[2]), (vb, ty[3]), (t0_, ty[5]), (valid_, ty[6]),
-                                                (h0, ty[8])))
-        pf0_, pfv_ = (context.cast(builder, a, t, types.int64)
-                      for a, t in ((pf0_, signature.args[7]), (pfv_, signature.args[8])))
-        i8p = ir.IntType(8).as_pointer()
-        prefetch = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch.p0")
         row_bytes = 16 * n_chunks * (2 if bf16 else 4)
-        zero = i64(0)
-        kp = _data_ptr(context, builder, ty[0], kf_, zero, elt)
-        vp = _data_ptr(context, builder, ty[1], vf_, zero, elt)
-        rp = _data_ptr(context, builder, ty[4], rows_, zero, i64)
-        qp = _data_ptr(context, builder, ty[7], qs_, builder.mul(h0, i64(16 * n_chunks)), f32)
-        mp = _data_ptr(context, builder, ty[9], m_, h0, f32)
-        lp = _data_ptr(context, builder, ty[10], l_, h0, f32)
-        ap = _data_ptr(context, builder, ty[11], acc_, builder.mul(h0, i64(16 * n_chunks)), f32)
+        zero, head_elems = i64(0), builder.mul(h0, i64(16 * n_chunks))
+
+        def arg_ptr(i, offset, t):  # pointer to element `offset` of array argument i, as type t
+            return _data_ptr(context, builder, ty[i], args[i], offset, t)
+
+        kp, vp, rp = arg_ptr(0, zero, elt), arg_ptr(1, zero, elt), arg_ptr(4, zero, i64)
+        qp, mp, lp = arg_ptr(9, head_elems, f32), arg_ptr(11, h0, f32), arg_ptr(12, h0, f32)
+        ap = arg_ptr(13, head_elems, f32)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
         rmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [v16]),
                                               "llvm.vector.reduce.fmax.v16f32")
@@ -214,9 +212,10 @@ def _attend_tile(typingctx, kf, vf, kbase, vbase, rows, t0, valid, pf0, pf_valid
             prefetches the same row of token t of the tile at pf0 (pages lie anywhere, so
             the hardware prefetcher loses the stream at every page boundary)."""
             ahead = builder.select(builder.icmp_signed("<", i64(t), pfv_), builder.add(pf0_, i64(t)), t0_)
-            at = builder.gep(ptr, [builder.add(base, builder.load(builder.gep(rp, [ahead])))])
-            for line in range(0, row_bytes, 64):  # read, locality 1 (L2: see the module doc), data
-                builder.call(prefetch, [builder.gep(builder.bitcast(at, i8p), [i64(line)]), i32(0), i32(1), i32(1)])
+            at = builder.bitcast(builder.gep(ptr, [builder.add(base, builder.load(builder.gep(rp, [ahead])))]),
+                                 ir.IntType(8).as_pointer())
+            for line in range(0, row_bytes, 64):  # into L2: see the module doc
+                _emit_prefetch(builder, builder.gep(at, [i64(line)]), 1)
             idx = builder.select(builder.icmp_signed("<", i64(t), valid_), builder.add(t0_, i64(t)), t0_)
             start = builder.add(base, builder.load(builder.gep(rp, [idx])))
             out = []
