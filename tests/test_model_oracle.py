@@ -9,10 +9,13 @@ positions (torch 2.13 CPU, transformers 5.24):
 - fp32: max |ours - transformers| 7.9e-5 (logits are O(10)); bound FP32_ATOL = 2e-4.
   Greedy tokens identical for all NEW_TOKENS.
 - bf16 against transformers in bf16 (same GGUF weights; it rounds activations to bf16 but
-  runs its matmuls in fp32, we run them in bf16): per position max |diff| up to 1.86 (a
-  system-prompt position; decode steps <= 1.0), mean over positions 0.60-0.67; bounds
-  BF16_MAX_ATOL = 2.0 and BF16_MEAN_ATOL = 0.75. Our bf16 is as close to fp32 as
-  transformers' own bf16 is (mean 0.55 vs 0.63, measured): bound, ours <= 1.1x theirs.
+  runs its matmuls in fp32, we run them in bf16): mean over positions of the per-position
+  max |diff| 0.58-0.67; bound BF16_MEAN_ATOL = 0.75. The per-position max is two bf16
+  errors added: 1.86 with the torch kernels, 2.45 with the CPU kernels (a system-prompt
+  position). So the worst position is bounded against fp32 instead: ours 1.09 (torch
+  kernels) and 1.48 (CPU kernels), transformers' bf16 1.56; bound, ours <= theirs. Our
+  bf16 is as close to fp32 on average as transformers' own bf16 is (mean 0.49-0.51 vs
+  0.54-0.55, measured): bound, ours <= 1.1x theirs.
   Greedy picks differ only at near-ties: where ours chose another token, transformers'
   top two were within 0.19 (measured); bound NEAR_TIE = 0.25, which leaves 78-84% of the
   positions checked.
@@ -24,7 +27,7 @@ import pytest
 import torch
 import transformers
 
-from mooncaked.kernels import reference
+from mooncaked.kernels import cpu_ops, reference
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import load_weights
@@ -36,7 +39,6 @@ PROMPTS = [
 ]
 NEW_TOKENS = 32
 FP32_ATOL = 2e-4
-BF16_MAX_ATOL = 2.0
 BF16_MEAN_ATOL = 0.75
 BF16_VS_FP32_RATIO = 1.1
 NEAR_TIE = 0.25
@@ -161,12 +163,14 @@ def test_safetensors_directory_loads_to_the_same_logits(ours, hf_model, bundled_
     assert per_position_max(la, lb).max().item() < 1e-4
 
 
-def test_bfloat16_forward_matches_transformers_in_bfloat16(ours, hf_model, bundled_model, greedy32):
+@pytest.mark.parametrize("ops", [reference, cpu_ops], ids=["reference", "cpu_ops"])
+def test_bfloat16_forward_matches_transformers_in_bfloat16(ours, hf_model, bundled_model, greedy32, ops):
     """Our bf16 model and transformers' bf16 model, teacher-forced along our fp32 greedy
     sequence: logits close at every position, greedy picks equal except at near-ties, and
-    no further from fp32 than transformers' own bf16."""
+    no further from fp32 than transformers' own bf16. With the torch kernels and with the
+    CPU kernels (cpu_prefill's bf16 prefill attention, cpu_decode's decode attention)."""
     cfg, tensors = load_weights(bundled_model)
-    model16 = LlamaModel(cfg, tensors, torch.bfloat16, torch.device("cpu"), reference, max_positions=2048)
+    model16 = LlamaModel(cfg, tensors, torch.bfloat16, torch.device("cpu"), ops, max_positions=2048)
     hf16 = load_hf(bundled_model, torch.bfloat16)
     for prompt in PROMPTS:
         ids, tokens, _ = greedy32(prompt)
@@ -174,11 +178,11 @@ def test_bfloat16_forward_matches_transformers_in_bfloat16(ours, hf_model, bundl
         _, mine = paged_logits(model16, ids, NEW_TOKENS, forced=tokens)
         ref16, ref32 = hf_logits(hf16, seq), hf_logits(hf_model, seq)
         err = per_position_max(mine, ref16)
-        assert err.max().item() < BF16_MAX_ATOL, (prompt, err.max().item())
         assert err.mean().item() < BF16_MEAN_ATOL, (prompt, err.mean().item())
-        ours_vs_fp32 = per_position_max(mine, ref32).mean().item()
-        theirs_vs_fp32 = per_position_max(ref16, ref32).mean().item()
-        assert ours_vs_fp32 < BF16_VS_FP32_RATIO * theirs_vs_fp32, (ours_vs_fp32, theirs_vs_fp32)
+        ours_vs_fp32, theirs_vs_fp32 = per_position_max(mine, ref32), per_position_max(ref16, ref32)
+        assert ours_vs_fp32.max() <= theirs_vs_fp32.max(), (ours_vs_fp32.max(), theirs_vs_fp32.max())
+        assert ours_vs_fp32.mean() < BF16_VS_FP32_RATIO * theirs_vs_fp32.mean(), (
+            ours_vs_fp32.mean(), theirs_vs_fp32.mean())
         top2 = ref16.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > NEAR_TIE
         assert (mine.argmax(-1) == ref16.argmax(-1))[clear].all(), prompt
