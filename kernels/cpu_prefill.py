@@ -255,7 +255,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     kernel = _KERNELS.get(head_dim)
     if kernel is None:
         kernel = _KERNELS[head_dim] = _make_kernel(head_dim)
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype)  # contiguous whatever q's strides: rows are written in place
     starts = cu_seqlens_q.tolist()
     qscale = np.float32(scale * _LOG2E)
     for s, ctx in enumerate(context_lens.tolist()):

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not cpu_prefill.supports(torch.bfloat16, 64),
 
 def _batch(seqs: list[tuple[int, int]], hd: int, group: int, bs: int, kv_heads: int = 3, seed: int = 0):
     """A paged batch: seqs are (cached tokens, new tokens); pages in random order, as
-    strided views of layer 1 of a two-layer cache (what the engine passes)."""
+    strided views of layer 1 of a two-layer cache, and q a strided view (what the engine
+    passes)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-(c + n) // bs) for c, n in seqs]
     num_blocks = sum(need) + 3
@@ -30,7 +31,9 @@ def _batch(seqs: list[tuple[int, int]], hd: int, group: int, bs: int, kv_heads: 
         table[s, :n] = perm[used:used + n].int()
         used += n
     total = sum(n for _, n in seqs)
-    q = (torch.randn(total, kv_heads * group, hd, generator=g) * 3).bfloat16()
+    # q as the model passes it: a strided view of the fused QKV projection's output
+    qkv = (torch.randn(total, (kv_heads * group + 2 * kv_heads) * hd, generator=g) * 3).bfloat16()
+    q = qkv[:, :kv_heads * group * hd].view(total, kv_heads * group, hd)
     cu = torch.tensor([0] + [sum(n for _, n in seqs[:i + 1]) for i in range(len(seqs))], dtype=torch.int32)
     ctx = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
     return q, cache[:, 1, 0], cache[:, 1, 1], table, cu, ctx
