@@ -246,12 +246,19 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         scale: softmax scale.
     Returns: bf16 [total_new_tokens, num_heads, head_dim]. Numerics: fp32 scores and sums,
         probabilities rounded to bf16 for the V product (as torch's CPU flash kernel does).
-    Raises: ValueError where `supports` does not hold.
+    Raises: ValueError where `supports` does not hold (or q or V is not bf16), where
+        num_heads is not a multiple of num_kv_heads, or where a sequence's context_lens
+        is below its new tokens or above what its block table row holds (the
+        kernel would read past its packed K/V).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
-    if not supports(k_cache.dtype, head_dim) or q.dtype != torch.bfloat16:
+    if (not supports(k_cache.dtype, head_dim) or q.dtype != torch.bfloat16
+            or v_cache.dtype != torch.bfloat16):
         raise ValueError(f"cpu_prefill needs bf16 q/KV, head_dim % {TILE} == 0 and AVX512-BF16")
+    if num_heads % k_cache.shape[2]:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {k_cache.shape[2]} KV heads")
     group = num_heads // k_cache.shape[2]
+    capacity = block_tables.shape[1] * k_cache.shape[1]  # tokens a block table row can address
     kernel = _KERNELS.get(head_dim)
     if kernel is None:
         kernel = _KERNELS[head_dim] = _make_kernel(head_dim)
@@ -263,6 +270,9 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         n = b - a
         if n == 0:
             continue
+        if not n <= ctx <= capacity:
+            raise ValueError(f"sequence {s}: context_lens {ctx} must be >= its {n} new tokens and "
+                             f"<= the {capacity} tokens its block table row holds")
         kw, vw, ntiles = _pack(_gather(k_cache, block_tables[s], ctx), _gather(v_cache, block_tables[s], ctx))
         n_pad = -(-n // ROWS) * ROWS
         qs = q.new_zeros(n_pad, num_heads, head_dim)

@@ -116,3 +116,19 @@ def test_cpu_ops_routes_bf16_prefill_to_the_kernel_and_fp32_to_sdpa(torch_thread
                        reference.paged_prefill_attention(q32, k32, v32, *args))
     with pytest.raises(ValueError, match="bf16"):
         cpu_prefill.paged_prefill_attention(q32, k32, v32, *args)
+
+
+def test_cpu_prefill_rejects_inputs_it_would_read_past():
+    """Heads that do not divide into KV heads, and context lengths the block table cannot
+    hold or that are shorter than the new tokens, are errors (not reads past the packed K/V)."""
+    q, k, v, table, cu, ctx = _batch([(0, 20), (9, 30)], 64, 2, 16)
+    with pytest.raises(ValueError, match="not a multiple"):
+        cpu_prefill.paged_prefill_attention(q[:, :5], k, v, table, cu, ctx, 0.125)
+    too_long = ctx.clone()
+    too_long[1] = table.shape[1] * 16 + 1
+    with pytest.raises(ValueError, match="sequence 1: context_lens"):
+        cpu_prefill.paged_prefill_attention(q, k, v, table, cu, too_long, 0.125)
+    with pytest.raises(ValueError, match="sequence 0: context_lens"):
+        cpu_prefill.paged_prefill_attention(q, k, v, table, cu, torch.tensor([19, 39], dtype=torch.int32), 0.125)
+    with pytest.raises(ValueError, match="bf16"):
+        cpu_prefill.paged_prefill_attention(q, k, v.half(), table, cu, ctx, 0.125)
