@@ -67,6 +67,7 @@ def run(tokens: list[int], reps: int = 9, threads: int = 1, heads: int = 9, kv_h
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Command line: prints a table, or with --json the `run` result as one JSON line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, nargs="+", default=[500, 1000, 2000])
     p.add_argument("--reps", type=int, default=9)
