@@ -139,6 +139,33 @@ def _exp2_vector(builder, x):
     return builder.fmul(p, builder.bitcast(e, v16))
 
 
+def _online_softmax_update(builder, s, live, mp, lp, row):
+    """One tile's online-softmax update of one query row (flash attention's running state).
+
+    s: <16 x float> scores (log2 units), live: <16 x i1> the tokens that count; mp, lp:
+    float* to the rows' running max and sum, updated in place at index `row` (a Python int).
+    Returns (p, alpha): the tile's weights 2 ** (s - m_new) (0 where not live) and the
+    rescale factor 2 ** (m_old - m_new) (every lane) for the row's output accumulator."""
+    v16, f32, i32, i64 = s.type, ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    rmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [v16]),
+                                          "llvm.vector.reduce.fmax.v16f32")
+    radd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, v16]),
+                                          "llvm.vector.reduce.fadd.v16f32")
+    s = builder.select(live, s, ir.Constant(v16, [_NEG] * 16))
+    m_at, l_at = builder.gep(mp, [i64(row)]), builder.gep(lp, [i64(row)])
+    m_old = builder.load(m_at)
+    m_tile = builder.call(rmax, [s], fastmath=("fast",))
+    m_new = builder.select(builder.fcmp_ordered(">", m_old, m_tile), m_old, m_tile)
+    alpha = _exp2_vector(builder, _splat(builder, builder.fsub(m_old, m_new), v16))
+    p = _exp2_vector(builder, builder.fsub(s, _splat(builder, m_new, v16)))
+    p = builder.select(live, p, ir.Constant(v16, [0.0] * 16))
+    l_new = builder.call(radd, [builder.fmul(builder.load(l_at), builder.extract_element(alpha, i32(0))), p],
+                         fastmath=("fast",))
+    builder.store(m_new, m_at)
+    builder.store(l_new, l_at)
+    return p, alpha
+
+
 def _combine(builder, x, y, level):
     """Halves the partial sums of two vectors of partial dot products into one.
 
@@ -199,10 +226,6 @@ def _attend_tile(typingctx, kf, vf, kbase, vbase, rows, t0, valid, pf0, pf_valid
         qp, mp, lp = arg_ptr(9, head_elems, f32), arg_ptr(11, h0, f32), arg_ptr(12, h0, f32)
         ap = arg_ptr(13, head_elems, f32)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16] * 3), "llvm.fma.v16f32")
-        rmax = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [v16]),
-                                              "llvm.vector.reduce.fmax.v16f32")
-        radd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32, v16]),
-                                              "llvm.vector.reduce.fadd.v16f32")
 
         def vec_at(ptr, offset, vty, align):
             return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vty.as_pointer()), align=align)
@@ -245,18 +268,7 @@ def _attend_tile(typingctx, kf, vf, kbase, vbase, rows, t0, valid, pf0, pf_valid
         live = builder.icmp_signed("<", lanes, _splat(builder, valid_, ir.VectorType(i64, 16)))
         probs, alphas = [], []
         for j in range(group):
-            s = builder.select(live, stacks[j][0][1], ir.Constant(v16, [_NEG] * 16))
-            m_old = builder.load(builder.gep(mp, [i64(j)]))
-            m_tile = builder.call(rmax, [s], fastmath=("fast",))
-            m_new = builder.select(builder.fcmp_ordered(">", m_old, m_tile), m_old, m_tile)
-            alpha = _exp2_vector(builder, _splat(builder, builder.fsub(m_old, m_new), v16))
-            p = _exp2_vector(builder, builder.fsub(s, _splat(builder, m_new, v16)))
-            p = builder.select(live, p, ir.Constant(v16, [0.0] * 16))
-            l_old = builder.load(builder.gep(lp, [i64(j)]))
-            l_new = builder.call(radd, [builder.fmul(l_old, builder.extract_element(alpha, i32(0))), p],
-                                 fastmath=("fast",))
-            builder.store(m_new, builder.gep(mp, [i64(j)]))
-            builder.store(l_new, builder.gep(lp, [i64(j)]))
+            p, alpha = _online_softmax_update(builder, stacks[j][0][1], live, mp, lp, j)
             probs.append(p)
             alphas.append(alpha)
         acc = [[builder.fmul(vec_at(ap, i64(16 * (j * n_chunks + c)), v16, 4), alphas[j])

@@ -35,10 +35,9 @@ import torch
 import llvmlite.binding as llvm
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_decode import _JIT, _LOG2E, _data_ptr, _exp2_vector, _splat
+from .cpu_decode import _JIT, _LOG2E, _NEG, _data_ptr, _online_softmax_update, _splat
 from .reference import _gather
 
 __all__ = ["paged_prefill_attention", "supports"]
@@ -47,7 +46,6 @@ llvm.initialize_native_asmparser()  # Numba's JIT parses inline assembly only wi
 
 TILE = 16  # tokens per K/V tile (the lanes of one fp32 vector)
 ROWS = 4   # query rows per tile call: 4 rows' scores + 4 x head_dim/16 accumulators fit in 32 registers
-_NEG = -1.0e30  # score of a masked token (exp2 of it minus any real max is 0 after the select)
 
 
 def _dp(builder, acc, a, b):
@@ -83,11 +81,6 @@ def _prefill_tile(typingctx, qw, q0, qstride, kw, k0, vw, v0, pos0, key0, scale,
         zero = i64(0)
         qp, kp, vp = (_data_ptr(context, builder, ty[i], args[i], zero, i32) for i in (0, 3, 5))
         mp, lp, ap = (_data_ptr(context, builder, ty[i], args[i], zero, f32) for i in (10, 11, 12))
-        mod = builder.module
-        rmax = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [v16f]),
-                                                         "llvm.vector.reduce.fmax.v16f32")
-        radd = cgutils.get_or_insert_function(mod, ir.FunctionType(f32, [f32, v16f]),
-                                                         "llvm.vector.reduce.fadd.v16f32")
 
         def vload(ptr, offset, vty):
             return builder.load(builder.bitcast(builder.gep(ptr, [offset]), vty.as_pointer()), align=4)
@@ -110,17 +103,7 @@ def _prefill_tile(typingctx, qw, q0, qstride, kw, k0, vw, v0, pos0, key0, scale,
         for r in range(rows):
             live = builder.icmp_signed("<=", keys, _splat(builder, builder.add(pos0_, i64(r)),
                                                           ir.VectorType(i64, 16)))
-            sr = builder.select(live, builder.fmul(s[r], scale_v), ir.Constant(v16f, [_NEG] * 16))
-            m_old = builder.load(builder.gep(mp, [i64(r)]))
-            m_tile = builder.call(rmax, [sr], fastmath=("fast",))
-            m_new = builder.select(builder.fcmp_ordered(">", m_old, m_tile), m_old, m_tile)
-            alpha = _exp2_vector(builder, _splat(builder, builder.fsub(m_old, m_new), v16f))
-            p = _exp2_vector(builder, builder.fsub(sr, _splat(builder, m_new, v16f)))
-            p = builder.select(live, p, ir.Constant(v16f, [0.0] * 16))
-            l_old = builder.load(builder.gep(lp, [i64(r)]))
-            builder.store(builder.call(radd, [builder.fmul(l_old, builder.extract_element(alpha, i32(0))), p],
-                                       fastmath=("fast",)), builder.gep(lp, [i64(r)]))
-            builder.store(m_new, builder.gep(mp, [i64(r)]))
+            p, alpha = _online_softmax_update(builder, builder.fmul(s[r], scale_v), live, mp, lp, r)
             # p to bf16 (round to nearest even; p >= 0), then tokens (2j, 2j+1) into one word
             bits = builder.bitcast(p, v16i)
             odd = builder.and_(builder.lshr(bits, ivec([16] * 16)), ivec([1] * 16))
