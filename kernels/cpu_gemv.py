@@ -31,12 +31,12 @@ from dataclasses import dataclass
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import cpu_isa
 from .cpu_decode import _data_ptr, _prefetch
 
 __all__ = ["GemvWeight", "gemv", "gemv_reference", "quantize", "supported"]
@@ -53,12 +53,9 @@ _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatT
 
 
 def supported() -> bool:
-    """Whether this CPU runs the kernel: AVX-512 VNNI (and AVX-512 BW for the byte ops)."""
-    try:
-        feats = llvm.get_host_cpu_features()
-    except RuntimeError:
-        return False
-    return bool(feats.get("avx512vnni")) and bool(feats.get("avx512bw"))
+    """Whether this CPU runs the kernel: ISA level avx512_vnni (AVX-512 VNNI and BW for the
+    byte ops; cpu_isa, which MOONCAKED_CPU_ISA can cap)."""
+    return cpu_isa.has("avx512_vnni")
 
 
 def _make_row_dot(nibbles: bool):

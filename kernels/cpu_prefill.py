@@ -37,6 +37,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
+from . import cpu_isa
 from .cpu_decode import _JIT, _LOG2E, _NEG, _data_ptr, _online_softmax_update, _splat
 from .reference import _gather
 
@@ -197,21 +198,11 @@ def _pack(k: torch.Tensor, v: torch.Tensor) -> tuple[np.ndarray, np.ndarray, int
             vt.view(torch.int32).numpy().view(np.uint32).reshape(-1), ntiles)
 
 
-def _has_avx512_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return " avx512_bf16" in f.read()
-    except OSError:
-        return False
-
-
-_CPU_OK = _has_avx512_bf16()
-
-
 def supports(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this kernel runs here: a bf16 cache, head_dim a multiple of 16, and a CPU
-    with AVX512-BF16 (Linux /proc/cpuinfo); otherwise use torch's SDPA."""
-    return _CPU_OK and dtype == torch.bfloat16 and head_dim % TILE == 0
+    at ISA level avx512_bf16 (cpu_isa, which MOONCAKED_CPU_ISA can cap); otherwise use
+    torch's SDPA."""
+    return cpu_isa.has("avx512_bf16") and dtype == torch.bfloat16 and head_dim % TILE == 0
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

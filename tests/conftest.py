@@ -6,10 +6,12 @@ pytest.skip in a test or fixture, a skipif mark, importorskip, or a module-level
 collection. So a missing etcd, pyverbs, shared trace or package is a red CI run, never a
 quiet "s". The rule lives in the report hooks below, so a new test cannot forget it.
 
-The one exception is hardware: `@pytest.mark.gpu(condition, reason=...)` (needs a GPU) and
+The one exception is hardware: `@pytest.mark.gpu(condition, reason=...)` (needs a GPU),
 `@pytest.mark.rdma_devices(condition, reason=...)` (written for a host without RDMA
-devices) skip the test when condition is true, and that skip, with that reason, is allowed
-in CI; any other skip of the same test still fails there. Locally (CI unset) every skip
+devices) and `@pytest.mark.cpu_isa("avx512_bf16")` (a kernel variant for an ISA level this
+CPU lacks; kernels/cpu_isa.py) skip the test when the hardware is not there, and that skip,
+with that reason, is allowed in CI; any other skip of the same test still fails there. The
+run ends with a line saying which ISA levels' variants it tested and which it skipped. Locally (CI unset) every skip
 stays a skip with its reason (`pytest -rs` lists them).
 """
 
@@ -24,8 +26,10 @@ import pytest
 # so every kernel test runs in this process (the GPU check runs with --noconftest).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-CI_SKIP_MARKERS = ("gpu", "rdma_devices")
+CI_SKIP_MARKERS = ("gpu", "rdma_devices", "cpu_isa")
 _HARDWARE_SKIP = pytest.StashKey[str]()
+_ISA_TESTED: dict[str, int] = {}   # ISA level -> tests run for it
+_ISA_SKIPPED: dict[str, int] = {}  # ISA level -> tests skipped (this CPU lacks it)
 
 
 def in_ci() -> bool:
@@ -47,9 +51,24 @@ def _ci_failure(where: str, longrepr) -> str:
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Skips a test whose gpu / rdma_devices marker's condition is true, remembering the
-    reason so that the CI rule lets exactly this skip through."""
-    for name in CI_SKIP_MARKERS:
+    """Skips a test whose gpu / rdma_devices marker's condition is true, or whose cpu_isa
+    level this CPU lacks, remembering the reason so that the CI rule lets exactly this skip
+    through."""
+    from mooncaked.kernels import cpu_isa  # noqa: PLC0415 - after TRITON_INTERPRET is set
+
+    for mark in item.iter_markers("cpu_isa"):
+        if len(mark.args) != 1 or mark.args[0] not in cpu_isa.LEVELS:
+            raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.cpu_isa(LEVEL), LEVEL one "
+                                    f"of {cpu_isa.LEVELS}")
+        level = mark.args[0]
+        if not cpu_isa.has(level):
+            _ISA_SKIPPED[level] = _ISA_SKIPPED.get(level, 0) + 1
+            reason = (f"needs ISA level {level}; this CPU runs {cpu_isa.isa_level()} "
+                      f"({cpu_isa.cpu_name()})")
+            item.stash[_HARDWARE_SKIP] = reason
+            pytest.skip(reason)
+        _ISA_TESTED[level] = _ISA_TESTED.get(level, 0) + 1
+    for name in ("gpu", "rdma_devices"):
         for mark in item.iter_markers(name):
             if not mark.args or "reason" not in mark.kwargs:
                 raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.{name}(condition, "
@@ -85,7 +104,15 @@ def pytest_make_collect_report(collector: pytest.Collector):
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     """Prints pytest-randomly's seed at the end of the run, also under -q (as .ci/run runs),
-    whose header omits it: a shuffled failure is reproducible from the log."""
+    whose header omits it: a shuffled failure is reproducible from the log. Also prints
+    which ISA levels' kernel variants ran and which this CPU could not run."""
+    if _ISA_TESTED or _ISA_SKIPPED:
+        from mooncaked.kernels import cpu_isa  # noqa: PLC0415
+
+        tested = ", ".join(f"{k} ({v} tests)" for k, v in sorted(_ISA_TESTED.items())) or "none"
+        skipped = ", ".join(f"{k} ({v} tests)" for k, v in sorted(_ISA_SKIPPED.items())) or "none"
+        terminalreporter.write_line(f"CPU kernel variants on {cpu_isa.cpu_name()} (level "
+                                    f"{cpu_isa.isa_level()}): tested {tested}; skipped {skipped}")
     seed = getattr(config.option, "randomly_seed", None)
     if isinstance(seed, int) and config.pluginmanager.has_plugin("randomly"):
         terminalreporter.write_line(f"test order: --randomly-seed={seed} "

@@ -12,8 +12,7 @@ import torch
 
 from mooncaked.kernels import cpu_ops, cpu_prefill, reference
 
-pytestmark = pytest.mark.skipif(not cpu_prefill.supports(torch.bfloat16, 64),
-                                reason="this CPU has no AVX512-BF16")
+pytestmark = pytest.mark.cpu_isa("avx512_bf16")
 
 
 def _batch(seqs: list[tuple[int, int]], hd: int, group: int, bs: int, kv_heads: int = 3, seed: int = 0):

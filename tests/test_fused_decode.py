@@ -22,7 +22,7 @@ from mooncaked.model.weights import load_weights
 
 from test_quant import CLEAR_MARGIN, MAX_ATOL, _logits
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.supported(), reason="no AVX-512 VNNI on this CPU")
+pytestmark = pytest.mark.cpu_isa("avx512_vnni")
 
 PROMPTS = ["What is the capital of France?", "Write a short story about a lighthouse keeper.",
            "List three prime numbers."]
