@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 
 import orjson
 import pytest
@@ -148,3 +149,27 @@ def test_an_overload_names_the_prediction_that_broke_its_slo():
     assert str(ttft).endswith("(ttft_slo); predicted TTFT 6.00 s")
     none = Overloaded("no_prefill_node", 1.0)
     assert none.status == 503 and "no_prefill_node" in str(none)
+
+
+def test_non_finite_logprobs_cross_the_wire_as_defined_strings():
+    """A grammar-masked alternative's logprob is -inf: it travels as "-Infinity" (never
+    null) and comes back as -inf; a null or a word is a MessageError naming the field."""
+    lp = TokenLogprob(5, -0.25, [(5, -0.25), (7, -math.inf)])
+    d = wire(OutputDelta((5,), "a", (lp,)))
+    assert d["logprobs"] == [[5, -0.25, [[5, -0.25], [7, "-Infinity"]]]]
+    back = OutputDelta.from_json(d).logprobs[0]
+    assert back.token_id == 5 and back.logprob == -0.25 and back.top == [(5, -0.25), (7, -math.inf)]
+    for bad in (None, "-inf", [1]):
+        d["logprobs"][0][2][1][1] = bad
+        with pytest.raises(MessageError, match="field 'logprobs'"):
+            OutputDelta.from_json(d)
+
+
+def test_an_unattainable_rejection_names_the_longest_prompt_that_would_pass():
+    from mooncaked.cluster.frontend import SloUnattainable
+
+    rej = PlaceRejected("ttft_slo_unattainable", 1.0, 18.06, None, None, 412)
+    assert place_result_from_json(wire(rej)) == rej
+    e = SloUnattainable(3000, 0.3, 18.06, 412)
+    assert (e.status, e.code, getattr(e, "headers", None)) == (400, "slo_unattainable", None)
+    assert "412 tokens" in str(e) and "18.06 s" in str(e)

@@ -265,3 +265,19 @@ def test_decode_refit_never_accepts_a_negative_coefficient():
     steps = [[b, c, 0.2 + 0.002 * b - 2e-5 * c] for b in (1, 2, 4, 8) for c in (500, 2000, 8000)]
     report(svc, "d1", "decode", decode_steps=steps * 6)
     assert svc.decode_refits == 0 and svc.cost.decode is COST.decode
+
+
+def test_a_request_over_the_slo_even_when_idle_is_unattainable_not_overloaded():
+    # 0.1 s + 10 ms a token against a 3 s SLO: at most 290 tokens meet it on an idle node.
+    svc = service(ttft_slo=3.0)
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    rej = place(svc, "long", n=3000)
+    assert not rej["ok"] and rej["reason"] == "ttft_slo_unattainable", rej
+    assert rej["max_prompt_tokens"] == 290 and abs(rej["predicted_ttft_s"] - 30.1) < 1e-9
+    assert place(svc, "fits", n=290)["ok"]             # the named length is admitted
+    # Under load (the 290 tokens queued: 3.0 s) a prompt that fits when idle stays a
+    # 429-style ttft_slo rejection.
+    busy = place(svc, "c", n=250)
+    assert not busy["ok"] and busy["reason"] == "ttft_slo" and busy["max_prompt_tokens"] is None
+    assert svc.status()["rejected"] == {"ttft_slo_unattainable": 1, "ttft_slo": 1}

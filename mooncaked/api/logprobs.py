@@ -8,16 +8,33 @@ their own, else `bytes:\\xNN...` as OpenAI writes such tokens; with
 `return_tokens_as_token_ids` (vLLM's option) every token is `token_id:N`. In a
 completions `top_logprobs` dict (keyed by token string) two ids with the same
 string would collide; the later one is keyed `token_id:N` so none is lost.
+
+Every logprob is a finite number. The values are those of the model's raw
+distribution after the structured-output mask (vLLM V1's default
+`logprobs_mode="raw_logprobs"`: its grammar bitmask is applied to the logits
+before the sampler computes them), so an alternative the grammar forbids has
+logprob -inf; like vLLM's OpenAI server (`max(logprob, -9999.0)`) it is
+answered as LOGPROB_FLOOR = -9999.0, never null (which the OpenAI schema does
+not allow). One process, P/D, CPP and a resumed stream all answer through here.
 """
 
 from __future__ import annotations
 
 import codecs
+import math
 from dataclasses import dataclass, field
 
 from mooncaked.engine.types import TokenLogprob
 
 from .engine_client import ApiTokenizer
+
+
+LOGPROB_FLOOR = -9999.0     # what vLLM and the OpenAI API answer for an impossible token
+
+
+def clamp_logprob(value: float) -> float:
+    """A logprob as the API answers it: at least LOGPROB_FLOOR (-inf and NaN become it)."""
+    return value if math.isfinite(value) and value > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
 def token_string(tok: ApiTokenizer, token_id: int, as_ids: bool = False) -> tuple[str, bytes]:
@@ -35,7 +52,7 @@ def chat_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer, as_ids: bool = Fal
     """OpenAI chat logprobs {"content": [{token, logprob, bytes, top_logprobs}]}."""
     def entry(token_id: int, logprob: float) -> dict:
         text, raw = token_string(tok, token_id, as_ids)
-        return {"token": text, "logprob": logprob, "bytes": list(raw)}
+        return {"token": text, "logprob": clamp_logprob(logprob), "bytes": list(raw)}
 
     return {"content": [{**entry(lp.token_id, lp.logprob),
                          "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps]}
@@ -68,9 +85,9 @@ def completion_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer, offset: Text
             if owner.get(key, t) != t:
                 key = f"token_id:{t}"
             if key not in top:
-                top[key], owner[key] = v, t
+                top[key], owner[key] = clamp_logprob(v), t
         out["tokens"].append(text)
-        out["token_logprobs"].append(lp.logprob)
+        out["token_logprobs"].append(clamp_logprob(lp.logprob))
         out["top_logprobs"].append(top)
         out["text_offset"].append(offset.chars)
         offset.advance(raw)

@@ -59,7 +59,8 @@ from mooncaked.log import get_logger
 from mooncaked.utils import cdiv
 
 from .messages import (KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
-                       PrefillReply, PrefillRequest, Release, params_to_json)
+                       PrefillReply, PrefillRequest, Release, logprob_from_json,
+                       params_to_json)
 from .node_state import NodeDraining, release_on
 from .pipeline_stage import StageFailure, StageServer
 from .prefill_worker import PrefillLoad
@@ -304,7 +305,6 @@ class CppStageWorker:
         character is incomplete, as the decode node's detokenizer does), finished when it is
         an end-of-sequence token or the request wants no more tokens."""
         from mooncaked.engine.detokenizer import IncrementalDetokenizer  # noqa: PLC0415
-        from mooncaked.engine.types import TokenLogprob  # noqa: PLC0415
 
         p, tok = req.params, self.node.tokenizer
         detok = IncrementalDetokenizer(tok, p.stop, p.include_stop_str_in_output)
@@ -320,8 +320,7 @@ class CppStageWorker:
             reason = "length"
         else:
             finished, reason = False, None
-        lps = None if logprob is None else (TokenLogprob(int(logprob[0]), float(logprob[1]),
-                                                         [(int(a), float(b)) for a, b in logprob[2]]),)
+        lps = None if logprob is None else (logprob_from_json(logprob, "stages[-1].logprob"),)
         return OutputDelta((token,), text, lps, finished, reason, stop_reason, 1, 0, None,
                            time.time())
 

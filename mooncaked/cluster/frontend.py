@@ -8,7 +8,8 @@ cache_salt)` and gets RequestOutput deltas. Per request:
 1. block keys of the prompt (the engine's salt: model id, block size, KV dtype,
    cache_salt), then `conductor.place` on the leader -> prefill node p, decode
    node d, blocks p should fetch and from where; or a rejection, answered as
-   HTTP 429 with Retry-After (early rejection, paper section 4 step 4);
+   HTTP 429 with Retry-After (early rejection, paper section 4 step 4), or as 400
+   slo_unattainable without one when even an idle cluster would break the TTFT SLO;
 2. `node.prefill` on p (one control call, bounded by the request's time): p
    loads the prefix, prefills while staging the KV layer by layer (all blocks,
    the partial last one included) and, with cluster.layerwise_kv_push, WRITEs
@@ -57,9 +58,9 @@ from mooncaked.store.keys import block_keys, make_salt
 
 from .auth import auth_headers
 from .errors import PeerUnavailable, RpcError, RpcTimeout
-from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef, OutputDelta,
-                       PlaceRejected, PlaceReply, PlaceRequest, PrefillReply, PrefillRequest,
-                       Release)
+from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, MessageError, NodeRef,
+                       OutputDelta, PlaceRejected, PlaceReply, PlaceRequest, PrefillReply,
+                       PrefillRequest, Release)
 
 log = get_logger(__name__)
 
@@ -109,6 +110,25 @@ class Overloaded(ApiError):
             super().__init__(429, msg, type="rate_limit_error", code="overloaded")
         self.reason, self.retry_after_s = reason, retry_after_s
         self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
+
+
+class SloUnattainable(ApiError):
+    """A request over the TTFT SLO even on an idle cluster (the conductor's reason
+    "ttft_slo_unattainable", conductor/attainable.py): HTTP 400, code slo_unattainable,
+    no Retry-After (OpenAI clients retry 429s; waiting cannot help this one). The message
+    says why and the longest prompt that would pass."""
+
+    def __init__(self, n: int, ttft_slo_s: float, predicted_ttft_s: float | None,
+                 max_prompt_tokens: int | None):
+        pred = f"predicted TTFT {predicted_ttft_s:.2f} s" if predicted_ttft_s is not None \
+            else "its predicted TTFT is over it"
+        fits = (f"the longest prompt that would meet it is {max_prompt_tokens} tokens"
+                if max_prompt_tokens else "no prompt would meet it")
+        super().__init__(400, f"this request cannot meet the TTFT SLO ({ttft_slo_s:g} s) even "
+                              f"on an idle cluster: {n} prompt tokens, {pred}; {fits}. "
+                              f"Retrying will not help: shorten the prompt.",
+                         param="prompt", code="slo_unattainable")
+        self.max_prompt_tokens = max_prompt_tokens
 
 
 def _held_back(text: str, stop: list[str]) -> str:
@@ -241,6 +261,10 @@ class ClusterFrontend:
             except RpcError as e:
                 raise ApiError(500, f"placement failed: {e}", type="server_error") from e
             else:
+                if isinstance(r, PlaceRejected) and r.reason == "ttft_slo_unattainable":
+                    raise SloUnattainable(req.prompt_tokens,
+                                          self.port.settings.conductor.ttft_slo_s,
+                                          r.predicted_ttft_s, r.max_prompt_tokens)
                 if isinstance(r, PlaceRejected):
                     raise Overloaded(r.reason, r.retry_after_s, r.predicted_ttft_s,
                                      r.predicted_tbt_s, r.detail)
@@ -439,6 +463,9 @@ class ClusterFrontend:
                 raise InvalidRequest(e.remote_message, e.remote_param) from e
             raise ApiError(502, f"prefill on node {p.node} failed: {e}",
                            type="server_error", code="prefill_failed") from e
+        except MessageError as e:
+            raise ApiError(502, f"prefill node {p.node} sent a malformed reply: {e}",
+                           type="server_error", code="bad_reply") from e
 
     async def _coupled(self, pl: PlaceReply, prompt: list[int], params: SamplingParams,
                        rid: str, cache_salt: str | None, deadline: float
@@ -466,15 +493,13 @@ class ClusterFrontend:
                     line = line.strip()
                     if not line or line == b"{}":
                         continue                       # keep-alive
-                    raw = orjson.loads(line)
-                    failure = DecodeFailure.from_line(raw)
+                    failure, o = _stream_line(line, node.node)
                     if failure is not None:
                         if failure.status == 400:
                             raise InvalidRequest(failure.error, failure.param)
                         raise ApiError(502, f"generation on node {node.node} failed: "
                                             f"{failure.error}", type="server_error",
                                        code="decode_failed")
-                    o = OutputDelta.from_json(raw)
                     if o.error:
                         raise ApiError(500, f"engine error on node {node.node}: {o.error}",
                                        type="server_error")
@@ -530,15 +555,13 @@ class ClusterFrontend:
                         line = line.strip()
                         if not line or line == b"{}":
                             continue                       # keep-alive
-                        raw = orjson.loads(line)
-                        failure = DecodeFailure.from_line(raw)
+                        failure, o = _stream_line(line, d.node)
                         if failure is not None:
                             if failure.status == 400:
                                 raise InvalidRequest(failure.error, failure.param)
                             raise ApiError(502, f"decode on node {d.node} failed: "
                                                 f"{failure.error}", type="server_error",
                                            code="decode_failed")
-                        o = OutputDelta.from_json(raw)
                         if o.error:
                             raise ApiError(500, f"engine error on decode node {d.node}: "
                                                 f"{o.error}", type="server_error")
@@ -575,6 +598,19 @@ class ClusterFrontend:
                                code="timeout") from e
             except (aiohttp.ClientError, ConnectionError) as e:
                 raise _DecodeLost(d.node, f"{type(e).__name__}: {e}") from e
+
+
+def _stream_line(line: bytes, node: str) -> tuple[DecodeFailure | None, OutputDelta | None]:
+    """One line of a node's output stream: (its failure, None) or (None, its delta).
+    Raises: ApiError 502 (code bad_reply) naming the node and the field when the line is
+    not JSON or not a message, never a 500."""
+    try:
+        raw = orjson.loads(line)
+        failure = DecodeFailure.from_line(raw)
+        return (failure, None) if failure is not None else (None, OutputDelta.from_json(raw))
+    except (orjson.JSONDecodeError, MessageError) as e:
+        raise ApiError(502, f"node {node} sent a malformed output line: {e}",
+                       type="server_error", code="bad_reply") from e
 
 
 class _RequestLine:

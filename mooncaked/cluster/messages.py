@@ -4,7 +4,9 @@ One frozen dataclass per RPC body and reply (and per line of the internal
 decode stream), each with its JSON form in one place: `to_json()` returns a
 dict orjson can write, `from_json(d)` builds the message and raises
 `MessageError` (a ValueError, so a control server answers 400) for a body that
-is not one. Keys travel as hex strings, token ids and shapes as lists.
+is not one. Keys travel as hex strings, token ids and shapes as lists; a float
+that is not finite (a grammar-masked alternative's logprob is -inf) as the string
+"Infinity", "-Infinity" or "NaN" (float_to_json), never as null.
 
 The request path (docs/ARCHITECTURE.md, "The life of a request in a cluster"):
 
@@ -21,6 +23,7 @@ The request path (docs/ARCHITECTURE.md, "The life of a request in a cluster"):
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +54,53 @@ def _get(d: Any, name: str, kind: type | tuple[type, ...], default: Any = datacl
         raise MessageError(f"field {name!r}: expected {getattr(kind, '__name__', kind)}, "
                            f"got {type(v).__name__}")
     return v
+
+
+_NON_FINITE = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def float_to_json(x: float) -> float | str:
+    """A float in its wire form: a JSON number when finite, else the string "Infinity",
+    "-Infinity" or "NaN" (JSON has no such numbers, and orjson would write null)."""
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("Infinity" if x > 0 else "-Infinity")
+
+
+def float_from_json(v: Any, field: str) -> float:
+    """A wire float (see float_to_json) -> float.
+
+    Raises: MessageError naming `field` for anything else (null included).
+    """
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        return float(v)
+    if isinstance(v, str) and v in _NON_FINITE:
+        return _NON_FINITE[v]
+    raise MessageError(f"field {field!r}: expected a number or \"Infinity\", \"-Infinity\", "
+                       f"\"NaN\", got {v!r}")
+
+
+def logprob_to_json(lp: TokenLogprob) -> list:
+    """One token's logprobs in their wire form: [token id, logprob, [[id, logprob], ...]]
+    (a grammar-masked alternative's -inf as "-Infinity", float_to_json)."""
+    return [lp.token_id, float_to_json(lp.logprob),
+            [[int(t), float_to_json(v)] for t, v in lp.top]]
+
+
+def logprob_from_json(v: Any, field: str = "logprobs") -> TokenLogprob:
+    """logprob_to_json's form -> TokenLogprob. Raises: MessageError naming `field`."""
+    try:
+        token, value, top = v
+        if not isinstance(token, int) or isinstance(token, bool) or not isinstance(top, list):
+            raise TypeError("expected [token id, logprob, [[id, logprob], ...]]")
+        pairs = [(a, float_from_json(b, field)) for a, b in top]
+        if not all(isinstance(a, int) and not isinstance(a, bool) for a, _ in pairs):
+            raise TypeError("a top logprob's token id is not an integer")
+    except (TypeError, ValueError) as e:
+        if isinstance(e, MessageError):
+            raise
+        raise MessageError(f"field {field!r}: {e}") from None
+    return TokenLogprob(token, float_from_json(value, field), pairs)
 
 
 def hex_keys(keys: Sequence[bytes]) -> list[str]:
@@ -180,18 +230,21 @@ class PlaceReply:
 
 @dataclass(frozen=True)
 class PlaceRejected:
-    """An early rejection (HTTP 429, or 503 for a "no_..." reason) and when to retry."""
+    """An early rejection (HTTP 429, or 503 for a "no_..." reason) and when to retry; for
+    reason "ttft_slo_unattainable" (over the TTFT SLO even on an idle cluster: HTTP 400,
+    no retry) `max_prompt_tokens`, the longest prompt that would meet it."""
 
     reason: str
     retry_after_s: float
     predicted_ttft_s: float | None = None
     predicted_tbt_s: float | None = None
     detail: str | None = None       # e.g. "prefill0 is draining" for a no_... reason
+    max_prompt_tokens: int | None = None
 
     def to_json(self) -> dict:
         return {"ok": False, "reason": self.reason, "retry_after_s": self.retry_after_s,
                 "predicted_ttft_s": self.predicted_ttft_s, "predicted_tbt_s": self.predicted_tbt_s,
-                "detail": self.detail}
+                "detail": self.detail, "max_prompt_tokens": self.max_prompt_tokens}
 
 
 def place_result_from_json(d: Any) -> PlaceReply | PlaceRejected:
@@ -200,7 +253,7 @@ def place_result_from_json(d: Any) -> PlaceReply | PlaceRejected:
         return PlaceRejected(_get(d, "reason", str), _get(d, "retry_after_s", float),
                              _get(d, "predicted_ttft_s", float, None),
                              _get(d, "predicted_tbt_s", float, None),
-                             _get(d, "detail", str, None))
+                             _get(d, "detail", str, None), _get(d, "max_prompt_tokens", int, None))
     fetch = d.get("fetch")
     return PlaceReply(NodeRef.from_json(_get(d, "prefill", dict)),
                       NodeRef.from_json(_get(d, "decode", dict)),
@@ -237,8 +290,7 @@ class OutputDelta:
                    out.num_cached_tokens, out.error, out.emitted_s)
 
     def to_json(self) -> dict:
-        lps = None if not self.logprobs else [[lp.token_id, lp.logprob, [list(t) for t in lp.top]]
-                                              for lp in self.logprobs]
+        lps = None if not self.logprobs else [logprob_to_json(lp) for lp in self.logprobs]
         return {"ids": list(self.ids), "text": self.text, "logprobs": lps,
                 "finished": self.finished, "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason, "num_output_tokens": self.num_output_tokens,
@@ -248,12 +300,7 @@ class OutputDelta:
     @classmethod
     def from_json(cls, d: Any) -> OutputDelta:
         raw = _get(d, "logprobs", list, None)
-        try:
-            lps = None if not raw else tuple(TokenLogprob(int(t), float(lp),
-                                                          [(int(a), float(b)) for a, b in top])
-                                             for t, lp, top in raw)
-        except (TypeError, ValueError) as e:
-            raise MessageError(f"field 'logprobs': {e}") from None
+        lps = None if not raw else tuple(logprob_from_json(v) for v in raw)
         stop = d.get("stop_reason") if isinstance(d, Mapping) else None
         if stop is not None and not isinstance(stop, (str, int)):
             raise MessageError("field 'stop_reason': expected a string or a token id")
@@ -603,5 +650,6 @@ class NodeReport:
 __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",
            "KVReservation", "KVReserved", "MessageError", "NodeRef", "NodeReport", "OutputDelta",
            "PlaceRejected", "PlaceReply", "PlaceRequest", "PrefillDone", "PrefillReply",
-           "PrefillRequest", "Release", "StoreEventMsg", "hex_keys", "params_from_json",
+           "PrefillRequest", "Release", "StoreEventMsg", "float_from_json", "float_to_json",
+           "hex_keys", "logprob_from_json", "logprob_to_json", "params_from_json",
            "params_to_json", "place_result_from_json", "unhex_keys"]

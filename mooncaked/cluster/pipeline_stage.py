@@ -87,6 +87,7 @@ from mooncaked.transfer.batch import TransferOp, TransferRequest
 from mooncaked.transfer.engine import TransferEngine
 
 from .errors import PeerUnavailable, RpcError
+from .messages import logprob_to_json, params_from_json
 from .rpc import ControlClient, ControlServer
 
 log = get_logger(__name__)
@@ -447,8 +448,6 @@ class StageServer:
         if req.sampling is None:
             return int(torch.argmax(logits)), None
         from mooncaked.model.sampling import SamplingRow, sample  # noqa: PLC0415
-
-        from .messages import params_from_json  # noqa: PLC0415
         params = params_from_json(req.sampling["params"])
         prompt = list(req.sampling.get("prompt") or [])
         row = logits.float().unsqueeze(0).clone()
@@ -460,7 +459,7 @@ class StageServer:
             mask_logits(row, [self.grammars.matcher(params.structured, earlier)])
         tokens, lps = sample(row, [SamplingRow(params, prompt, len(prompt))])
         lp = lps[0]
-        return tokens[0], None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]]
+        return tokens[0], None if lp is None else logprob_to_json(lp)
 
     def _run_chunk(self, rid: str, s: int, inputs: torch.Tensor, want_logits: bool,
                    blocks: tuple[int, int] | None) -> tuple[torch.Tensor, float, torch.Tensor | None]:

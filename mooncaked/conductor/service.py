@@ -45,6 +45,7 @@ from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
 
 from . import cost_store
+from .attainable import longest_attainable, unattainable
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
@@ -377,14 +378,27 @@ class ConductorService:
                         holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders),
                         prefill_queued_s=queued)
         preq = PlacementRequest(keys, n, max_new)
-        result = place(preq, snap, cost, cfg, self.rng) if pre or decode_only else None
-        if groups and not decode_only:
-            result = place_with_groups(result, groups, preq, snap, cost, cfg, self.rng,
-                                       cs.cpp_min_tokens, queue_s, self.cpp_learner,
-                                       {g.name: self._stage_prefix(g, keys) for g in groups})
-            for g in groups:
-                if isinstance(result, Placement) and result.prefill == g.head.node_id:
-                    self.cpp_learner.predicted(rid, g.name, *group_chunk_prediction(cost, g, n))
+        stage_prefix = {g.name: self._stage_prefix(g, keys) for g in groups}
+
+        def run(r: PlacementRequest, s: Snapshot, queue=queue_s, c: PolicyConfig = cfg
+                ) -> Placement | Rejection | None:
+            out = place(r, s, cost, c, self.rng) if pre or decode_only else None
+            if groups and not decode_only:
+                out = place_with_groups(out, groups, r, s, cost, c, self.rng,
+                                        cs.cpp_min_tokens, queue, self.cpp_learner,
+                                        stage_prefix)
+            return out
+
+        result = run(preq, snap)
+        for g in groups:
+            if isinstance(result, Placement) and result.prefill == g.head.node_id:
+                self.cpp_learner.predicted(rid, g.name, *group_chunk_prediction(cost, g, n))
+        if isinstance(result, Rejection) and result.reason == "ttft_slo":
+            # Over the SLO even with every queue empty: retrying later cannot help.
+            def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection | None:
+                return run(r, s, lambda v, c: 0.0, dataclasses.replace(cfg, tbt_slo_s=math.inf))
+            if unattainable(idle, preq, snap):
+                return self._unattainable(result, longest_attainable(idle, preq, snap, bs))
         if isinstance(result, Rejection):
             return self._reject(result)
         if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
@@ -419,7 +433,14 @@ class ConductorService:
                            min_retry_after_s=cs.min_retry_after_s)
         ids = [v.node_id for v in nodes]
         snap = Snapshot(ids, [queue_s(v, cost) for v in nodes], self.index.match(keys, ids))
-        result = place(PlacementRequest(keys, n, max_new), snap, cost, cfg, self.rng)
+        preq = PlacementRequest(keys, n, max_new)
+        result = place(preq, snap, cost, cfg, self.rng)
+        if isinstance(result, Rejection) and result.reason == "ttft_slo":
+            def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection:
+                return place(r, s, cost, cfg, self.rng)
+            if unattainable(idle, preq, snap):
+                return self._unattainable(result, longest_attainable(idle, preq, snap,
+                                                                     cfg.block_size))
         if isinstance(result, Rejection):
             return self._reject(result)
         v = self.nodes[result.prefill]
@@ -443,6 +464,12 @@ class ConductorService:
         return PlaceRejected(r.reason, r.retry_after_s,
                              None if math.isnan(r.predicted_ttft_s) else r.predicted_ttft_s,
                              None if math.isnan(r.predicted_tbt_s) else r.predicted_tbt_s)
+
+    def _unattainable(self, r: Rejection, max_prompt_tokens: int) -> PlaceRejected:
+        """A TTFT rejection that no wait can cure (conductor/attainable.py): reason
+        "ttft_slo_unattainable", the longest prompt that would meet the SLO when idle."""
+        rej = self._reject(dataclasses.replace(r, reason="ttft_slo_unattainable"))
+        return dataclasses.replace(rej, max_prompt_tokens=max_prompt_tokens)
 
     def _accept(self, rid: str, p: Placement, n: int, max_new: int, decode_only: bool,
                 now: float) -> PlaceReply:
