@@ -117,3 +117,37 @@ async def metrics(session: aiohttp.ClientSession, base: str) -> dict[str, float]
             labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
             out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
     return out
+
+
+# Constrained requests with logprobs (issue 32, fault 1). The choice ones force a
+# grammar-masked alternative (logprob -inf) into the top logprobs: after "yes" only the
+# end of output is allowed.
+CONSTRAINED_LOGPROBS = {
+    "completions-choice": {"prompt": "Is the sky blue? Answer:", "max_tokens": 6,
+                           "temperature": 0, "logprobs": 3,
+                           "structured_outputs": {"choice": ["yes", "no"]}},
+    "chat-choice": {"messages": [{"role": "user", "content": "Is the sky blue?"}],
+                    "max_tokens": 6, "temperature": 0, "logprobs": True, "top_logprobs": 3,
+                    "response_format": {"type": "json_schema", "json_schema": {
+                        "name": "a", "schema": {"enum": ["yes", "no"]}}}},
+    "completions-json": {"prompt": "Make a person as JSON:", "max_tokens": 10,
+                         "temperature": 0, "logprobs": 2,
+                         "response_format": {"type": "json_object"}},
+}
+
+
+def logprob_values(body: dict) -> list[float]:
+    """Every logprob number of a completions or chat response, token by token (each
+    sampled token's, then its top alternatives'; all choices). Asserts each one is a JSON number (the OpenAI schema
+    has no null, NaN or infinity there)."""
+    vals: list = []
+    for c in body["choices"]:
+        lp = c["logprobs"]
+        if "content" in lp:                                    # chat
+            for e in lp["content"]:
+                vals += [e["logprob"], *(t["logprob"] for t in e["top_logprobs"])]
+        else:                                                  # completions
+            for v, top in zip(lp["token_logprobs"], lp["top_logprobs"], strict=True):
+                vals += [v, *top.values()]
+    assert vals and all(isinstance(v, float) and -9999.0 <= v <= 0.0 for v in vals), vals
+    return vals

@@ -15,7 +15,7 @@ import re
 
 import aiohttp
 import pytest
-from api_server import post, run_server, stream
+from api_server import CONSTRAINED_LOGPROBS, logprob_values, post, run_server, stream
 
 from mooncaked.api.logprobs import TextOffset
 
@@ -109,3 +109,26 @@ def test_completion_logprob_tokens_name_their_bytes(server):
     assert len(id_tokens) == len(lp["tokens"])
     assert all(re.fullmatch(r"token_id:\d+", t) for t in id_tokens)
     assert ids["choices"][0]["text"] == choice["text"]
+
+
+@pytest.mark.parametrize("case", sorted(CONSTRAINED_LOGPROBS))
+def test_constrained_output_logprobs_are_numbers(server, case):
+    """Issue 32, fault 1: a grammar masks alternatives (logprob -inf); like vLLM's OpenAI
+    server the response carries -9999.0 for them, never null, streamed or not."""
+    url = f"{server.url}/v1/{'chat/completions' if case.startswith('chat') else 'completions'}"
+    body = CONSTRAINED_LOGPROBS[case]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            # each its own cache_salt: both compute the prompt cold (see above)
+            return (await post(s, url, {**body, "cache_salt": f"{case}-1"})), \
+                await stream(s, url, {**body, "stream": True, "cache_salt": f"{case}-2"})
+    (status, out), events = asyncio.run(go())
+    assert status == 200, out
+    vals = logprob_values(out)
+    assert any(v > -9999.0 for v in vals), vals
+    if case.endswith("choice"):
+        assert -9999.0 in vals, vals              # a masked alternative, shown as a number
+    chunks = [e for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]]
+    streamed = [v for c in chunks for v in logprob_values({"choices": c["choices"]})]
+    assert streamed == vals
