@@ -281,3 +281,16 @@ def test_a_request_over_the_slo_even_when_idle_is_unattainable_not_overloaded():
     busy = place(svc, "c", n=250)
     assert not busy["ok"] and busy["reason"] == "ttft_slo" and busy["max_prompt_tokens"] is None
     assert svc.status()["rejected"] == {"ttft_slo_unattainable": 1, "ttft_slo": 1}
+
+
+def test_not_ready_until_a_prefill_and_a_decode_node_have_reported():
+    """What API nodes' /health follows: a request sent now would be placed."""
+    svc = service()
+    assert "prefill or a decode" in svc.not_ready()
+    report(svc, "p1", "prefill")
+    assert svc.not_ready().endswith("no report from a decode node yet")
+    report(svc, "d1", "decode")
+    assert svc.not_ready() is None and place(svc, "a")["ok"]
+    coupled = service()
+    report(coupled, "a1", "all")
+    assert coupled.not_ready() is not None          # a coupled node needs its control address

@@ -416,8 +416,9 @@ class ApiServer:
                 await resp.write(sse.DONE)
         except ConnectionResetError:
             log.info("client_disconnected", request_id=rid)
+            request[CLIENT_CLOSED_KEY] = True      # counted as 499 though 200 went out
             if resp is None:
-                resp = web.Response(status=499)    # nginx's "client closed request"
+                resp = web.Response(status=CLIENT_CLOSED)
         except Exception as e:
             if resp is None:                       # headers not sent: a normal error reply
                 if isinstance(e, TimeoutError):
@@ -446,6 +447,12 @@ class ApiServer:
 # ---------------------------------------------------------------------------- the app
 
 
+# nginx's "client closed request": the status http_requests_total counts for a request
+# whose client went away (its engine requests count as finish_reason "abort").
+CLIENT_CLOSED = 499
+CLIENT_CLOSED_KEY = "mooncaked.client_closed"
+
+
 def _route_label(request: web.Request) -> str:
     info = request.match_info
     route = getattr(info, "route", None)
@@ -470,12 +477,15 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
             raise
         resp = _http_error(request, e)
     except asyncio.CancelledError:
+        # The client went away (handler_cancellation): counted once, as 499.
+        server.metrics.http.labels(_route_label(request), str(CLIENT_CLOSED)).inc()
         raise
     except Exception as e:  # noqa: BLE001 - a bug must not take the server down
         log.error("request_failed", exc_info=True, path=request.path, error=repr(e))
         resp = json_response(error_body(f"internal error: {type(e).__name__}", "server_error"),
                              status=500)
-    server.metrics.http.labels(_route_label(request), str(resp.status)).inc()
+    status = CLIENT_CLOSED if request.get(CLIENT_CLOSED_KEY) else resp.status
+    server.metrics.http.labels(_route_label(request), str(status)).inc()
     return resp
 
 

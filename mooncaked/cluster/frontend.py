@@ -78,6 +78,7 @@ class FrontendPort(Protocol):
     leader_id: str | None
     members: dict                # node id -> coord_records.Member (its info has "role")
 
+    def conductor_not_ready(self) -> str | None: ...
     def model_info(self) -> dict | None: ...
     def max_model_len(self) -> int | None: ...
     def engine_stats(self) -> EngineStats | None: ...
@@ -182,8 +183,10 @@ class ClusterFrontend:
 
     def not_ready(self) -> str | None:
         """Why this node cannot serve a request end to end now, or None when it can: it
-        must have joined, see a conductor (leader), and see a prefill and a decode node
-        (api/health.py answers /health with it)."""
+        must have joined, see a conductor (leader) and a prefill and a decode node (or a
+        coupled one), and that conductor must say it would place a request now (its
+        answer to this node's last report: it has their reports). api/health.py answers
+        /health with it."""
         port = self.port
         if not port.members:
             return "this node has not joined the cluster yet"
@@ -191,9 +194,10 @@ class ClusterFrontend:
             return "no conductor (leader) has been elected yet"
         roles = {m.info.get("role") for m in port.members.values()}
         missing = [r for r in ("prefill", "decode") if r not in roles]
-        if missing:
+        if missing and "all" not in roles:
             return f"no {' and no '.join(missing)} node has joined the cluster"
-        return None
+        # Joined is not enough: the conductor must have their reports, or it answers 503.
+        return port.conductor_not_ready()
 
     def abort(self, request_id: str) -> None:
         """No-op: closing the `generate` iterator cancels the remote calls, which aborts the

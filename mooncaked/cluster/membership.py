@@ -63,6 +63,8 @@ class ClusterView:
         self._on_member, self._build_report, self._activity = on_member, build_report, activity
         self.members: dict[str, Member] = {}
         self.leader_id: str | None = None
+        # (leader id, its not_ready() verdict) from the last report it acknowledged
+        self.conductor_verdict: tuple[str | None, str | None] = (None, "no report sent yet")
         self.conductor: ConductorService | None = None
         self._leader_changed = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
@@ -197,19 +199,37 @@ class ClusterView:
         store_seq and pulls the node's inventory; arrivals and finished prefills are kept
         (bounded) for the next report."""
         report = self._build_report()
+        leader = self.leader_id
         try:
             if self.conductor is not None:
                 await self.conductor.report(report)
+                verdict = self.conductor.not_ready()
             else:
                 addr = self.leader_control()
                 if addr is None:
                     raise NotLeader("no leader yet")
-                await self.client.call(addr, "conductor.report", report.to_json())
+                reply = await self.client.call(addr, "conductor.report", report.to_json())
+                verdict = reply.get("not_ready") if isinstance(reply, dict) else None
+                if not isinstance(verdict, (str, type(None))):
+                    verdict = f"the conductor sent an unreadable verdict: {verdict!r}"
+            self.conductor_verdict = (leader, verdict)
         except (ClusterError, NotLeader) as e:
             log.debug("report_failed", error=str(e))
             self._activity.trim()
             return
         self._activity.reported(len(report.arrived), len(report.done))
+
+    def conductor_not_ready(self) -> str | None:
+        """Why the current conductor would not place a request now (its answer to this
+        node's last report), or None when it would. A verdict from an earlier leader, or
+        none yet, is not trusted: the node is not ready until the current leader has
+        answered one report."""
+        if self.conductor is not None:
+            return self.conductor.not_ready()
+        leader, verdict = self.conductor_verdict
+        if leader is None or leader != self.leader_id:
+            return "the conductor has not answered a report from this node yet"
+        return verdict
 
     async def _report_loop(self) -> None:
         while True:

@@ -168,6 +168,11 @@ class ClusterNode:
         """This node's view of the members (empty before start)."""
         return self.view.members if self.view is not None else {}
 
+    def conductor_not_ready(self) -> str | None:
+        """Why the conductor this node uses would not place a request now, or None
+        (ClusterView.conductor_not_ready)."""
+        return self.view.conductor_not_ready() if self.view is not None else "not joined yet"
+
     @property
     def leader_id(self) -> str | None:
         """The leader as this node last saw it, or None."""
@@ -476,8 +481,9 @@ class ClusterNode:
         return (await self._leader().place(PlaceRequest.from_json(payload))).to_json()
 
     async def _h_report(self, payload: Any) -> dict:
-        await self._leader().report(NodeReport.from_json(payload))
-        return {"ok": True}
+        leader = self._leader()
+        await leader.report(NodeReport.from_json(payload))
+        return {"ok": True, "not_ready": leader.not_ready()}
 
     async def _h_conductor_status(self, payload: Any) -> dict:
         return self._leader().status()

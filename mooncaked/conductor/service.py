@@ -294,6 +294,25 @@ class ConductorService:
                 if self.model.cost.meta.get("source") != "default" else "built-in default")
         return self.model.cost
 
+    def not_ready(self) -> str | None:
+        """Why a request sent now would not be placed, or None when it would: this
+        conductor has a live report from a prefill node (or a complete CPP group) and one
+        from a decode node, or one from a coupled node (role all). The API nodes' /health
+        follows it (issue 32: ready means ready)."""
+        now = time.monotonic()
+
+        def reported(role: str) -> list[NodeView]:
+            return [v for v in self._eligible(role, set(), now) if v.reported_at]
+        pre, groups = split_groups(reported("prefill"))
+        if (pre or groups) and reported("decode"):
+            return None
+        if any(v.control for v in reported("all")):
+            return None
+        missing = [r for r, ok in (("prefill", pre or groups), ("decode", reported("decode")))
+                   if not ok]
+        return (f"the conductor ({self.node_id}) has no report from a "
+                f"{' or a '.join(missing)} node yet")
+
     def _eligible(self, role: str, exclude: set[str], now: float) -> list[NodeView]:
         # A node is live while it reports. Right after a leader change nobody has reported to
         # this conductor yet: members (their leases are alive) count as live, with no load,
