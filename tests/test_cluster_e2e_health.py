@@ -3,13 +3,16 @@ faults 5 and 6).
 
 Cluster on the etcd backend: c1 (cache) starts alone, then p1 (prefill) and d1 (decode).
 - Before a prefill and a decode node have joined, c1 answers /livez 200 and /health 503
-  with a JSON reason; once they have, /health 200 and a request is served end to end.
+  with a JSON reason; once they have and the conductor has their reports, /health 200,
+  and a burst sent at the first 200 is served end to end, after a first start and after
+  a restart of both (issue 32, fault 7).
 - With etcd frozen (SIGSTOP) past the lease time there is no conductor: a request gets
   503 with Retry-After after about cluster.placement_wait_s, not request_timeout_s.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -28,6 +31,8 @@ pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd is not insta
 READY_TIMEOUT_S = 300.0
 PLACEMENT_WAIT_S = 2.0
 LEASE_TTL_S = 2.0
+STARTS = 2          # starts of the prefill and decode nodes that /health is trusted over
+BURST = 5           # requests sent at once when /health first says 200
 
 
 def http(method: str, url: str, body: dict | None = None, timeout: float = 60.0
@@ -57,7 +62,7 @@ def cluster(tmp_path_factory):
     try:
         cl.start_backend()
         cl.start_node("c1")
-        cl.wait_ready(60, nodes=["c1"])     # alive (/livez): no node can be ready yet
+        cl.wait_ready(READY_TIMEOUT_S, nodes=["c1"])   # alive (/livez): no node can be ready yet
         yield cl
     finally:
         if cl.etcd is not None and cl.etcd.proc is not None:
@@ -73,14 +78,36 @@ def test_health_is_ready_only_once_the_cluster_can_serve_and_no_conductor_is_a_b
     assert status == 503 and body["status"] == "not_ready"
     assert "prefill" in body["reason"] and "decode" in body["reason"]
 
-    for nid in ("p1", "d1"):
-        cluster.start_node(nid)
-    cluster.wait_ready(READY_TIMEOUT_S)
-    status, body, _ = http("GET", f"{api}/health")
-    assert (status, body["status"], body["node"]) == (200, "ok", "c1")
     req = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
-    status, body, _ = http("POST", f"{api}/v1/completions", req)
-    assert status == 200, body
+    # As a load balancer uses /health (issue 32, fault 7): poll until 200, then send a
+    # burst at once; every request is placed. Twice: the first start, and a restart of
+    # the prefill and decode nodes (new processes the conductor has no report from).
+    for start in range(STARTS):
+        if start:
+            for nid in ("p1", "d1"):
+                cluster.kill(nid)
+            deadline = time.monotonic() + READY_TIMEOUT_S
+            while http("GET", f"{api}/health")[0] == 200:      # their leases lapse
+                assert time.monotonic() < deadline, "still ready with no prefill node"
+                time.sleep(0.1)   # poll interval, bounded by the deadline
+        for nid in ("p1", "d1"):
+            cluster.start_node(nid)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while True:
+            status, body, _ = http("GET", f"{api}/health")
+            if status == 200:
+                break
+            assert body["status"] == "not_ready", body
+            for nid in ("p1", "d1"):
+                assert cluster.procs[nid].poll() is None, cluster.log_tail(nid)
+            assert time.monotonic() < deadline, f"not ready after {READY_TIMEOUT_S} s: {body}"
+            time.sleep(0.05)   # a load balancer's poll; bounded by the deadline
+        assert (body["status"], body["node"]) == ("ok", "c1")
+        with concurrent.futures.ThreadPoolExecutor(BURST) as pool:
+            burst = list(pool.map(lambda _: http("POST", f"{api}/v1/completions", req),
+                                  range(BURST)))
+        assert [b[0] for b in burst] == [200] * BURST, [b[1] for b in burst]
+    cluster.wait_ready(READY_TIMEOUT_S)
 
     # No conductor: etcd frozen, so the leader's lease lapses and no new one is elected.
     os.kill(cluster.etcd.proc.pid, signal.SIGSTOP)

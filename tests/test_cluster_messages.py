@@ -173,3 +173,16 @@ def test_an_unattainable_rejection_names_the_longest_prompt_that_would_pass():
     e = SloUnattainable(3000, 0.3, 18.06, 412)
     assert (e.status, e.code, getattr(e, "headers", None)) == (400, "slo_unattainable", None)
     assert "412 tokens" in str(e) and "18.06 s" in str(e)
+
+
+def test_a_full_decode_receive_buffer_is_a_429_naming_it():
+    """Issue 32, fault 8: the decode node's ReceiveBuffersFull (its class name crosses the
+    RPC) is answered as load on that resource, not as a missing prefill node."""
+    from mooncaked.cluster.frontend import Overloaded
+    from mooncaked.cluster.node_state import ReceiveBuffersFull
+
+    assert issubclass(ReceiveBuffersFull, ValueError)     # the control RPC answers 400
+    e = Overloaded("decode_receive_buffers_full", 1.0,
+                   detail="decode node d1: receive buffers full (1 + 2 bytes > engine.kv_cache_bytes)")
+    assert (e.status, e.code, e.headers["Retry-After"]) == (429, "overloaded", "1")
+    assert "(decode_receive_buffers_full); decode node d1: receive buffers full" in str(e)

@@ -61,7 +61,8 @@ from mooncaked.utils import cdiv
 from .messages import (KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
                        PrefillReply, PrefillRequest, Release, logprob_from_json,
                        params_to_json)
-from .node_state import NodeDraining, release_on
+from .errors import RpcError
+from .node_state import NodeDraining, ReceiveBuffersFull, release_on
 from .pipeline_stage import StageFailure, StageServer
 from .prefill_worker import PrefillLoad
 
@@ -295,7 +296,12 @@ class CppStageWorker:
                             str(self.engine.dtype).removeprefix("torch."), req.ttl_s)
         try:
             r = await node.client.call(req.push_to, "node.kv_reserve", ask.to_json())
-        except Exception as ex:  # noqa: BLE001 - RpcError, unreachable: the request is re-placed
+        except RpcError as ex:
+            if ex.remote_type == ReceiveBuffersFull.__name__:     # load: say so, no re-place
+                raise ReceiveBuffersFull(ex.remote_message) from ex
+            raise StageFailure(f"group {self.cpp.group}: the decode node gave no receive buffer: "
+                               f"{ex}") from ex
+        except Exception as ex:  # noqa: BLE001 - unreachable: the request is re-placed
             raise StageFailure(f"group {self.cpp.group}: the decode node gave no receive buffer: "
                                f"{ex}") from ex
         return KVReserved.from_json(r).descriptor

@@ -30,7 +30,8 @@ from mooncaked.log import get_logger
 from .admission import DecodeAdmission
 from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation, KVReserved,
                        MessageError, OutputDelta, Release)
-from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
+from .node_state import (Activity, KVTransferCounters, NodeDraining, ReceiveBuffersFull,
+                         release_on)
 
 log = get_logger(__name__)
 
@@ -107,8 +108,8 @@ class DecodeWorker:
         nbytes = ask.shape[1] * g.block_bytes
         held = sum(r.nbytes for r in self.buffers.values())
         if held + nbytes > self.settings.engine.kv_cache_bytes:
-            raise ValueError(f"receive buffers full ({held} + {nbytes} bytes > "
-                             f"engine.kv_cache_bytes)")
+            raise ReceiveBuffersFull(f"decode node {self.node_id}: receive buffers full "
+                                     f"({held} + {nbytes} bytes > engine.kv_cache_bytes)")
         buf = torch.empty(list(ask.shape), dtype=g.dtype)
         name = f"{self.node_id}/recv/{ask.rid}"
         desc = self.transfer.register_segment(name, buf, "cpu:0")

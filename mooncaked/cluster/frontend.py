@@ -93,8 +93,11 @@ class FrontendPort(Protocol):
 
 class Overloaded(ApiError):
     """An early rejection: HTTP 429 with Retry-After (whole seconds, rounded up) when the
-    predicted TTFT or TBT breaks its SLO; 503 with Retry-After when no prefill or decode
-    node is available at all. The message gives the prediction that broke the SLO."""
+    predicted TTFT or TBT breaks its SLO or a resource is short now (reason names it:
+    "decode_full" the decode node's KV, "decode_receive_buffers_full" its receive
+    buffers, "ttft_slo" the prefill queue); 503 with Retry-After when no prefill or
+    decode node is available at all. The message gives the prediction that broke the
+    SLO, or `detail` (the node and resource)."""
 
     def __init__(self, reason: str, retry_after_s: float, predicted_ttft_s: float | None = None,
                  predicted_tbt_s: float | None = None, detail: str | None = None):
@@ -108,6 +111,8 @@ class Overloaded(ApiError):
                 msg += f"; predicted TTFT {predicted_ttft_s:.2f} s"
             elif reason in ("tbt_slo", "decode_full") and predicted_tbt_s is not None:
                 msg += f"; predicted TBT {predicted_tbt_s:.3f} s"
+            if detail:
+                msg += f"; {detail}"
             super().__init__(429, msg, type="rate_limit_error", code="overloaded")
         self.reason, self.retry_after_s = reason, retry_after_s
         self.headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))}
@@ -465,6 +470,10 @@ class ClusterFrontend:
                 raise _Replace(str(e), e.remote_message or f"{p.node} is draining") from e
             if e.remote_type == "InvalidRequest":
                 raise InvalidRequest(e.remote_message, e.remote_param) from e
+            if e.remote_type == "ReceiveBuffersFull":     # load on the decode node: say so
+                raise Overloaded("decode_receive_buffers_full",
+                                 self.port.settings.conductor.min_retry_after_s,
+                                 detail=e.remote_message) from e
             raise ApiError(502, f"prefill on node {p.node} failed: {e}",
                            type="server_error", code="prefill_failed") from e
         except MessageError as e:

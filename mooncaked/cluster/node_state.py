@@ -20,6 +20,13 @@ class NodeDraining(RuntimeError):
     """The node takes no new requests (drain or shutdown); place the request elsewhere."""
 
 
+class ReceiveBuffersFull(ValueError):
+    """A decode node's receive buffers (engine.kv_cache_bytes of them) cannot hold one
+    more request's pushed KV now: load, not a fault. Its class name crosses the control
+    RPC (RpcError.remote_type), so the API answers 429 naming this resource, not a
+    missing prefill node (issue 32, fault 8)."""
+
+
 @dataclass
 class KVTransferCounters:
     """How this node handed KV over (node.status "kv_transfer"; monotonic since start).
