@@ -42,6 +42,7 @@ import orjson
 import pytest
 
 from api_server import CONSTRAINED_LOGPROBS, logprob_values
+from api_server import metrics as api_metrics
 from api_server import stream as sse_stream
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
@@ -521,9 +522,22 @@ def test_client_disconnect_frees_kv_on_both_sides(env):
             r.close()            # the client goes away mid-stream
             return got
 
+    http = "mooncaked_http_requests_total{route=/v1/completions,status=499}"
+    abort = "mooncaked_requests_total{finish_reason=abort}"
+
+    def counts() -> tuple[float, float]:
+        async def go() -> dict:
+            async with aiohttp.ClientSession() as s:
+                return await api_metrics(s, cluster.api_url("c1"))
+        m = asyncio.run(go())
+        return m.get(http, 0.0), m.get(abort, 0.0)
+    before = counts()
     assert asyncio.run(start_and_drop()) == 3
     wait_until(lambda: all_freed(cluster), FREED_WITHIN_S,
                "KV freed on the prefill and decode nodes", lambda: kv_held(cluster))
+    # counted once in both series (issue 32, fault 6): the HTTP one as 499
+    wait_until(lambda: counts() == (before[0] + 1, before[1] + 1), FREED_WITHIN_S,
+               "the cancelled stream counted", lambda: (before, counts()))
 
 
 def test_client_disconnect_during_a_pushed_prefill_frees_both_sides(env):
