@@ -55,11 +55,11 @@ from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, S
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
 
-from .auth import auth_headers
-from .errors import PeerUnavailable, RpcError, RpcTimeout
-from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef, OutputDelta,
-                       PlaceRejected, PlaceReply, PlaceRequest, PrefillReply, PrefillRequest,
-                       Release)
+from mooncaked.wire.auth import auth_headers
+from mooncaked.wire.errors import PeerUnavailable, RpcError, RpcTimeout
+from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef,
+                                     OutputDelta, PlaceRejected, PlaceReply, PlaceRequest,
+                                     PrefillReply, PrefillRequest, Release)
 
 log = get_logger(__name__)
 

@@ -37,18 +37,18 @@ from typing import Any, AsyncIterator
 from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
 from ..lograte import RateLimitedLog
-from .coord_election import ElectionMixin
-from .coord_membership import MembershipMixin
-from .coord_records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
-from .errors import CoordinationError, SessionLost
+from .election import ElectionMixin
+from .membership import MembershipMixin
+from .records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
+from mooncaked.wire.errors import CoordinationError, SessionLost
 
 log = get_logger(__name__)
 # An outage fails these every heartbeat / poll: one line per kind per window, with a count.
 _limited = RateLimitedLog(log)
 
 class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
-    """Cluster coordination: metadata, leased membership (coord_membership.py), leader
-    election (coord_election.py), over a backend's primitives.
+    """Cluster coordination: metadata, leased membership (coord/membership.py), leader
+    election (coord/election.py), over a backend's primitives.
 
     Use as `async with make_coordinator(settings) as coord: ...` or call `start()` and
     `close()`. Operations raise `CoordinationError` when the store fails or does not
