@@ -18,7 +18,8 @@ import time
 
 import pytest
 
-from mooncaked.coord.coordinator import MemberEvent, make_coordinator
+from mooncaked.coord.coordinator import MemberEvent
+from mooncaked.coord.factory import make_coordinator
 from mooncaked.wire.errors import CoordinationError
 from mooncaked.coord.etcd_server import EtcdServer, etcd_binary, free_port
 from mooncaked.cluster.probe import ProbeProcess

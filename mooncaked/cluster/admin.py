@@ -12,7 +12,7 @@ from typing import Any
 from mooncaked.config import ClusterSettings
 
 from mooncaked.wire.auth import load_token
-from mooncaked.coord.coordinator import make_coordinator
+from mooncaked.coord.factory import make_coordinator
 from mooncaked.wire.errors import ClusterError
 from mooncaked.wire.rpc import ControlClient
 

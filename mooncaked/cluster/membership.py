@@ -15,13 +15,13 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mooncaked.conductor.service import ConductorService, NotLeader
+from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 from mooncaked.lograte import RateLimitedLog
 
 from mooncaked.coord.coordinator import Coordinator, Member
-from mooncaked.wire.errors import ClusterError, CoordinationError
+from mooncaked.wire.errors import ClusterError, CoordinationError, NotLeader
 from mooncaked.wire.messages import NodeReport
 from .node_state import Activity
 

@@ -46,13 +46,14 @@ import mooncaked
 from mooncaked import failpoints
 from mooncaked.api.node_metrics import node_metrics
 from mooncaked.config import Settings
-from mooncaked.conductor.service import ConductorService, NotLeader
+from mooncaked.conductor.service import ConductorService
 from mooncaked.log import get_logger
 
 from mooncaked.wire.auth import authorized, load_token
-from mooncaked.coord.coordinator import Coordinator, Member, make_coordinator
+from mooncaked.coord.coordinator import Coordinator, Member
+from mooncaked.coord.factory import make_coordinator
 from .decode_worker import DecodeWorker
-from mooncaked.wire.errors import ClusterError, RpcError
+from mooncaked.wire.errors import ClusterError, NotLeader, RpcError
 from .membership import ClusterView
 from mooncaked.wire.messages import (DecodeLoad, NodeRef, NodeReport, PlaceRejected, PlaceReply,
                                      PlaceRequest, PrefillReply, PrefillRequest, Release,

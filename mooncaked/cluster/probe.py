@@ -34,7 +34,7 @@ from typing import Any
 import orjson
 
 from ..config import ClusterSettings
-from mooncaked.coord.coordinator import make_coordinator
+from mooncaked.coord.factory import make_coordinator
 from mooncaked.wire.rpc import ControlServer
 
 

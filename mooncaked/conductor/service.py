@@ -58,11 +58,6 @@ from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Reje
 log = get_logger(__name__)
 
 
-
-class NotLeader(RuntimeError):
-    """This node does not run the conductor (any more); ask the current leader."""
-
-
 def cost_model_path(settings: Settings) -> Path:
     """Where `mooncaked profile` writes the cost model and the conductor reads it:
     conductor.cost_model, else <state dir>/cost_model.json."""
@@ -499,5 +494,5 @@ class ConductorService:
         }
 
 
-__all__ = ["ConductorService", "INFLIGHT_TTL_S", "NodeView", "NotLeader", "cost_model_path", "default_cost_model",
+__all__ = ["ConductorService", "INFLIGHT_TTL_S", "NodeView", "cost_model_path", "default_cost_model",
            "load_cost_model", "state_dir"]

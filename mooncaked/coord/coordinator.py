@@ -372,19 +372,5 @@ def default_state_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"mooncaked-cluster-{os.getuid()}")
 
 
-def make_coordinator(settings: ClusterSettings) -> Coordinator:
-    """The coordinator of settings.backend ("local" or "etcd"), not yet started.
-
-    Raises: ConfigError for bad settings (e.g. heartbeat too slow for the TTL).
-    """
-    if settings.backend == "local":
-        from .local import LocalCoordinator
-        return LocalCoordinator(settings)
-    if settings.backend == "etcd":
-        from .etcd import EtcdCoordinator
-        return EtcdCoordinator(settings)
-    raise ConfigError("<settings>", "cluster.backend", f"unknown backend {settings.backend!r}")
-
-
-__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "make_coordinator",
-           "default_state_dir", "DEFAULT_ELECTION"]
+__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "default_state_dir",
+           "DEFAULT_ELECTION"]
