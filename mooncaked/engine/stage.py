@@ -28,6 +28,7 @@ from mooncaked.kernels import attention_ops
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.weights import ModelConfig, load_weights
 from mooncaked.utils import cdiv
+from mooncaked.model.weights import ModelLoadError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RELEASE_WAIT_S = 5.0   # bound on a chunk's wait for pages being released (copied out: ms)
@@ -67,7 +68,6 @@ def model_num_layers(path) -> int:
     Raises: ModelLoadError when the metadata lacks it or cannot be read."""
     from pathlib import Path  # noqa: PLC0415
 
-    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
     p = Path(path)
     try:

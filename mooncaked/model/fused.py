@@ -62,8 +62,8 @@ def why_not(cfg: ModelConfig, tensors: dict, weight_format: str, dtype: torch.dt
 def build(cfg: ModelConfig, tensors: dict, rope_cos: np.ndarray, rope_sin: np.ndarray):
     """The model's cpu_fused_decode.FusedWeights (check `why_not` first); rope_cos, rope_sin:
     the model's rotary tables, fp32 [P, head_dim / 2]."""
-    from mooncaked.kernels.cpu_fused_decode import FusedWeights  # noqa: PLC0415
-    from mooncaked.kernels.cpu_gemv import GemvWeight  # noqa: PLC0415
+    from mooncaked.kernels.cpu_fused_decode import FusedWeights  # noqa: PLC0415 - needs numba
+    from mooncaked.kernels.cpu_gemv import GemvWeight  # noqa: PLC0415 - needs numba
     layers, attn_norm, mlp_norm = [], [], []
     for i in range(cfg.num_layers):
         t = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
@@ -80,7 +80,7 @@ def build(cfg: ModelConfig, tensors: dict, rope_cos: np.ndarray, rope_sin: np.nd
 def decode(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
            meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
     """LlamaModel.forward for a decode step through the fused kernels: fp32 [T, hidden]."""
-    from mooncaked.kernels.cpu_fused_decode import decode_layers  # noqa: PLC0415
+    from mooncaked.kernels.cpu_fused_decode import decode_layers  # noqa: PLC0415 - needs numba
     ids = input_ids.numpy()
     if model.embed is not None:
         h = model.embed[input_ids].float().numpy().copy()
@@ -96,5 +96,5 @@ def decode(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
 
 def logits(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     """LlamaModel.logits of the fused step's fp32 hidden states: fp32 [N, vocab]."""
-    from mooncaked.kernels.cpu_fused_decode import head_logits  # noqa: PLC0415
+    from mooncaked.kernels.cpu_fused_decode import head_logits  # noqa: PLC0415 - needs numba
     return head_logits(model.fused, hidden.numpy(), model.cfg.rms_norm_eps)
