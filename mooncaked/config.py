@@ -97,9 +97,8 @@ class ModelSettings:
                                          "fused decode step (every layer and the LM head in one "
                                          "Numba call each, over the GGUF's own Q4_0/Q4_1/Q8_0 "
                                          "blocks with int8 activations, as llama.cpp; needs "
-                                         "weight_format = auto, dtype bfloat16 or float32 and a "
-                                         "CPU with AVX2+FMA or AVX-512 VNNI); 0 turns it off.",
-                                         min=0)
+                                         "weight_format = auto, bfloat16 and AVX-512 VNNI); 0 "
+                                         "turns it off.", min=0)
 
 
 @dataclass
