@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from mooncaked.kernels import cpu_isa
+
 from . import quant
 from .weights import ModelConfig
 
@@ -44,7 +46,7 @@ def why_not(cfg: ModelConfig, tensors: dict, weight_format: str, dtype: torch.dt
     if not getattr(ops, "__name__", "").endswith("cpu_ops"):
         return "needs the CPU kernel set (engine.attention_backend auto or cpu)"
     try:
-        from mooncaked.kernels import cpu_gemv, cpu_isa  # noqa: PLC0415 - needs numba
+        from mooncaked.kernels import cpu_gemv  # noqa: PLC0415 - needs numba
     except ImportError as e:
         return f"Numba kernels unavailable: {e}"
     if not cpu_gemv.supported():
