@@ -40,6 +40,8 @@ from pathlib import Path
 import aiohttp
 import orjson
 import pytest
+from cluster_harness import wait_until
+from cluster_harness import node_status as status
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
@@ -179,24 +181,6 @@ def reusable(prompt_tokens: int) -> int:
     """Prompt tokens a repeat of a prompt finds cached: every full block but the one holding
     the last prompt token (engine/block_manager.py match_prefix: its logits are needed)."""
     return (prompt_tokens - 1) // BLOCK * BLOCK
-
-
-def status(cluster: LocalCluster, nid: str) -> dict:
-    return control_call(cluster.control(nid), "node.status", timeout_s=5.0)
-
-
-def wait_until(pred, timeout_s: float, what, state=None):
-    """pred() once it is truthy, polled for at most timeout_s; the failure names `what`
-    and, when given, what state() shows then."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}"
-                                 + (f"; now: {state()}" if state is not None else ""))
-        time.sleep(0.1)   # poll interval
 
 
 def live(cluster: LocalCluster) -> list[str]:
