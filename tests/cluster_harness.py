@@ -39,7 +39,7 @@ import aiohttp
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
-from mooncaked.cluster.etcd_server import EtcdServer, etcd_binary
+from mooncaked.coord.etcd_server import EtcdServer, etcd_binary
 from mooncaked.cluster.launcher import control_call
 
 BIN = Path(sys.executable).parent

@@ -161,6 +161,6 @@ def etcd(tmp_path_factory):
     Tests that stop, pause or restart etcd, or need TLS, start their own. Skips (fails
     under CI) when etcd is not installed."""
     if cluster_harness.etcd_binary() is None:
-        pytest.skip("etcd is not installed (mooncaked/cluster/install_etcd.sh)")
+        pytest.skip("etcd is not installed (mooncaked/coord/install_etcd.sh)")
     with cluster_harness.run_etcd(tmp_path_factory.mktemp("etcd") / "data") as server:
         yield server

@@ -217,9 +217,14 @@ def test_published_cost_model_is_used_by_the_leader_without_a_leader_change(clus
                       decode=PolyModel(((0, 0),), (0.05,)), transfer=TransferModel(1e9),
                       kv_bytes_per_token=46080, name="published-by-test", meta={"source": "fit"})
     from mooncaked.conductor.cost_store import publish
+    from mooncaked.coord.factory import make_coordinator
     settings = load_settings(cluster.write_ctl_config())
     leader = control_call(cluster.control("c1"), "node.status")["leader"]
-    asyncio.run(publish(settings.cluster, model, "/elsewhere/cost_model.json"))
+
+    async def publish_model():
+        async with make_coordinator(settings.cluster) as coord:
+            await publish(coord, model, "/elsewhere/cost_model.json")
+    asyncio.run(publish_model())
 
     def in_use():
         st = control_call(cluster.control(leader), "conductor.status")

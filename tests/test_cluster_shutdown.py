@@ -148,7 +148,7 @@ def test_children_die_with_their_parent(tmp_path):
     pidfile = tmp_path / "child.pid"
     parent = subprocess.Popen([sys.executable, "-c", f"""
 import subprocess, sys, time
-from mooncaked.cluster.pdeathsig import die_with_parent
+from mooncaked.pdeathsig import die_with_parent
 p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                      preexec_fn=die_with_parent())
 open({str(pidfile)!r}, "w").write(str(p.pid))

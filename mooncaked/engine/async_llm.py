@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
+from mooncaked.stall_metrics import node_metrics
 
 import torch
 
@@ -49,7 +50,6 @@ class AsyncLLM:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        from mooncaked.api.node_metrics import node_metrics  # noqa: PLC0415 - api imports engine
         self._metrics = node_metrics()
 
     @classmethod
