@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
 
@@ -24,17 +25,6 @@ BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 300.0
 WAIT_S = 90.0     # generous: the suite shares two cores with other work
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    """pred() once truthy, polled for at most timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.1)   # poll interval
 
 
 def http(method: str, url: str, body: dict | None = None, headers: dict | None = None

@@ -18,6 +18,7 @@ import urllib.request
 
 import orjson
 import pytest
+from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec
 from mooncaked.daemon import SHUTDOWN_SLACK_S
@@ -27,16 +28,6 @@ DRAIN_S = 20.0                      # long enough that a running request holds a
 BOUND_S = DRAIN_S + SHUTDOWN_SLACK_S + 10.0   # + process exit on a loaded machine
 NODES = ("c1", "p1", "d1")          # a cache, a prefill and a decode node
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)   # poll interval
 
 
 def events(cl: LocalCluster, nid: str, since: int = 0) -> list[dict]:
