@@ -19,7 +19,8 @@ def serve(
     host: Optional[str] = typer.Option(None, help="API listen address (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, help="API port."),
     model: Optional[str] = typer.Option(None, help="GGUF file or safetensors directory."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16."),
+    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 (auto: per CPU, "
+                                        "model/numerics.py)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda[:N] (model, KV pages, sampling)."),
     load_format: Optional[str] = typer.Option(None, "--load-format", help="auto | dummy (--model is a "
                                               "config.json; random weights)."),

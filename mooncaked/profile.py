@@ -180,7 +180,7 @@ def run_profile(settings: Settings, grid: ProfileGrid | None = None,
     prefill = measure_prefill(engine, grid, rng)
     decode = measure_decode(engine, grid, rng)
     bw, lat = asyncio.run(measure_transfer(settings.transfer, grid.transfer_bytes))
-    name = (f"{engine.model_name} ({settings.model.dtype}, {settings.model.device}) on "
+    name = (f"{engine.model_name} ({engine.numerics.dtype}, {settings.model.device}) on "
             f"{platform.node()}")
     model = fit_cost_model(prefill, decode, bw, engine.block_bytes // engine.block_size,
                            latency_s=lat, name=name)

@@ -20,6 +20,7 @@ import pytest
 from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.kernels import cpu_isa
 
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 300.0
@@ -251,3 +252,30 @@ def test_transfer_port_in_use_names_the_port():
                                 node_id="t")
         with pytest.raises(OSError, match=f"127.0.0.1:{port} \\(transfer.host/transfer.port\\)"):
             asyncio.run(engine.start())
+
+
+def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
+    """issue 30: the serve log's start-up `numerics` line, the registered model record and
+    `mooncake ctl status` say which dtype model.dtype = auto chose and which variants run."""
+    want_dtype = "bfloat16" if cpu_isa.has("avx512_bf16") else "float32"
+    state = ["-c", str(cluster.write_ctl_config())]
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "--json", *state],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    view = orjson.loads(out.stdout)
+    for nid in ("p1", "d1"):
+        k = view["nodes"][nid]["info"]["model"]["kernels"]
+        assert (k["cpu"], k["isa"]) == (cpu_isa.cpu_name(), cpu_isa.isa_level()), nid
+        assert (k["dtype"], k["requested_dtype"]) == (want_dtype, "auto"), nid
+        assert k["decode_path"] == "per-op-torch" or k["decode_path"].startswith("fused-")
+        assert k["prefill_path"] in ("sdpa", "cpu_prefill-avx512_bf16")
+        assert view["nodes"][nid]["info"]["model"]["dtype"] == want_dtype
+        line = next(orjson.loads(ln) for ln in cluster.log_path(nid).read_text().splitlines()
+                    if '"numerics"' in ln)
+        assert {f: line[f] for f in k if f in line} == {f: k[f] for f in k if f in line}
+        assert {"cpu", "isa", "decode_path", "prefill_path", "dtype"} <= set(line)
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", *state],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout[out.stdout.index("kernels"):]
+    assert cpu_isa.isa_level() in table and f"{want_dtype} (auto)" in table

@@ -167,7 +167,8 @@ class ClusterNode:
                 "max_model_len": e.max_model_len, "block_bytes": g.block_bytes,
                 "max_logprobs": e.max_logprobs,
                 "kv_capacity_tokens": g.num_blocks * g.block_size,
-                "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim]}
+                "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim],
+                "kernels": e.kernels()}
 
     @property
     def members(self) -> dict[str, Member]:
@@ -457,6 +458,13 @@ class ClusterNode:
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""
         m = member.info.get("model")
+        mine = self.info.get("model") if self.engine is not None else None
+        if m and mine and m.get("dtype") != mine.get("dtype"):
+            # model.dtype = auto resolves per CPU (model/numerics.py): nodes on different CPU
+            # kinds can differ, and then neither KV handovers nor block keys match
+            log.warning("model_dtype_mismatch", member=member.node_id, member_dtype=m.get("dtype"),
+                        dtype=mine.get("dtype"),
+                        hint="set model.dtype explicitly (float32 or bfloat16) on every node")
         if self.role == "cache" and self.store is None and m:
             await self._start_store(int(m["block_bytes"]))
             await self._reregister()

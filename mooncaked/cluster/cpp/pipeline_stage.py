@@ -693,7 +693,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--next", default="", help="the next stage's control address (none: last stage)")
     p.add_argument("--name", default="")
     p.add_argument("--model", default="", help="model path (default: the bundled model)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)
