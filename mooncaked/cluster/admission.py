@@ -20,17 +20,10 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-from mooncaked.conductor.cost_model import CostModel
+from mooncaked.conductor.cost_model import CostModel, step_with_request_s
+from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.conductor.refit import CostModelRefitter
 from mooncaked.config import Settings
-
-
-def step_with_request_s(cost: CostModel, batch: int, context_tokens: float,
-                        prompt_tokens: float) -> float:
-    """Predicted decode step time (seconds) of a node running `batch` requests holding
-    `context_tokens` KV tokens once it admits one more with `prompt_tokens` tokens: the
-    request's predicted TBT (what `policy.place` checks against the SLO)."""
-    return cost.decode_step_s(batch + 1, context_tokens + prompt_tokens)
 
 
 class DecodeAdmission:
@@ -50,7 +43,6 @@ class DecodeAdmission:
 
     def _cost(self) -> CostModel:
         if self.model.cost is None:
-            from mooncaked.conductor.service import load_cost_model  # noqa: PLC0415 - cycle
             self.model.cost = load_cost_model(self._settings, self._kvb)
         return self.model.cost
 
@@ -78,4 +70,4 @@ class DecodeAdmission:
                 "retry_after_s": self.retry_after_s}
 
 
-__all__ = ["DecodeAdmission", "step_with_request_s"]
+__all__ = ["DecodeAdmission"]
