@@ -14,17 +14,20 @@ Tests run in any order: each starts with every node healthy and undrained
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
+from http.client import HTTPConnection
 from pathlib import Path
 
 import orjson
 import pytest
-from cluster_harness import wait_until
+from cluster_harness import CONSTRAINED_LOGPROBS, logprob_values, wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, cluster_specs, control_call
 
@@ -334,3 +337,50 @@ def test_kill_of_a_stage_mid_request_is_rerun_or_a_clear_error_and_frees_everyth
         assert s == 200, body
         return prefilled_on(cluster, body) == "g0s0"
     wait_until(served_by_group, WAIT_S, "a request served by the group again")
+
+
+ABORTS = 4            # after four leaked slots the group was dead (issue 32, fault 4)
+
+
+def test_client_aborts_during_a_cpp_prefill_free_every_stage_and_the_group_serves(cluster):
+    """Issue 32, fault 4: a client that closes its stream while the group prefills a long
+    prompt frees the request on every stage and on the decode node (stage 1 used to keep
+    it, held by stage 0's never-dropped cpp.hold, until its slots ran out), four times
+    over; then the group still serves."""
+    prompt = " ".join(f"entry{i}" for i in range(330))     # ~1,000 tokens: ~30 chunks
+    url = urllib.parse.urlsplit(cluster.api_url("decode0"))
+    body = orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                         "stream": True, "cache_salt": uuid.uuid4().hex})
+
+    def nothing_held() -> bool:
+        st = [control_call(cluster.control(n), "node.status") for n in ("g0s0", "g0s1")]
+        d = control_call(cluster.control("decode0"), "node.status")
+        return (all(not s["cpp"]["requests"] and not s["cpp"]["stage_pages"] for s in st)
+                and d["requests"]["receiving"] == 0 and not d["requests"]["decode"])
+    for i in range(ABORTS):
+        idle(cluster)
+        conn = HTTPConnection(url.hostname, url.port, timeout=WAIT_S)
+        try:
+            conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+            wait_until(lambda: control_call(cluster.control("g0s1"), "node.status")["cpp"]
+                       ["requests"], WAIT_S, f"abort {i}: the request to reach stage 1")
+        finally:
+            conn.sock.shutdown(socket.SHUT_RDWR)            # the client goes away mid-prefill
+            conn.close()
+        wait_until(nothing_held, FREE_S * 2, f"abort {i}: every stage and decode0 to free it")
+    s, out = complete(cluster, LONG, 4, cache_salt=uuid.uuid4().hex)
+    assert s == 200 and out["usage"]["completion_tokens"] == 4, out
+    assert prefilled_on(cluster, out) == "g0s0"
+
+
+def test_constrained_logprobs_through_the_group_are_numbers(cluster):
+    """Issue 32, fault 1 on CPP: the last stage's logprobs of a grammar-constrained first
+    token (masked alternatives: -inf) cross the stages and nodes in their wire form; the
+    client gets numbers, -9999.0 for the masked ones (a 500 before)."""
+    body = {**CONSTRAINED_LOGPROBS["completions-choice"], "cache_salt": uuid.uuid4().hex}
+    body["prompt"] = LONG + " " + body["prompt"]      # long enough for the group
+    s, out = complete(cluster, body.pop("prompt"), body.pop("max_tokens"), **body)
+    assert s == 200, out
+    assert prefilled_on(cluster, out) == "g0s0"
+    vals = logprob_values(out)
+    assert -9999.0 in vals and out["choices"][0]["text"] in ("yes", "no"), out

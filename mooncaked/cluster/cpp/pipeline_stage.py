@@ -39,7 +39,10 @@ are in flight (a send task per chunk, chained so a request's chunks arrive in or
 A request that fails on any stage (a dead peer, no pages) is released on this stage and
 its error goes back up the chain; a request whose upstream stage dies is released when
 its `cpp.hold` connection drops, and a request nobody holds or touches for
-`idle_timeout_s` by a sweep (the backstop), so nothing is held afterwards.
+`idle_timeout_s` by a sweep (the backstop; a held one that gets no chunk for
+HELD_IDLE_FACTOR idle timeouts too), so nothing is held afterwards. A request
+whose caller goes away (a cancelled cpp.prefill or last cpp.chunk) is released with
+its hold on the next stage dropped, so every later stage frees it at once.
 
 KV push (optional `kv_target` = {descriptor}: a receive segment in the decode node's
 layer-major layout [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], num_blocks
@@ -99,6 +102,7 @@ from .stage_prefix import StagePrefix
 log = get_logger(__name__)
 
 SWEEP_INTERVAL_S = 0.5  # how often idle requests are looked for (well under idle_timeout_s)
+HELD_IDLE_FACTOR = 6    # a held request without a chunk for 6 idle timeouts is given up
 SLOT_WAIT_S = 10.0      # cpp.reserve waits this long for a receive slot before failing
 
 
@@ -139,7 +143,9 @@ class StageServer:
         next_addr: control address "host:port" of the next stage; None on the last stage.
         max_tokens: longest prompt, tokens (size of one receive slot).
         slots: requests that may be in flight through this stage at once.
-        idle_timeout_s: a request untouched this long is released (a dead peer upstream).
+        idle_timeout_s: a request untouched this long is released (a dead peer upstream);
+            one its upstream stage holds (cpp.hold) after max(HELD_IDLE_FACTOR *
+            idle_timeout_s, rpc_timeout_s) without a chunk.
         rpc_timeout_s: bound on each call to the next stage (the last chunk's call waits
             for the whole downstream prefill, so it gets max(rpc_timeout_s, 600)).
         transfer, control, client: a cluster node's started TransferEngine, ControlServer
@@ -161,6 +167,10 @@ class StageServer:
         self.next_resolver = None if stage.is_last else next_resolver
         self.grammars = grammars
         self.max_tokens, self.idle_timeout_s, self.rpc_timeout_s = max_tokens, idle_timeout_s, rpc_timeout_s
+        # a held request untouched this long is given up (the sweep): well past the longest
+        # an upstream stage takes between two chunks of a live request (its queue of other
+        # requests' chunks included)
+        self.held_timeout_s = max(HELD_IDLE_FACTOR * idle_timeout_s, rpc_timeout_s)
         self._own = transfer is None
         self.transfer = transfer if transfer is not None else TransferEngine(transfer_settings, node_id=name)
         self.control = control if control is not None else ControlServer()
@@ -318,7 +328,9 @@ class StageServer:
             return {**await req.result, "cached_tokens": start}
         finally:
             if not req.keep:
-                self._release(rid)
+                # cancelled (the client went away) or failed: the next stages go too (the
+                # dropped cpp.hold), not only this one (issue 32, fault 4)
+                self._release(rid, _ending(req))
 
     async def _on_reserve(self, body: dict) -> dict:
         if self.hidden is None:
@@ -382,7 +394,7 @@ class StageServer:
             return await req.result
         finally:
             if not req.keep:
-                self._release(rid)
+                self._release(rid, _ending(req))
 
     async def _on_release(self, body: dict) -> dict:
         return {"released": self._release(str(body["request_id"]), "asked")}
@@ -600,10 +612,19 @@ class StageServer:
             await asyncio.sleep(SWEEP_INTERVAL_S)
             now = time.monotonic()
             for rid, req in list(self.reqs.items()):
-                if req.waiting or req.held or (req.keep and req.result.done()):
+                if req.waiting or (req.keep and req.result.done()):
                     continue
-                if now - req.touched > self.idle_timeout_s:
-                    self._release(rid, "idle")
+                # A held request waits on its upstream stage, which sends a chunk at least
+                # every held_timeout_s while it lives; past that its holder is gone even if
+                # the hold connection never dropped: give it up (bounded, issue 32 fault 4).
+                if now - req.touched > (self.held_timeout_s if req.held else self.idle_timeout_s):
+                    self._release(rid, "held idle" if req.held else "idle")
+
+
+def _ending(req: _Req) -> str:
+    """Why a request's handler releases it: "done" once its result is in (the next stage
+    released it too), else "aborted" (its hold on the next stage is dropped)."""
+    return "done" if req.result is not None and req.result.done() else "aborted"
 
 
 def _retrieved(task: asyncio.Task) -> None:
