@@ -29,3 +29,35 @@ def test_check_schema_errors_name_the_place(schema, where):
     with pytest.raises(InvalidRequest) as e:
         _check_schema(json.dumps(schema))
     assert where in str(e.value) and " at #:" not in str(e.value) and " at # " not in str(e.value)
+
+
+@pytest.mark.parametrize("schema, why", [
+    # xgrammar 0.2.9 drops the lengths beside a pattern ({"k": "aaaaaaaa..."} came out)
+    ({"type": "object", "properties": {"k": {"type": "string", "pattern": "^a+$",
+                                             "maxLength": 2}}},
+     "'maxLength' beside 'pattern' at #/properties/k"),
+    # ... and drops a pattern its regex converter refuses ({"w": "xylophone"} came out)
+    ({"type": "object", "properties": {"w": {"type": "string", "pattern": "^(?!x)[a-z]+$"}}},
+     "'pattern' '^(?!x)[a-z]+$' at #/properties/w"),
+    ({"type": "array", "items": {"type": "string", "pattern": "(a)\\1"}}, "at #/items"),
+    ({"type": "object", "patternProperties": {"(?<=a)b": {"type": "integer"}}},
+     "'patternProperties' key '(?<=a)b' at the schema root"),
+])
+def test_a_pattern_the_grammar_would_drop_is_refused_with_its_place(schema, why):
+    """Issue 32, fault 2: a schema either holds or is a 400 naming keyword and path."""
+    with pytest.raises(InvalidRequest) as e:
+        _check_schema(json.dumps(schema))
+    assert why in str(e.value) and e.value.param == "structured_outputs", str(e.value)
+
+
+def test_a_pattern_the_grammar_enforces_is_kept_and_holds():
+    """Checked offline with xgrammar's own matcher: a supported pattern is enforced."""
+    import xgrammar as xgr
+
+    from mooncaked.engine.structured import grammar, spec_for_json_schema
+
+    schema = {"type": "object", "properties": {"k": {"type": "string", "pattern": "^a+$"}},
+              "required": ["k"]}
+    g = grammar(spec_for_json_schema(schema))
+    accepts = xgr.testing._is_grammar_accept_string
+    assert accepts(g, '{"k": "aa"}') and not accepts(g, '{"k": "ab"}')

@@ -98,12 +98,30 @@ def schema_location(path: Sequence[str | int]) -> str:
     return "#/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path)
 
 
+def _regex_error(pattern: str) -> str | None:
+    """Why xgrammar cannot enforce `pattern` as a regex (lookarounds, backreferences,
+    Unicode classes, inline flags: its regex converter refuses them, while inside a JSON
+    schema it would silently drop the pattern), or None when it can."""
+    try:
+        _regex_grammar(pattern)
+    except (RuntimeError, ValueError) as e:
+        return _clean(e)
+    return None
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _regex_grammar(pattern: str) -> Any:
+    return _xgr().Grammar.from_regex(pattern)
+
+
 def unsupported(schema: Any, path: tuple[str | int, ...] = ()) -> str | None:
     """Where and what the first construct is that the grammar could not enforce, or None.
 
     Walks every subschema (properties, $defs, items, anyOf, ...); `path` is where `schema`
     sits in the document (see `schema_location`). Refused: the keywords in UNENFORCED, a
-    `format` outside FORMATS, and a `$ref` outside the document.
+    `format` outside FORMATS, a `$ref` outside the document, `minLength`/`maxLength`
+    beside a `pattern` (xgrammar drops them), and a `pattern` (or `patternProperties`
+    key) xgrammar's regex converter refuses (it would drop it from a schema: issue 32).
     """
     if not isinstance(schema, dict):
         return None
@@ -111,6 +129,18 @@ def unsupported(schema: Any, path: tuple[str | int, ...] = ()) -> str | None:
     for k in UNENFORCED:
         if k in schema:
             return f"'{k}' at {where} is not supported"
+    pattern = schema.get("pattern")
+    if isinstance(pattern, str):
+        lengths = [k for k in ("minLength", "maxLength") if k in schema]
+        if lengths:      # xgrammar 0.2.9 drops the lengths beside a pattern (it logs so)
+            return (f"'{lengths[0]}' beside 'pattern' at {where} is not supported (the grammar "
+                    f"would ignore it): put the length into the pattern, e.g. {{m,n}}")
+        if (why := _regex_error(pattern)) is not None:
+            return f"'pattern' {pattern!r} at {where} is not supported: {why}"
+    if isinstance(schema.get("patternProperties"), dict):
+        for name in schema["patternProperties"]:
+            if (why := _regex_error(name)) is not None:
+                return f"'patternProperties' key {name!r} at {where} is not supported: {why}"
     fmt = schema.get("format")
     if fmt is not None and fmt not in FORMATS:
         return f"format {fmt!r} at {where} is not supported (supported: {', '.join(sorted(FORMATS))})"
