@@ -177,8 +177,9 @@ class CppStageWorker:
 
         Raises: NodeDraining; MessageError for a malformed body; ValueError for an empty
         prompt or one over cpp.max_tokens; StageFailure on a stage other than 0, when a
-        stage fails or dies, or the decode node refuses the receive buffer (the API node
-        re-places it).
+        stage fails or dies, or the decode node gives no receive buffer (the API node
+        re-places it); ReceiveBuffersFull when the decode node's receive buffers are full
+        (load: the API node answers 429 naming them).
         """
         req = PrefillRequest.from_json(payload)
         node, e = self.node, self.engine
