@@ -479,15 +479,19 @@ def test_client_disconnect_frees_kv_on_both_sides(env):
             r.close()            # the client goes away mid-stream
             return got
 
-    http = "mooncaked_http_requests_total{route=/v1/completions,status=499}"
-    abort = "mooncaked_requests_total{finish_reason=abort}"
-
     def counts() -> tuple[float, float]:
+        """c1's cancelled-request counts: (HTTP 499s on completions, engine aborts); its
+        series carry node and role labels too."""
         async def go() -> dict:
             async with aiohttp.ClientSession() as s:
                 return await api_metrics(s, cluster.api_url("c1"))
         m = asyncio.run(go())
-        return m.get(http, 0.0), m.get(abort, 0.0)
+
+        def total(name: str, *labels: str) -> float:
+            return sum(v for k, v in m.items() if k.startswith(name + "{")
+                       and all(lb in k[len(name):].strip("{}").split(",") for lb in labels))
+        return (total("mooncaked_http_requests_total", "route=/v1/completions", "status=499"),
+                total("mooncaked_requests_total", "finish_reason=abort"))
     before = counts()
     assert asyncio.run(start_and_drop()) == 3
     wait_until(lambda: all_freed(cluster), FREED_WITHIN_S,

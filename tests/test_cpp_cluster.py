@@ -352,11 +352,17 @@ def test_client_aborts_during_a_cpp_prefill_free_every_stage_and_the_group_serve
     body = orjson.dumps({"model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0,
                          "stream": True, "cache_salt": uuid.uuid4().hex})
 
-    def nothing_held() -> bool:
-        st = [control_call(cluster.control(n), "node.status") for n in ("g0s0", "g0s1")]
+    def held() -> dict:
+        st = {n: control_call(cluster.control(n), "node.status") for n in ("g0s0", "g0s1")}
         d = control_call(cluster.control("decode0"), "node.status")
-        return (all(not s["cpp"]["requests"] and not s["cpp"]["stage_pages"] for s in st)
-                and d["requests"]["receiving"] == 0 and not d["requests"]["decode"])
+        return {**{n: (s["cpp"]["requests"], s["cpp"]["stage_pages"], s["cpp"]["free_slots"])
+                   for n, s in st.items()},
+                "decode0": (d["requests"]["receiving"], d["requests"]["decode"])}
+
+    def nothing_held() -> bool:
+        h = held()
+        return (all(not h[n][0] and not h[n][1] for n in ("g0s0", "g0s1"))
+                and h["decode0"][0] == 0 and not h["decode0"][1])
     for i in range(ABORTS):
         idle(cluster)
         conn = HTTPConnection(url.hostname, url.port, timeout=WAIT_S)
@@ -367,7 +373,9 @@ def test_client_aborts_during_a_cpp_prefill_free_every_stage_and_the_group_serve
         finally:
             conn.sock.shutdown(socket.SHUT_RDWR)            # the client goes away mid-prefill
             conn.close()
-        wait_until(nothing_held, FREE_S * 2, f"abort {i}: every stage and decode0 to free it")
+        # well under a held request's backstop (HELD_IDLE_FACTOR idle timeouts: 12 s here)
+        wait_until(nothing_held, FREE_S * 2, f"abort {i}: every stage and decode0 to free it",
+                   held)
     s, out = complete(cluster, LONG, 4, cache_salt=uuid.uuid4().hex)
     assert s == 200 and out["usage"]["completion_tokens"] == 4, out
     assert prefilled_on(cluster, out) == "g0s0"

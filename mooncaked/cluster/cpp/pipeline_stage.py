@@ -254,6 +254,8 @@ class StageServer:
             req.hold.cancel()  # drops the connection: the next stage releases too
         if req.push is not None and why != "done":
             req.push.cancel()  # the chain: a push still waiting for an earlier one goes too
+        if req.send is not None and why != "done":
+            req.send.cancel()  # the chain of sends (a cpp.reserve in flight among them)
         if req.result is not None and not req.result.done():
             req.result.set_exception(StageFailure(f"{self.name}: request {rid} released ({why})"))
         self._free_pages(rid)
@@ -433,6 +435,8 @@ class StageServer:
             except Exception as ex:  # noqa: BLE001 - out of pages, out-of-order chunk: fail the request
                 self._fail(rid, StageFailure(f"{self.name}: chunk {s}:{e} of {rid}: {ex}"))
                 continue
+            if self.reqs.get(rid) is not req:
+                continue  # released while this chunk computed: nothing goes downstream
             req.compute_s += seconds
             req.chunks.append(seconds)
             req.touched = time.monotonic()
@@ -602,6 +606,12 @@ class StageServer:
             # A pooled connection to a next stage that was restarted (same address) fails
             # once; the reservation never reached the new process, so asking again is safe.
             r = await self.client.call(self.next_addr, "cpp.reserve", body)
+        if self.reqs.get(rid) is not req:
+            # released here while the reservation was in flight: nobody would hold it there
+            # (the leak of issue 32, fault 4), so release it on the next stage now
+            with contextlib.suppress(Exception):
+                await self.client.call(self.next_addr, "cpp.release", {"request_id": rid})
+            raise StageFailure(f"{self.name}: request {rid} was released during its reservation")
         req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
         req.next_offset = int(r["offset"])
         req.hold = asyncio.create_task(self._hold(rid, req))
