@@ -29,6 +29,7 @@ import orjson
 import pytest
 from cluster_harness import CONSTRAINED_LOGPROBS, logprob_values, wait_until
 
+from mooncaked.cluster.cpp.pipeline_stage import HELD_IDLE_FACTOR
 from mooncaked.cluster.launcher import LocalCluster, cluster_specs, control_call
 
 BIN = Path(sys.executable).parent
@@ -340,6 +341,7 @@ def test_kill_of_a_stage_mid_request_is_rerun_or_a_clear_error_and_frees_everyth
 
 
 ABORTS = 4            # after four leaked slots the group was dead (issue 32, fault 4)
+HELD_S = HELD_IDLE_FACTOR * 2.0     # cpp.idle_timeout_s = 2 here
 
 
 def test_client_aborts_during_a_cpp_prefill_free_every_stage_and_the_group_serves(cluster):
@@ -373,9 +375,9 @@ def test_client_aborts_during_a_cpp_prefill_free_every_stage_and_the_group_serve
         finally:
             conn.sock.shutdown(socket.SHUT_RDWR)            # the client goes away mid-prefill
             conn.close()
-        # well under a held request's backstop (HELD_IDLE_FACTOR idle timeouts: 12 s here)
-        wait_until(nothing_held, FREE_S * 2, f"abort {i}: every stage and decode0 to free it",
-                   held)
+        # at the latest a held request's backstop (HELD_IDLE_FACTOR idle timeouts: 12 s here)
+        wait_until(nothing_held, HELD_S + FREE_S, f"abort {i}: every stage and decode0 to "
+                   f"free it", held)
     s, out = complete(cluster, LONG, 4, cache_salt=uuid.uuid4().hex)
     assert s == 200 and out["usage"]["completion_tokens"] == 4, out
     assert prefilled_on(cluster, out) == "g0s0"
