@@ -558,7 +558,8 @@ class NodeReport:
     rid -> (new, cached) tokens, decode load), requests that arrived, store events after
     `store_seq`, finished prefills and timed decode steps ((batch, context tokens,
     seconds)); `waiting`: the pending prefills not computing yet (fetching, or held back
-    by the node's spf queue)."""
+    by the node's spf queue); `links`: what its transfer engine measured on each peer path,
+    peer node id -> bytes/s (transfer/bandwidth.py)."""
 
     node: str
     role: str = ""
@@ -571,9 +572,11 @@ class NodeReport:
     done: tuple[PrefillDone, ...] = ()
     decode_steps: tuple[tuple[int, int, float], ...] = ()
     waiting: tuple[str, ...] = ()
+    links: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
+                "links": dict(self.links),
                 "pending": {rid: list(v) for rid, v in self.pending.items()},
                 "waiting": list(self.waiting),
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
@@ -588,6 +591,7 @@ class NodeReport:
                        for rid, (a, b) in _get(d, "pending", dict, {}).items()}
             steps = tuple((int(b), int(c), float(s)) for b, c, s in
                           _get(d, "decode_steps", list, []))
+            links = {str(p): float(r) for p, r in _get(d, "links", dict, {}).items()}
         except (TypeError, ValueError) as e:
             raise MessageError(f"report: {e}") from None
         return cls(_get(d, "node", str), _get(d, "role", str, ""),
@@ -597,7 +601,7 @@ class NodeReport:
                    _get(d, "store_seq", int, -1),
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
                    tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
-                   tuple(str(r) for r in _get(d, "waiting", list, [])))
+                   tuple(str(r) for r in _get(d, "waiting", list, [])), links)
 
 
 __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",

@@ -451,7 +451,9 @@ class ClusterNode:
                           tuple(self.activity.arrived), decode,
                           self.store.events.seq if self.store is not None else -1,
                           tuple(events), tuple(self.activity.done), steps,
-                          self.prefill.queued() if self.prefill is not None else ())
+                          self.prefill.queued() if self.prefill is not None else (),
+                          {peer: e.bytes_per_s
+                           for peer, e in self.transfer.bandwidth.estimates().items()})
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""

@@ -69,6 +69,7 @@ class NodeView:
     inflight_prefill: dict[str, InflightPrefill] = field(default_factory=dict)
     inflight_decode: dict[str, InflightDecode] = field(default_factory=dict)
     placed: int = 0                          # requests placed here (prefill or decode)
+    links: dict[str, float] = field(default_factory=dict)   # peer -> measured bytes/s
 
 
 def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
@@ -76,6 +77,7 @@ def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
     counts itself or that never reached it in time: a prefill placement within
     INFLIGHT_TTL_S, a decode placement by its `expires_at`."""
     v.reported_at = now
+    v.links = dict(r.links)
     v.draining = r.draining or bool(v.info.get("draining", False))
     v.prefill_pending = dict(r.pending)
     v.prefill_waiting = set(r.waiting) & v.prefill_pending.keys()
