@@ -13,7 +13,7 @@ import sys
 import pytest
 
 from mooncaked.cluster.hosts import Hosts
-from mooncaked.cluster.messages import NodeReport
+from mooncaked.wire.messages import NodeReport
 from mooncaked.conductor.cost_model import (CostModel, PolyModel, TransferModel,
                                             with_measured_bandwidth)
 from mooncaked.config import TransferSettings

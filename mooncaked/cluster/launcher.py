@@ -151,7 +151,7 @@ def control_call(addr: str, method: str, payload: Any = None, timeout_s: float =
 
     Raises: OSError when the peer cannot be reached; RuntimeError with the remote error.
     """
-    from .auth import auth_headers  # noqa: PLC0415
+    from mooncaked.wire.auth import auth_headers  # noqa: PLC0415
 
     token = token if token is not None else _TOKENS.get(addr)
     req = urllib.request.Request(f"http://{addr}/control/{method}", data=orjson.dumps(payload),
@@ -277,7 +277,7 @@ class LocalCluster:
     def start_backend(self) -> None:
         """Creates the work dir, the hosts (with `hosts`) and, for the etcd backend, starts
         etcd (idempotent). Raises: CoordinationError when etcd cannot start; HostsError."""
-        from .auth import write_token_file  # noqa: PLC0415
+        from mooncaked.wire.auth import write_token_file  # noqa: PLC0415
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = write_token_file(self.token_path)
@@ -285,7 +285,7 @@ class LocalCluster:
             names = (["etcd"] if self.backend == "etcd" else []) + list(self.nodes)
             self.hosts = Hosts(names, link_rate=self.link_rate).start()
         if self.backend == "etcd" and self.etcd is None:
-            from .etcd_server import EtcdServer  # noqa: PLC0415
+            from mooncaked.coord.etcd_server import EtcdServer  # noqa: PLC0415
             where = ({"host": self.hosts.address("etcd"),
                       "prefix": tuple(self.hosts.command("etcd", []))} if self.hosts else {})
             self.etcd = EtcdServer(self.workdir / "etcd", die_with_parent=self.die_with_parent,

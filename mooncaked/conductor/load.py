@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mooncaked.cluster.messages import NodeReport
+from mooncaked.wire.messages import NodeReport
 
 from .cost_model import CostModel
 
