@@ -276,10 +276,10 @@ def test_decode_cut_from_prefill_fails_the_request_in_bounded_time_then_heals(en
     cluster, _, ref = env
     cluster.hosts.cut("prefill0", "decode0")
     t0 = time.monotonic()
-    status, body = complete(cluster.api_url("cache0"),
-                            PROMPT.replace("red pens", "blue pens"), timeout=120)
+    cut_status, body = complete(cluster.api_url("cache0"),
+                                PROMPT.replace("red pens", "blue pens"), timeout=120)
     elapsed = time.monotonic() - t0
-    assert status in (502, 503, 504), (status, body)
+    assert cut_status in (502, 503, 504), (cut_status, body)
     assert body["error"]["message"] and body["error"]["type"], body
     assert elapsed <= CUT_KV_BOUND_S, elapsed
     assert all(cluster.procs[n].poll() is None for n in NODES)
@@ -287,4 +287,4 @@ def test_decode_cut_from_prefill_fails_the_request_in_bounded_time_then_heals(en
     status, body = wait_until(lambda: (r := complete(cluster.api_url("cache0")))[0] == 200 and r,
                               REJOIN_BOUND_S, "served again after the heal")
     assert body["choices"][0]["text"] == ref
-    print(f"decode cut from prefill: {status} after {elapsed:.1f} s (bound {CUT_KV_BOUND_S} s)")
+    print(f"decode cut from prefill: {cut_status} after {elapsed:.1f} s (bound {CUT_KV_BOUND_S} s)")
