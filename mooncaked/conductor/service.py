@@ -45,6 +45,7 @@ from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
 
 from . import cost_store
+from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
@@ -129,6 +130,7 @@ class ConductorService:
         self._started_mono = time.monotonic()
         self.placed = 0
         self.rejected: dict[str, int] = {}
+        self.admission = AdmissionLedger()   # verdicts by request id (conductor.admission)
         self.cpp_learner = GroupLearner()    # CPP groups: per-stage chunk times and overhead
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
@@ -251,6 +253,8 @@ class ConductorService:
                 self.cpp_learner.observe(d.rid, d.seconds, d.cached, d.stages)
         for step in r.decode_steps:
             self.model.observe_step(*step)
+        for step in r.prefill_steps:
+            self.model.observe_prefill_step(*step)
 
     def _apply_events(self, v: NodeView, events: Sequence[StoreEventMsg], store_seq: int
                       ) -> None:
@@ -332,10 +336,12 @@ class ConductorService:
                       if drained else f"no {role} node has joined or reported")
             return dataclasses.replace(self._reject(Rejection(reason, retry)), detail=detail)
         bs = self._block_size(pre[0] if pre else dec[0])
+        checks = cs.admission != "off"
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,
-                           ttft_slo_s=math.inf if decode_only else cs.ttft_slo_s,
-                           tbt_slo_s=cs.tbt_slo_s, min_retry_after_s=retry,
+                           ttft_slo_s=math.inf if decode_only or not checks else cs.ttft_slo_s,
+                           tbt_slo_s=cs.tbt_slo_s if checks else math.inf,
+                           min_retry_after_s=retry,
                            fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
                            # the order the prefill nodes run (cluster/prefill_queue.py); no
                            # elastic pipelines: live CPP groups are fixed (issue 14)
@@ -377,16 +383,29 @@ class ConductorService:
                         holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders),
                         prefill_queued_s=queued)
         preq = PlacementRequest(keys, n, max_new)
-        result = place(preq, snap, cost, cfg, self.rng) if pre or decode_only else None
+
+        def placement(c: PolicyConfig) -> Placement | Rejection | None:
+            r = place(preq, snap, cost, c, self.rng) if pre or decode_only else None
+            if groups and not decode_only:
+                r = place_with_groups(r, groups, preq, snap, cost, c, self.rng,
+                                      cs.cpp_min_tokens, queue_s, self.cpp_learner,
+                                      {g.name: self._stage_prefix(g, keys) for g in groups})
+            return r
+
+        result = placement(cfg)
+        miss = result if isinstance(result, Rejection) else None
+        if miss is not None:
+            if self._verdict(rid, miss, decode_only) == REJECT:
+                return self._reject(miss)
+            # shadow (or a model not calibrated yet): the placement without the SLO checks
+            result = placement(dataclasses.replace(cfg, ttft_slo_s=math.inf,
+                                                   tbt_slo_s=math.inf))
+        elif not decode_only:
+            self._record(rid, ADMIT, "", result)
         if groups and not decode_only:
-            result = place_with_groups(result, groups, preq, snap, cost, cfg, self.rng,
-                                       cs.cpp_min_tokens, queue_s, self.cpp_learner,
-                                       {g.name: self._stage_prefix(g, keys) for g in groups})
             for g in groups:
                 if isinstance(result, Placement) and result.prefill == g.head.node_id:
                     self.cpp_learner.predicted(rid, g.name, *group_chunk_prediction(cost, g, n))
-        if isinstance(result, Rejection):
-            return self._reject(result)
         if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
             self.replicator.note_request(keys, now, self.nodes,
                                          self._eligible("cache", set(), now), cost, bs)
@@ -419,18 +438,57 @@ class ConductorService:
                            min_retry_after_s=cs.min_retry_after_s)
         ids = [v.node_id for v in nodes]
         snap = Snapshot(ids, [queue_s(v, cost) for v in nodes], self.index.match(keys, ids))
-        result = place(PlacementRequest(keys, n, max_new), snap, cost, cfg, self.rng)
+        preq = PlacementRequest(keys, n, max_new)
+        result = place(preq, snap, cost, cfg, self.rng)
         if isinstance(result, Rejection):
-            return self._reject(result)
+            if cs.admission == "off" or self._verdict(req.rid, result, False) == REJECT:
+                return self._reject(result)   # off: the TTFT SLO is inf, nothing is rejected
+            result = place(preq, snap, cost, dataclasses.replace(cfg, ttft_slo_s=math.inf),
+                           self.rng)
+            miss = True
+        else:
+            miss = False
         v = self.nodes[result.prefill]
         infl = sum(x.tokens for x in v.inflight_decode.values())
         tbt = step_with_request_s(cost, v.decode_batch + len(v.inflight_decode),
                                   v.decode_context_tokens + infl, n)
-        if tbt > cs.tbt_slo_s:
-            return self._reject(Rejection("tbt_slo", cs.min_retry_after_s,
-                                          result.predicted_ttft_s, tbt))
         result = dataclasses.replace(result, decode=result.prefill, predicted_tbt_s=tbt)
+        if tbt > cs.tbt_slo_s and cs.admission != "off" and not miss:
+            over = Rejection("tbt_slo", cs.min_retry_after_s, result.predicted_ttft_s, tbt)
+            if self._verdict(req.rid, over, False) == REJECT:
+                return self._reject(over)
+        elif not miss:
+            self._record(req.rid, ADMIT, "", result)
         return self._accept(req.rid, result, n, max_new, False, now)
+
+    def _verdict(self, rid: str, miss: Rejection, decode_only: bool) -> str:
+        """What `conductor.admission` makes of a predicted miss (admission_ledger.decide):
+        REJECT, or SHADOW (recorded; the request is placed without the SLO checks). A
+        TTFT miss needs a calibrated prefill model, a TBT or KV-room miss a calibrated
+        decode model (`CostModelRefitter.calibrated`)."""
+        kind = "prefill" if miss.reason == "ttft_slo" else "decode"
+        calibrated = self.model.calibrated(kind)
+        verdict = decide(self.settings.conductor.admission, miss.reason, calibrated)
+        if verdict != REJECT:
+            log.info("placement_shadow_rejected", request_id=rid, reason=miss.reason,
+                     calibrated=calibrated, predicted_ttft_s=miss.predicted_ttft_s,
+                     predicted_tbt_s=miss.predicted_tbt_s)
+        if not decode_only:
+            self.admission.record(rid, Decision(verdict, miss.reason, miss.predicted_ttft_s,
+                                                miss.predicted_tbt_s, calibrated))
+        return verdict
+
+    def _record(self, rid: str, verdict: str, reason: str, p: Any) -> None:
+        """Records an admitted placement's predictions (seconds) under rid."""
+        if isinstance(p, Placement):
+            self.admission.record(rid, Decision(verdict, reason, p.predicted_ttft_s,
+                                                p.predicted_tbt_s, True))
+
+    def admissions(self, rids: list[str] | None = None) -> dict[str, Any]:
+        """`conductor.admissions`: the ledger's decisions for `rids` (all it holds when
+        None) and its counts (admission_ledger.AdmissionLedger)."""
+        return {"mode": self.settings.conductor.admission, **self.admission.status(),
+                "decisions": self.admission.entries(rids)}
 
     def _block_size(self, v: NodeView) -> int:
         m = v.info.get("model") or {}
@@ -486,6 +544,9 @@ class ConductorService:
         return {
             "leader": self.node_id, "since": self.started_at, "placed": self.placed,
             "rejected": dict(self.rejected), "indexed_keys": len(self.index), "nodes": nodes,
+            "admission": {"mode": self.settings.conductor.admission,
+                          "warmup_steps": self.settings.conductor.admission_warmup,
+                          **self.admission.status()},
             "policy": self.settings.conductor.policy,
             "cpp_groups": {"complete": {g.name: [v.node_id for v in g.stages] for g in split_groups(
                                [v for v in self.nodes.values() if v.role == "prefill"])[1]},

@@ -1,0 +1,172 @@
+"""Admission modes (conductor.admission, conductor.node_admission: enforce | shadow | off),
+the warm-up that keeps a built-in default model from rejecting, the ledger of decisions,
+and the fast calibration of the cost model from timed steps (issue 33).
+
+The conductor is driven through its handlers (`report`, `place`, `admissions`) without a
+coordinator, as in test_conductor_service.py; the decode node's check through
+DecodeAdmission.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import pytest
+
+from mooncaked.cluster.admission import DecodeAdmission
+from mooncaked.cluster.messages import NodeReport, PlaceRequest
+from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
+                                                  Decision, decide)
+from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
+from mooncaked.conductor.refit import CALIBRATE_EVERY
+from mooncaked.conductor.service import ConductorService, default_cost_model
+from mooncaked.config import Settings
+
+# 0.1 s + 10 ms a token of prefill; 50 ms + 10 ms a sequence a decode step
+COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.1, 0.01)),
+                 decode=PolyModel(((0, 0), (1, 0)), (0.05, 0.01)),
+                 transfer=TransferModel(1e9), kv_bytes_per_token=1000,
+                 meta={"source": "test"})
+
+
+def settings(mode: str = "enforce", warmup: int = 8, ttft_slo: float = 3.0) -> Settings:
+    s = Settings()
+    s.conductor.admission = mode
+    s.conductor.node_admission = mode
+    s.conductor.admission_warmup = warmup
+    s.conductor.ttft_slo_s = ttft_slo
+    s.conductor.tbt_slo_s = 1.0
+    s.engine.block_size = 16
+    return s
+
+
+def report(svc: ConductorService, node: str, role: str, **kw) -> None:
+    payload = {"node": node, "role": role, "pending": {}, "arrived": [],
+               "decode": {"rids": [], "batch": 0, "context_tokens": 0, "free_kv_tokens": 10_000}}
+    payload.update(kw)
+    asyncio.run(svc.report(NodeReport.from_json(payload)))      # through the wire form
+
+
+def place(svc: ConductorService, rid: str, n: int = 100) -> dict:
+    req = PlaceRequest.from_json({"rid": rid, "keys": [], "prompt_tokens": n,
+                                  "max_new_tokens": 10})
+    return asyncio.run(svc.place(req)).to_json()
+
+
+def test_decide_covers_every_mode():
+    assert decide("enforce", None, True) == ADMIT
+    assert decide("enforce", "ttft_slo", True) == REJECT
+    assert decide("enforce", "ttft_slo", False) == SHADOW     # a model not calibrated yet
+    assert decide("shadow", "tbt_slo", True) == SHADOW
+    assert decide("off", "tbt_slo", True) == ADMIT
+    with pytest.raises(ValueError, match="unknown admission mode"):
+        decide("sometimes", None, True)
+
+
+def test_ledger_counts_and_keeps_the_newest():
+    led = AdmissionLedger(size=2)
+    led.record("a", Decision(ADMIT, "", 1.0, 0.1, True))
+    led.record("b", Decision(SHADOW, "ttft_slo", 9.0, math.nan, False))
+    led.record("c", Decision(REJECT, "tbt_slo", 1.0, 2.0, True))
+    assert led.status() == {"admitted": 1, "rejected": 1, "shadow_rejected": 1,
+                            "rejected_by_reason": {"tbt_slo": 1},
+                            "shadow_rejected_by_reason": {"ttft_slo": 1}}
+    assert set(led.entries()) == {"b", "c"}                   # "a" fell out
+    assert led.entries(["b", "zz"]) == {"b": {"verdict": "shadow", "reason": "ttft_slo",
+                                              "predicted_ttft_s": 9.0, "predicted_tbt_s": None,
+                                              "calibrated": False}}
+
+
+def _queue_three(mode: str) -> tuple[ConductorService, list[dict]]:
+    """Three 100-token requests between two reports: 1.1, 2.2 and 3.3 s predicted TTFT
+    against a 3 s SLO, so the third is predicted to miss."""
+    svc = ConductorService("c1", None, None, settings(mode), cost=COST)
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    return svc, [place(svc, r) for r in ("a", "b", "c")]
+
+
+def test_enforce_rejects_the_predicted_miss():
+    svc, (a, b, c) = _queue_three("enforce")
+    assert a["ok"] and b["ok"] and not c["ok"] and c["reason"] == "ttft_slo"
+    led = svc.admissions()
+    assert led["rejected"] == 1 and led["decisions"]["c"]["verdict"] == "reject"
+    assert abs(led["decisions"]["c"]["predicted_ttft_s"] - 3.3) < 1e-4
+    assert abs(led["decisions"]["b"]["predicted_ttft_s"] - 2.2) < 1e-4
+
+
+def test_shadow_admits_the_predicted_miss_and_counts_it():
+    svc, (a, b, c) = _queue_three("shadow")
+    assert a["ok"] and b["ok"] and c["ok"]                     # placed all the same
+    assert abs(c["predicted_ttft_s"] - 3.3) < 1e-9 and c["prefill"]["node"] == "p1"
+    st = svc.status()
+    assert st["rejected"] == {} and st["admission"]["shadow_rejected"] == 1
+    assert st["admission"]["shadow_rejected_by_reason"] == {"ttft_slo": 1}
+    assert svc.admissions(["c"])["decisions"]["c"]["verdict"] == "shadow"
+    assert svc.admissions(["a"])["decisions"]["a"]["verdict"] == "admit"
+
+
+def test_off_checks_nothing():
+    svc, (a, b, c) = _queue_three("off")
+    assert a["ok"] and b["ok"] and c["ok"]
+    assert svc.admissions()["shadow_rejected"] == 0 and svc.admissions()["admitted"] == 3
+
+
+def test_default_model_does_not_reject_until_calibrated():
+    """The built-in default model (another CPU's guess) decides as shadow until the prefill
+    node's timed steps calibrated it; then it enforces, on the calibrated model."""
+    s = settings("enforce", warmup=8)
+    svc = ConductorService("c1", None, None, s, cost=default_cost_model(1000))
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    # the default predicts 0.05 + 6 ms a token: 600 tokens 3.65 s > 3 s SLO
+    r = place(svc, "x", n=600)
+    assert r["ok"] and svc.admissions(["x"])["decisions"]["x"]["verdict"] == "shadow"
+    assert not svc.admissions(["x"])["decisions"]["x"]["calibrated"]
+    # this machine is 3x faster: 2 ms a token. Eight timed prefill steps calibrate it.
+    steps = [[n, 0, (0.05 + 0.006 * n) / 3] for n in (64, 128, 256, 512) * 2]
+    report(svc, "p1", "prefill", arrived=["x"], prefill_steps=steps)
+    st = svc.status()["cost_model"]
+    assert st["calibrated"]["prefill"] and abs(st["scale"]["prefill"] - 1 / 3) < 1e-9
+    assert abs(svc.cost.prefill_s(600, 0) - 3.65 / 3) < 1e-9
+    r = place(svc, "y", n=600)               # 1.22 s now (x's prefill was reported done)
+    assert r["ok"] and abs(r["predicted_ttft_s"] - 3.65 / 3) < 1e-9
+    assert svc.admissions(["y"])["decisions"]["y"]["verdict"] == "admit"
+    # a request the calibrated model predicts to miss is rejected for real
+    r = place(svc, "z", n=6000)
+    assert not r["ok"] and r["reason"] == "ttft_slo"
+
+
+def test_calibration_leaves_a_model_within_tolerance_alone():
+    svc = ConductorService("c1", None, None, settings(), cost=COST)
+    report(svc, "p1", "prefill")
+    steps = [[n, 0, 1.1 * (0.1 + 0.01 * n)] for n in (50, 100, 200, 400)] * 2   # 10% slow
+    report(svc, "p1", "prefill", prefill_steps=steps)
+    st = svc.status()
+    assert st["cost_model"]["scale"]["prefill"] == 1.0 and st["cost_model"]["calibrations"] == 0
+    assert st["prefill_step_prediction"]["samples"] == CALIBRATE_EVERY
+    assert abs(st["prefill_step_prediction"]["median_rel_error"] - (1 / 1.1 - 1)) < 1e-9
+
+
+def test_decode_node_check_shadow_and_warmup():
+    s = settings("shadow")
+    adm = DecodeAdmission(s, 1000)
+    adm.model.cost = COST                       # step with 200 requests: 2.06 s > 1 s SLO
+    assert adm.check(199, 0, 0, "r1") is None and adm.refused == 0
+    assert adm.ledger_view(["r1"])["decisions"]["r1"]["verdict"] == "shadow"
+    assert adm.status()["shadow_rejected"] == 1
+    # enforce on the built-in default: shadow until admission_warmup decode steps came in
+    s = settings("enforce", warmup=8)
+    adm = DecodeAdmission(s, 1000)
+    adm.model.cost = default_cost_model(1000)  # 0.04 + 4 ms a sequence + 20 us a token
+    assert adm.check(400, 0, 0, "r2") is None                   # 1.64 s predicted: shadow
+    # measured steps: this node is 2x slower than the default says
+    law = [(b, c, 2 * default_cost_model(1000).decode_step_s(b, c))
+           for b, c in [(1, 100), (2, 300), (4, 900), (8, 2000)] * 2]
+    adm.observe(law)
+    assert adm.model.calibrated("decode")
+    assert abs(adm.model.scale["decode"] - 2.0) < 1e-9
+    refusal = adm.check(200, 0, 0, "r3")                        # 2 * 0.844 s: rejected now
+    assert refusal is not None and abs(refusal["predicted_tbt_s"] - 2 * 0.844) < 1e-9
+    assert adm.ledger_view()["decisions"]["r3"]["verdict"] == "reject" and adm.refused == 1
