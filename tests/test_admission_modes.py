@@ -170,3 +170,30 @@ def test_decode_node_check_shadow_and_warmup():
     refusal = adm.check(200, 0, 0, "r3")                        # 2 * 0.844 s: rejected now
     assert refusal is not None and abs(refusal["predicted_tbt_s"] - 2 * 0.844) < 1e-9
     assert adm.ledger_view()["decisions"]["r3"]["verdict"] == "reject" and adm.refused == 1
+
+
+def test_prefills_queued_for_a_decode_node_count_only_when_their_decodes_overlap():
+    """Issue 33's false rejections: six 1,000-token requests wait in one prefill queue
+    (10.1 s each, first tokens 10.1 ... 60.6 s from now) for a decode node decoding one
+    request. A seventh decodes from about 60.6 s on, when only the sixth still decodes
+    there (each decodes 10 tokens in under a second): its predicted step is that of 1 + 1
+    + 1 requests (0.08 s, within the 0.1 s TBT SLO), not 1 + 6 + 1 (0.13 s), and 2,500
+    free KV tokens hold it beside the sixth (1,010 tokens each), not beside all six."""
+    s = settings("enforce", ttft_slo=100.0)
+    s.conductor.tbt_slo_s = 0.1
+    svc = ConductorService("c1", None, None, s, cost=COST)
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode", decode={"rids": ["r0"], "batch": 1, "context_tokens": 100,
+                                        "free_kv_tokens": 2500})
+    placed = [place(svc, f"q{i}", n=1000) for i in range(7)]
+    assert all(p["ok"] for p in placed), placed[-1]
+    assert [round(p["predicted_ttft_s"], 6) for p in placed] == \
+        [round(10.1 * (i + 1), 6) for i in range(7)]
+    assert abs(placed[-1]["predicted_tbt_s"] - (0.05 + 0.01 * 3)) < 1e-9
+    assert svc.admissions()["rejected"] == 0 and svc.admissions()["shadow_rejected"] == 0
+    # a short request on a second, idle prefill node decodes within the next second,
+    # beside r0 alone (q0's decode starts at 10.1 s): a batch of 1 + 0 + 1
+    report(svc, "p2", "prefill")
+    r = place(svc, "now", n=10)
+    assert r["ok"] and r["prefill"]["node"] == "p2"
+    assert abs(r["predicted_tbt_s"] - (0.05 + 0.01 * 2)) < 1e-9

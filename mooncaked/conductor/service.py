@@ -49,7 +49,8 @@ from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
-from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, inflight_decode,
+from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
+                   inflight_decode,
                    queue_s, queued_work)
 from .refit import CostModelRefitter
 from .replication import HotBlockReplicator
@@ -354,6 +355,7 @@ class ConductorService:
                            spf_bound_rule=cs.prefill_bound_rule,
                            pipeline_stages=1)
         queued: list = []
+        queue: list[float] = []
         if decode_only:
             # The prefill already ran: only the decode side is chosen (the prefill side is a
             # placeholder with no queue, fully cached).
@@ -364,10 +366,16 @@ class ConductorService:
                         self.index.match(keys, [v.node_id for v in pre]))
             if cfg.prefill_order == "spf":    # the wait under the order the nodes run
                 queued = [QueuedWork.of(queued_work(v, cost)) for v in pre]
+        # The request decodes from its first token (at the soonest after the shortest prefill
+        # queue) for max_new steps: the placements in flight to a decode node count in its
+        # batch and KV only when they decode then too (load.decoding_during).
+        start = now + (min(queue) if queue else 0.0)
         dbatch, dctx, dfree = [], [], []
         for v in dec:
-            infl = sum(x.tokens for x in v.inflight_decode.values())
-            dbatch.append(v.decode_batch + len(v.inflight_decode))
+            end = start + (0.0 if decode_only else cost.prefill_s(n, 0)) + max_new * \
+                cost.decode_step_s(v.decode_batch + 1, v.decode_context_tokens + n)
+            k, infl = decoding_during(v, start, end)
+            dbatch.append(v.decode_batch + k)
             dctx.append(v.decode_context_tokens + infl)
             free = v.free_kv_tokens if v.reported_at else \
                 int((v.info.get("model") or {}).get("kv_capacity_tokens", 0))   # not reported yet
@@ -449,9 +457,10 @@ class ConductorService:
         else:
             miss = False
         v = self.nodes[result.prefill]
-        infl = sum(x.tokens for x in v.inflight_decode.values())
-        tbt = step_with_request_s(cost, v.decode_batch + len(v.inflight_decode),
-                                  v.decode_context_tokens + infl, n)
+        start = now + result.predicted_ttft_s
+        k, infl = decoding_during(v, start, start + max_new * cost.decode_step_s(
+            v.decode_batch + 1, v.decode_context_tokens + n))
+        tbt = step_with_request_s(cost, v.decode_batch + k, v.decode_context_tokens + infl, n)
         result = dataclasses.replace(result, decode=result.prefill, predicted_tbt_s=tbt)
         if tbt > cs.tbt_slo_s and cs.admission != "off" and not miss:
             over = Rejection("tbt_slo", cs.min_retry_after_s, result.predicted_ttft_s, tbt)
@@ -510,7 +519,8 @@ class ConductorService:
             pv.inflight_prefill[rid] = InflightPrefill(n - p.prefix_tokens, p.prefix_tokens, now)
             pv.placed += 1
             self.model.predicted(rid, p.predicted_ttft_s, now)
-        dv.inflight_decode[rid] = inflight_decode(n + max_new, now, p.predicted_ttft_s)
+        dv.inflight_decode[rid] = inflight_decode(n + max_new, now, p.predicted_ttft_s,
+                                                  max_new * p.predicted_tbt_s)
         dv.placed += 1
         self.placed += 1
         fetch = None
