@@ -96,7 +96,8 @@ class CostModelRefitter:
         self.refits = 0
         self._predicted: dict[str, tuple[float, float]] = {}      # rid -> (ttft_s, monotonic)
         self.prefill_step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
-        # calibration: observed/predicted ratios since the last one, steps seen, scales applied
+        # calibration: observed/predicted ratios since the last one, steps seen, and the
+        # product of the scales applied since the model was loaded or last refitted
         self._ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
         self.observed = {"prefill": 0, "decode": 0}
         self.scale = {"prefill": 1.0, "decode": 1.0}
@@ -143,6 +144,7 @@ class CostModelRefitter:
             self.cost = dataclasses.replace(self.cost, prefill=model,
                                             meta={**self.cost.meta, "refit": info})
             self.refits += 1
+            self._refitted("prefill")
             log.info("cost_model_refit", part="prefill", **info)
 
     def calibrated(self, kind: str) -> bool:
@@ -175,6 +177,12 @@ class CostModelRefitter:
         self.cost = dataclasses.replace(self.cost, **{kind: scaled(model, r)},
                                         meta={**self.cost.meta, "calibration": info})
         log.info("cost_model_calibrated", part=kind, ratio=round(r, 4), **info)
+
+    def _refitted(self, kind: str) -> None:
+        """A refit replaced the `kind` polynomial: its calibration starts over from it (the
+        scale is relative to the last fitted model)."""
+        self.scale[kind] = 1.0
+        self._ratios[kind].clear()
 
     def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """Folds one timed prefill step in (the new tokens of its chunks, the tokens cached
@@ -224,6 +232,7 @@ class CostModelRefitter:
             self.cost = dataclasses.replace(self.cost, decode=model,
                                             meta={**self.cost.meta, "decode_refit": info})
             self.decode_refits += 1
+            self._refitted("decode")
             log.info("cost_model_refit", part="decode", **info)
 
     def status(self) -> dict:
