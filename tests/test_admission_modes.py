@@ -197,3 +197,20 @@ def test_prefills_queued_for_a_decode_node_count_only_when_their_decodes_overlap
     r = place(svc, "now", n=10)
     assert r["ok"] and r["prefill"]["node"] == "p2"
     assert abs(r["predicted_tbt_s"] - (0.05 + 0.01 * 2)) < 1e-9
+
+
+def test_metrics_export_verdicts_scales_and_errors():
+    from types import SimpleNamespace
+
+    from mooncaked.cluster.node_metrics import NodeCollector
+
+    svc, _ = _queue_three("shadow")
+    report(svc, "p1", "prefill", prefill_steps=[[n, 0, 2 * (0.1 + 0.01 * n)]
+                                                for n in (50, 100, 200, 400) * 2])
+    fams = {f.name: f for f in NodeCollector(SimpleNamespace(conductor=svc, decode=None))
+            ._admission()}
+    got = {tuple(s.labels.values()): s.value
+           for f in fams.values() for s in f.samples}
+    assert got[("conductor", "admit")] == 2 and got[("conductor", "shadow")] == 1
+    assert got[("conductor", "prefill")] == pytest.approx(2.0)          # calibrated 2x
+    assert got[("conductor", "prefill_step")] == pytest.approx(0.5)    # |1 - 2| / 2
