@@ -214,3 +214,14 @@ def test_metrics_export_verdicts_scales_and_errors():
     assert got[("conductor", "admit")] == 2 and got[("conductor", "shadow")] == 1
     assert got[("conductor", "prefill")] == pytest.approx(2.0)          # calibrated 2x
     assert got[("conductor", "prefill_step")] == pytest.approx(0.5)    # |1 - 2| / 2
+
+
+def test_ctl_status_prints_calibration_and_admission(capsys):
+    from mooncaked.cli.ctl import _print_conductor
+
+    svc, _ = _queue_three("shadow")
+    _print_conductor(svc.status())
+    out = capsys.readouterr().out
+    assert "admission: shadow, admitted 2, rejected 0, shadow-rejected 1 {'ttft_slo': 1}" in out
+    assert "calibration: prefill x1 from 0 steps, decode x1 from 0 steps" in out
+    assert "prefill step - over 0 steps" in out
