@@ -61,7 +61,7 @@ def _cluster(config: Optional[Path], backend: Optional[str], state_dir: Optional
 
 
 def _view(config, backend, state_dir, etcd, timeout) -> dict:
-    from mooncaked.cluster import ClusterError  # noqa: PLC0415
+    from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
     from mooncaked.cluster.admin import cluster_view  # noqa: PLC0415
     from mooncaked.config import ConfigError  # noqa: PLC0415
 
@@ -145,8 +145,8 @@ def _stall_table(v: dict) -> None:
 
 
 def _group_table(v: dict) -> None:
-    """CPP groups (cluster/cpp_node.py): each stage's node, its layers, weights, the
-    requests it holds and the layer slices in its store (cluster/stage_prefix.py); a group
+    """CPP groups (cluster/cpp/cpp_node.py): each stage's node, its layers, weights, the
+    requests it holds and the layer slices in its store (cluster/cpp/stage_prefix.py); a group
     missing a stage is marked incomplete (not placed on)."""
     rows, groups = [], {}
     for nid, n in v["nodes"].items():
@@ -333,7 +333,7 @@ def requests(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND
 
 def _drain(node: str, config, backend, state_dir, etcd, json_out, timeout,
            method: str) -> dict:
-    from mooncaked.cluster import ClusterError  # noqa: PLC0415
+    from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
     from mooncaked.cluster.admin import drain_node  # noqa: PLC0415
     from mooncaked.config import ConfigError  # noqa: PLC0415
 

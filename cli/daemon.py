@@ -84,7 +84,7 @@ def profile(
     if publish if publish is not None else settings.node.role != "all":
         import asyncio  # noqa: PLC0415
 
-        from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
+        from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
         from mooncaked.conductor.cost_store import COST_KEY  # noqa: PLC0415
         from mooncaked.conductor.cost_store import publish as publish_model  # noqa: PLC0415
 
@@ -128,7 +128,7 @@ def token(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write it
                                              "(created with mode 0600; never overwritten) "
                                              "instead of printing it.")) -> None:
     """Make a new cluster token (the shared secret of cluster.token_file)."""
-    from mooncaked.cluster.auth import new_token, write_token_file  # noqa: PLC0415
+    from mooncaked.wire.auth import new_token, write_token_file  # noqa: PLC0415
 
     if out is None:
         typer.echo(new_token())

@@ -140,7 +140,7 @@ async def _serve(settings: Settings, stop: Shutdown) -> int:
 async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     """A prefill, decode or cache node (see the module doc)."""
     from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
-    from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
+    from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
     from mooncaked.cluster.health import node_health  # noqa: PLC0415
     from mooncaked.cluster.node import ClusterNode  # noqa: PLC0415
     from mooncaked.cluster.node_metrics import label_registry  # noqa: PLC0415
@@ -151,7 +151,7 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     engine = None
     try:
         # all: a coupled node (cluster.coupled); a CPP stage (cpp.group) loads only its
-        # layers itself (cluster/cpp_node.py), so it starts like a cache node here
+        # layers itself (cluster/cpp/cpp_node.py), so it starts like a cache node here
         if role in ("prefill", "decode", "all") and not (role == "prefill" and settings.cpp.group):
             from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
             engine = AsyncLLM.from_settings(settings)

@@ -15,7 +15,7 @@ import math
 import pytest
 
 from mooncaked.cluster.admission import DecodeAdmission
-from mooncaked.cluster.messages import NodeReport, PlaceRequest
+from mooncaked.wire.messages import NodeReport, PlaceRequest
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
                                                   Decision, decide)
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel

@@ -18,8 +18,10 @@ import time
 
 import pytest
 
-from mooncaked.cluster import CoordinationError, MemberEvent, make_coordinator
-from mooncaked.cluster.etcd_server import EtcdServer, etcd_binary, free_port
+from mooncaked.coord.coordinator import MemberEvent
+from mooncaked.coord.factory import make_coordinator
+from mooncaked.wire.errors import CoordinationError
+from mooncaked.coord.etcd_server import EtcdServer, etcd_binary, free_port
 from mooncaked.cluster.probe import ProbeProcess
 from mooncaked.config import ClusterSettings, ConfigError
 
@@ -35,7 +37,7 @@ BACKENDS = ["local", "etcd"]
 @pytest.fixture(scope="module")
 def etcd(tmp_path_factory):
     if etcd_binary() is None:
-        pytest.skip("etcd binary not installed (run mooncaked/cluster/install_etcd.sh)")
+        pytest.skip("etcd binary not installed (run mooncaked/coord/install_etcd.sh)")
     server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
     server.start()
     try:
@@ -402,7 +404,7 @@ def test_etcd_restart_is_survived(tmp_path):
     """etcd goes away: calls fail with a clear error within op_timeout_s; it comes back on
     the same ports and data: the session (lease persisted by etcd) and watches resume."""
     if etcd_binary() is None:
-        pytest.skip("etcd binary not installed (run mooncaked/cluster/install_etcd.sh)")
+        pytest.skip("etcd binary not installed (run mooncaked/coord/install_etcd.sh)")
     first = EtcdServer(tmp_path / "data").start()
     ports = (first.client_port, first.peer_port)
     again = EtcdServer(tmp_path / "data", client_port=ports[0], peer_port=ports[1])

@@ -25,11 +25,11 @@ import aiohttp
 import orjson
 import pytest
 
-from mooncaked.cluster.etcd_server import etcd_binary
+from mooncaked.coord.etcd_server import etcd_binary
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed "
-                                "(mooncaked/cluster/install_etcd.sh)")
+                                "(mooncaked/coord/install_etcd.sh)")
 
 READY_TIMEOUT_S = 300.0
 RESTART_TIMEOUT_S = 180.0   # one node's restart (a model load) on two shared cores

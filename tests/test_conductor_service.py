@@ -14,7 +14,7 @@ import statistics
 import time
 
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
-from mooncaked.cluster.messages import NodeReport, PlaceRequest
+from mooncaked.wire.messages import NodeReport, PlaceRequest
 from mooncaked.conductor.refit import CALIBRATE_EVERY
 from mooncaked.conductor.service import INFLIGHT_TTL_S, ConductorService
 from mooncaked.config import Settings

@@ -261,7 +261,7 @@ def test_more_concurrent_requests_than_receive_slots_all_succeed(cluster):
     """RECEIVE_SLOTS + 3 requests at once on the group (prefill0 drained): stage 0 admits
     RECEIVE_SLOTS into the pipeline and queues the rest (it was a 502 for each request
     beyond the slots); every one answers 200 with the same greedy text."""
-    from mooncaked.cluster.cpp_node import RECEIVE_SLOTS
+    from mooncaked.cluster.cpp.cpp_node import RECEIVE_SLOTS
     n = RECEIVE_SLOTS + 3
     out: list = [None] * n
     body = {"model": MODEL, "prompt": LONG, "max_tokens": 6, "temperature": 0}

@@ -28,8 +28,8 @@ from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
 from .admission import DecodeAdmission
-from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation, KVReserved,
-                       MessageError, OutputDelta, Release)
+from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation,
+                                     KVReserved, MessageError, OutputDelta, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
 
 log = get_logger(__name__)

@@ -55,11 +55,11 @@ from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, S
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
 
-from .auth import auth_headers
-from .errors import PeerUnavailable, RpcError, RpcTimeout
-from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef, OutputDelta,
-                       PlaceRejected, PlaceReply, PlaceRequest, PrefillReply, PrefillRequest,
-                       Release)
+from mooncaked.wire.auth import auth_headers
+from mooncaked.wire.errors import NotLeader, PeerUnavailable, RpcError, RpcTimeout
+from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef,
+                                     OutputDelta, PlaceRejected, PlaceReply, PlaceRequest,
+                                     PrefillReply, PrefillRequest, Release)
 
 log = get_logger(__name__)
 
@@ -215,8 +215,6 @@ class ClusterFrontend:
         """conductor.place on the leader, waiting for a leader while there is none, at
         most cluster.placement_wait_s (and the request's `deadline`).
         Raises Overloaded, or ApiError 503 (with Retry-After when no conductor placed it)."""
-        from mooncaked.conductor.service import NotLeader  # noqa: PLC0415
-
         cs = self.port.settings.cluster
         timeout = cs.rpc_timeout_s
         # Without a conductor, wait a bounded while (an election takes about a lease

@@ -140,7 +140,7 @@ def control_call(addr: str, method: str, payload: Any = None, timeout_s: float =
 
     Raises: OSError when the peer cannot be reached; RuntimeError with the remote error.
     """
-    from .auth import auth_headers  # noqa: PLC0415
+    from mooncaked.wire.auth import auth_headers  # noqa: PLC0415
 
     token = token if token is not None else _TOKENS.get(addr)
     req = urllib.request.Request(f"http://{addr}/control/{method}", data=orjson.dumps(payload),
@@ -255,12 +255,12 @@ class LocalCluster:
     def start_backend(self) -> None:
         """Creates the work dir and, for the etcd backend, starts etcd (idempotent).
         Raises: CoordinationError when etcd cannot start."""
-        from .auth import write_token_file  # noqa: PLC0415
+        from mooncaked.wire.auth import write_token_file  # noqa: PLC0415
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = write_token_file(self.token_path)
         if self.backend == "etcd" and self.etcd is None:
-            from .etcd_server import EtcdServer  # noqa: PLC0415
+            from mooncaked.coord.etcd_server import EtcdServer  # noqa: PLC0415
             self.etcd = EtcdServer(self.workdir / "etcd",
                                    die_with_parent=self.die_with_parent).start()
 

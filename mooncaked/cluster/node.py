@@ -46,20 +46,21 @@ import mooncaked
 from mooncaked import failpoints
 from mooncaked.api.node_metrics import node_metrics
 from mooncaked.config import Settings
-from mooncaked.conductor.service import ConductorService, NotLeader
+from mooncaked.conductor.service import ConductorService
 from mooncaked.log import get_logger
 
-from .auth import authorized, load_token
-from .coordinator import Coordinator, Member, make_coordinator
+from mooncaked.wire.auth import authorized, load_token
+from mooncaked.coord.coordinator import Coordinator, Member
+from mooncaked.coord.factory import make_coordinator
 from .decode_worker import DecodeWorker
-from .errors import ClusterError, RpcError
+from mooncaked.wire.errors import ClusterError, NotLeader, RpcError
 from .membership import ClusterView
-from .messages import (DecodeLoad, NodeRef, NodeReport, PlaceRejected, PlaceReply,
-                       PlaceRequest, PrefillReply, PrefillRequest, Release, StoreEventMsg,
-                       place_result_from_json)
+from mooncaked.wire.messages import (DecodeLoad, NodeRef, NodeReport, PlaceRejected, PlaceReply,
+                                     PlaceRequest, PrefillReply, PrefillRequest, Release,
+                                     StoreEventMsg, place_result_from_json)
 from .node_state import Activity, KVTransferCounters, NodeDraining
 from .prefill_worker import PrefillWorker
-from .rpc import ControlClient, ControlServer
+from mooncaked.wire.rpc import ControlClient, ControlServer
 
 log = get_logger(__name__)
 
@@ -267,7 +268,7 @@ class ClusterNode:
             self.engine.attach_store(self.store if offload else None)
         is_draining = lambda: self.draining  # noqa: E731
         if self.role == "prefill" and self.settings.cpp.group:    # a CPP stage (cpp_node.py)
-            from .cpp_node import CppStageWorker  # noqa: PLC0415
+            from mooncaked.cluster.cpp.cpp_node import CppStageWorker  # noqa: PLC0415
             self.prefill = CppStageWorker(self)
             await self.prefill.start()
             # its own store of its layer slices, lent to the pool like every node's

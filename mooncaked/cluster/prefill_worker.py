@@ -25,19 +25,19 @@ from mooncaked import failpoints
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
-from .errors import ClusterError
+from mooncaked.wire.errors import ClusterError
 from .kv_push import KVPusher
-from .messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
-                       PrefillReply, PrefillRequest, Release)
+from mooncaked.wire.messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta,
+                                     PrefillDone, PrefillReply, PrefillRequest, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
 from .prefill_queue import (
-    PrefillQueue,
-    resolve_aging,
-    resolve_bound_rule,
-    resolve_fcfs_slack,
-    resolve_fcfs_slack_ratio,
-    resolve_order,
-)
+                            PrefillQueue,
+                            resolve_aging,
+                            resolve_bound_rule,
+                            resolve_fcfs_slack,
+                            resolve_fcfs_slack_ratio,
+                            resolve_order,
+                            )
 
 log = get_logger(__name__)
 

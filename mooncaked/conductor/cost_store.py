@@ -45,7 +45,7 @@ def from_record(rec: Any) -> CostModel:
 async def publish(cluster_settings: Any, model: CostModel, path: str) -> None:
     """Stores model under COST_KEY in the cluster's coordination backend.
     Raises: CoordinationError when it cannot be reached."""
-    from mooncaked.cluster.coordinator import make_coordinator  # noqa: PLC0415
+    from mooncaked.coord.factory import make_coordinator  # noqa: PLC0415
 
     async with make_coordinator(cluster_settings) as coord:
         await coord.put(COST_KEY, record(model, path))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from mooncaked.cluster.messages import NodeReport
+from mooncaked.wire.messages import NodeReport
 
 from .cost_model import CostModel
 

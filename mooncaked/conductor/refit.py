@@ -28,7 +28,7 @@ import statistics
 from collections import deque
 from typing import Any
 
-from mooncaked.cluster.messages import PrefillDone
+from mooncaked.wire.messages import PrefillDone
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 

@@ -38,8 +38,8 @@ from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
-from mooncaked.cluster.messages import (FetchPlan, NodeRef, NodeReport, PlaceRejected, PlaceReply,
-                                        PlaceRequest, StoreEventMsg, unhex_keys)
+from mooncaked.wire.messages import (FetchPlan, NodeRef, NodeReport, PlaceRejected, PlaceReply,
+                                     PlaceRequest, StoreEventMsg, unhex_keys)
 from mooncaked.config import Settings, state_dir
 from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
@@ -58,11 +58,6 @@ from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Reje
                      place)
 
 log = get_logger(__name__)
-
-
-
-class NotLeader(RuntimeError):
-    """This node does not run the conductor (any more); ask the current leader."""
 
 
 def cost_model_path(settings: Settings) -> Path:
@@ -421,7 +416,7 @@ class ConductorService:
 
     def _stage_prefix(self, g: Group, keys: list[bytes]) -> tuple[int, ...]:
         """Each stage's own prefix of `keys` in blocks: its layer slices (store/keys.py
-        slice_key) in the index, from its store's events (cluster/stage_prefix.py)."""
+        slice_key) in the index, from its store's events (cluster/cpp/stage_prefix.py)."""
         out = []
         for v, (a, b) in zip(g.stages, g.layers):
             if not keys or b <= a:
@@ -570,5 +565,5 @@ class ConductorService:
         }
 
 
-__all__ = ["ConductorService", "INFLIGHT_TTL_S", "NodeView", "NotLeader", "cost_model_path", "default_cost_model",
+__all__ = ["ConductorService", "INFLIGHT_TTL_S", "NodeView", "cost_model_path", "default_cost_model",
            "load_cost_model", "state_dir"]

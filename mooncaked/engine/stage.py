@@ -148,7 +148,7 @@ class StageEngine:
         # caller's event loop: one lock over the page books
         self._pages = threading.RLock()
         # pages of requests that will be released shortly (their slices being copied out,
-        # cluster/stage_prefix.py): a chunk short of pages waits for them, not fails
+        # cluster/cpp/stage_prefix.py): a chunk short of pages waits for them, not fails
         self._freed = threading.Condition(self._pages)
         self.releasing = 0
         self.load_s = time.monotonic() - t0
@@ -224,7 +224,7 @@ class StageEngine:
 
     def append_blocks(self, request_id: str, blocks: torch.Tensor) -> int:
         """Continues a matched request's prefix with given K/V (a page each, e.g. from the
-        store or a peer: cluster/stage_prefix.py), before its first chunk runs.
+        store or a peer: cluster/cpp/stage_prefix.py), before its first chunk runs.
 
         Args:
             blocks: [n, stage_layers, 2, block_size, kv_heads, head_dim], this stage's layers

@@ -9,9 +9,9 @@ import time
 from collections.abc import AsyncIterator
 
 from ..log import get_logger
-from .coord_records import _loads, Member, MemberEvent, _check_name, _dumps, _member_from
+from .records import _loads, Member, MemberEvent, _check_name, _dumps, _member_from
 
-log = get_logger("mooncaked.cluster.coordinator")
+log = get_logger("mooncaked.coord.coordinator")
 
 
 class MembershipMixin:

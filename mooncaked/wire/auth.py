@@ -36,7 +36,7 @@ def token_path(settings: ClusterSettings) -> Path:
     if settings.token_file:
         return Path(settings.token_file).expanduser()
     if settings.backend == "local":
-        from .coordinator import default_state_dir  # noqa: PLC0415
+        from mooncaked.coord.coordinator import default_state_dir  # noqa: PLC0415
         return Path(settings.state_dir or default_state_dir()) / "token"
     raise ConfigError("<settings>", "cluster.token_file",
                       "required with the etcd backend: a file holding the cluster's shared "

@@ -35,7 +35,7 @@ import orjson
 from ..config import ClusterSettings
 from ..log import get_logger
 from .coordinator import Coordinator, default_state_dir
-from .errors import CoordinationError
+from mooncaked.wire.errors import CoordinationError
 
 log = get_logger(__name__)
 

@@ -38,7 +38,7 @@ their slices into its store (store.keys.slice_key). Stage 0 sends the prompt's k
 the placement's fetch source ({control, blocks}: a node whose store holds the full
 blocks, the conductor's choice, conductor/cpp_place.group_prefix) down the chain with the
 reservations; each stage matches its pages, then continues from its store's slices, then
-READs only its layers' byte range of the source's full blocks (cluster/stage_prefix.py).
+READs only its layers' byte range of the source's full blocks (cluster/cpp/stage_prefix.py).
 The least prefix of any stage is the request's cached prefix (every stage recomputes
 from there), and the reply's num_cached_tokens says how much was reused.
 
@@ -58,11 +58,11 @@ from mooncaked.conductor.cpp_place import stage_info
 from mooncaked.log import get_logger
 from mooncaked.utils import cdiv
 
-from .messages import (KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
-                       PrefillReply, PrefillRequest, Release, params_to_json)
-from .node_state import NodeDraining, release_on
+from mooncaked.wire.messages import (KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
+                                     PrefillReply, PrefillRequest, Release, params_to_json)
+from mooncaked.cluster.node_state import NodeDraining, release_on
 from .pipeline_stage import StageFailure, StageServer
-from .prefill_worker import PrefillLoad
+from mooncaked.cluster.prefill_worker import PrefillLoad
 
 log = get_logger(__name__)
 
@@ -127,7 +127,7 @@ class CppStageWorker:
     def attach_store(self, store_node: Any) -> None:
         """Gives the stage the node's StoreNode (a BlockStore of `engine.block_bytes`
         blocks: the stage's layer slices): its prefix continues from the store and from
-        fetch sources, and finished slices go into it (cluster/stage_prefix.py)."""
+        fetch sources, and finished slices go into it (cluster/cpp/stage_prefix.py)."""
         from .stage_prefix import StagePrefix  # noqa: PLC0415
 
         self.prefix = StagePrefix(self.engine, self.engine.cfg.num_layers, store_node)

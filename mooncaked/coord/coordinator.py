@@ -37,18 +37,18 @@ from typing import Any, AsyncIterator
 from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
 from ..lograte import RateLimitedLog
-from .coord_election import ElectionMixin
-from .coord_membership import MembershipMixin
-from .coord_records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
-from .errors import CoordinationError, SessionLost
+from .election import ElectionMixin
+from .membership import MembershipMixin
+from .records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
+from mooncaked.wire.errors import CoordinationError, SessionLost
 
 log = get_logger(__name__)
 # An outage fails these every heartbeat / poll: one line per kind per window, with a count.
 _limited = RateLimitedLog(log)
 
 class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
-    """Cluster coordination: metadata, leased membership (coord_membership.py), leader
-    election (coord_election.py), over a backend's primitives.
+    """Cluster coordination: metadata, leased membership (coord/membership.py), leader
+    election (coord/election.py), over a backend's primitives.
 
     Use as `async with make_coordinator(settings) as coord: ...` or call `start()` and
     `close()`. Operations raise `CoordinationError` when the store fails or does not
@@ -372,19 +372,5 @@ def default_state_dir() -> str:
     return os.path.join(tempfile.gettempdir(), f"mooncaked-cluster-{os.getuid()}")
 
 
-def make_coordinator(settings: ClusterSettings) -> Coordinator:
-    """The coordinator of settings.backend ("local" or "etcd"), not yet started.
-
-    Raises: ConfigError for bad settings (e.g. heartbeat too slow for the TTL).
-    """
-    if settings.backend == "local":
-        from .local import LocalCoordinator
-        return LocalCoordinator(settings)
-    if settings.backend == "etcd":
-        from .etcd import EtcdCoordinator
-        return EtcdCoordinator(settings)
-    raise ConfigError("<settings>", "cluster.backend", f"unknown backend {settings.backend!r}")
-
-
-__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "make_coordinator",
-           "default_state_dir", "DEFAULT_ELECTION"]
+__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "default_state_dir",
+           "DEFAULT_ELECTION"]

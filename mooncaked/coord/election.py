@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..log import get_logger
-from .coord_records import DEFAULT_ELECTION, Leadership, _check_name, _dumps, _loads
-from .errors import CoordinationError
+from .records import DEFAULT_ELECTION, Leadership, _check_name, _dumps, _loads
+from mooncaked.wire.errors import CoordinationError
 
-log = get_logger("mooncaked.cluster.coordinator")
+log = get_logger("mooncaked.coord.coordinator")
 
 
 class ElectionMixin:
