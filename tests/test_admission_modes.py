@@ -225,3 +225,41 @@ def test_ctl_status_prints_calibration_and_admission(capsys):
     assert "admission: shadow, admitted 2, rejected 0, shadow-rejected 1 {'ttft_slo': 1}" in out
     assert "calibration: prefill x1 from 0 steps, decode x1 from 0 steps" in out
     assert "prefill step - over 0 steps" in out
+
+
+def test_a_calibrated_default_is_kept_per_machine_and_enforces_at_the_next_start(tmp_path):
+    """The built-in default, calibrated from served steps, is saved under the state dir
+    keyed by the model nodes' CPU, model and dtype (calibration_cache.py); a conductor
+    started later on the same hardware loads it and enforces at once; other hardware
+    starts from the default again, in shadow."""
+    info = {"cpu": "AMD EPYC test", "model_id": "smol", "dtype": "float32",
+            "block_bytes": 16 * 1000, "block_size": 16}
+
+    def conductor(model_info: dict) -> ConductorService:
+        s = settings("enforce", warmup=8)
+        s.node.state_dir = str(tmp_path)
+        svc = ConductorService("c1", None, None, s)
+        svc._upsert("p1", {"role": "prefill", "model": model_info})
+        svc._upsert("d1", {"role": "decode", "model": model_info})
+        report(svc, "p1", "prefill")
+        report(svc, "d1", "decode")
+        return svc
+
+    svc = conductor(info)
+    svc._cost()                                       # the default: nothing cached yet
+    assert svc.cost.meta["source"] == "default" and not svc.model.calibrated("prefill")
+    default = default_cost_model(1000)
+    report(svc, "p1", "prefill", prefill_steps=[[n, 0, 0.5 * default.prefill_s(n, 0)]
+                                                for n in (64, 128, 256, 512) * 2])
+    report(svc, "d1", "decode", decode_steps=[[b, 100 * b, 3 * default.decode_step_s(b, 100 * b)]
+                                              for b in (1, 2, 3, 4) * 2])
+    saved = list((tmp_path / "cost_models").glob("calibrated-*.json"))
+    assert len(saved) == 1
+    again = conductor(info)
+    cost = again._cost()
+    assert cost.meta["source"] == "calibrated" and again.model.calibrated("prefill")
+    assert abs(cost.prefill_s(300, 0) - 0.5 * default.prefill_s(300, 0)) < 1e-9
+    assert abs(cost.decode_step_s(2, 200) - 3 * default.decode_step_s(2, 200)) < 1e-9
+    assert "calibrated cache" in again.status()["cost_model"]["meta"]["origin"]
+    other = conductor({**info, "cpu": "another CPU"})
+    assert other._cost().meta["source"] == "default"

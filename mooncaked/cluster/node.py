@@ -47,6 +47,7 @@ from mooncaked import failpoints
 from mooncaked.api.node_metrics import node_metrics
 from mooncaked.config import Settings
 from mooncaked.conductor.service import ConductorService
+from mooncaked.kernels.cpu_isa import cpu_name
 from mooncaked.log import get_logger
 
 from mooncaked.wire.auth import authorized, load_token
@@ -162,6 +163,7 @@ class ClusterNode:
                 "max_model_len": e.max_model_len, "block_bytes": g.block_bytes,
                 "max_logprobs": e.max_logprobs,
                 "kv_capacity_tokens": g.num_blocks * g.block_size,
+                "cpu": cpu_name(),            # the calibrated cost model's key
                 "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim]}
 
     @property

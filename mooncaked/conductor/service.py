@@ -44,7 +44,7 @@ from mooncaked.config import Settings, state_dir
 from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
 
-from . import cost_store
+from . import calibration_cache, cost_store
 from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from .cost_model import CostModel, PolyModel, TransferModel
 from .index import BlockEvent, PrefixIndex
@@ -59,6 +59,7 @@ from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Reje
 
 log = get_logger(__name__)
 
+CALIBRATION_SAVE_S = 30.0      # the calibrated model is written at most this often
 
 def cost_model_path(settings: Settings) -> Path:
     """Where `mooncaked profile` writes the cost model and the conductor reads it:
@@ -131,6 +132,8 @@ class ConductorService:
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self._cost_task: asyncio.Task | None = None
+        self._saved_at = -math.inf           # the calibrated model's last save (monotonic)
+        self._saved_version = 0
 
     # the parts tests and `ctl` read
     @property
@@ -247,10 +250,41 @@ class ConductorService:
             self.model.observe_prefill(d)
             if self.settings.conductor.refit_cost_model:   # false: predictions stay fixed
                 self.cpp_learner.observe(d.rid, d.seconds, d.cached, d.stages)
+        if self.model.cost is None and (r.decode_steps or r.prefill_steps):
+            self._cost()      # a model node reports steps: its record has the model's KV size
         for step in r.decode_steps:
             self.model.observe_step(*step)
         for step in r.prefill_steps:
             self.model.observe_prefill_step(*step)
+        self._save_calibration(time.monotonic())
+
+    def _machine_key(self) -> dict | None:
+        """calibration_cache.machine_key of the first model node that published one."""
+        for v in self.nodes.values():
+            key = calibration_cache.machine_key(v.info.get("model") or {},
+                                                self.settings.model.num_threads)
+            if key is not None:
+                return key
+        return None
+
+    def _save_calibration(self, now: float) -> None:
+        """Keeps a calibrated built-in default (or a cached calibration, refined) under the
+        state dir for the next start on this hardware (calibration_cache.py): once both
+        parts are calibrated, at most every CALIBRATION_SAVE_S, when it changed."""
+        m, cost = self.model, self.model.cost
+        if cost is None or cost.meta.get("source") not in ("default", calibration_cache.SOURCE):
+            return
+        version = m.calibrations + m.refits + m.decode_refits
+        if (version == self._saved_version or now - self._saved_at < CALIBRATION_SAVE_S
+                or min(m.observed.values()) < max(1, self.settings.conductor.admission_warmup)):
+            return
+        key = self._machine_key()
+        if key is None:
+            return
+        self._saved_at, self._saved_version = now, version
+        path = calibration_cache.save(state_dir(self.settings), key, cost)
+        if path is not None:
+            log.info("calibrated_cost_model_saved", path=str(path), **m.scale)
 
     def _apply_events(self, v: NodeView, events: Sequence[StoreEventMsg], store_seq: int
                       ) -> None:
@@ -288,6 +322,13 @@ class ConductorService:
                     kvb = int(m["block_bytes"]) // int(m["block_size"])
                     break
             self.model.cost = load_cost_model(self.settings, kvb)
+            key = self._machine_key()
+            if self.model.cost.meta.get("source") == "default" and key is not None:
+                cached = calibration_cache.load(state_dir(self.settings), key)
+                if cached is not None:          # this hardware's calibration, not a guess
+                    log.info("cost_model_loaded", origin=cached.meta["origin"],
+                             name=cached.name)
+                    self.model.cost = cached
             self.model.cost.meta.setdefault(
                 "origin", f"file {cost_model_path(self.settings)}"
                 if self.model.cost.meta.get("source") != "default" else "built-in default")
