@@ -170,11 +170,26 @@ def _group_table(v: dict) -> None:
                               "requests", "slices"], rows)
 
 
+def _kernel_table(v: dict) -> None:
+    """Per model node: its CPU (or GPU), ISA level, resolved dtype (model.dtype = auto resolves
+    per CPU) and the kernel variants it runs (engine/kernel_paths.py)."""
+    rows = []
+    for nid, n in sorted(v["nodes"].items()):
+        k = (n["info"].get("model") or {}).get("kernels")
+        if k:
+            dtype = k["dtype"] + (" (auto)" if k.get("requested_dtype") == "auto" else "")
+            rows.append([nid, k["cpu"], k["isa"], dtype, k["weight_format"], k["decode_path"],
+                         k["prefill_path"]])
+    if rows:
+        _table("kernels", ["node", "cpu", "isa", "dtype", "weights", "decode", "prefill"], rows)
+
+
 @ctl_app.command()
 def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
            state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
            json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
-    """Leader, nodes, roles, health and versions; the conductor's counters and cost model."""
+    """Leader, nodes, roles, health and versions; each model node's CPU, ISA, dtype and kernel
+    variants; the conductor's counters and cost model."""
     v = _view(config, backend, state_dir, etcd, timeout)
     if json_out:
         _print_json(v)
@@ -188,6 +203,7 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
                      (info.get("model") or {}).get("name")])
     _table(f"cluster ({v['backend']} backend), leader: {v['leader'] or 'none'}",
            ["node", "role", "health", "version", "api", "pid", "uptime", "model"], rows)
+    _kernel_table(v)
     _group_table(v)
     _stall_table(v)
     _print_conductor(v["conductor"])

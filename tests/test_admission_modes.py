@@ -20,7 +20,8 @@ from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, Admissi
                                                   Decision, decide)
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 from mooncaked.conductor.refit import CALIBRATE_EVERY
-from mooncaked.conductor.service import ConductorService, default_cost_model
+from mooncaked.conductor.cost_store import default_cost_model
+from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
 
 # 0.1 s + 10 ms a token of prefill; 50 ms + 10 ms a sequence a decode step

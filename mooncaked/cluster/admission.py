@@ -26,17 +26,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from mooncaked.conductor.admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
-from mooncaked.conductor.cost_model import CostModel
+from mooncaked.conductor.cost_model import CostModel, step_with_request_s
+from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.conductor.refit import CostModelRefitter
 from mooncaked.config import Settings
-
-
-def step_with_request_s(cost: CostModel, batch: int, context_tokens: float,
-                        prompt_tokens: float) -> float:
-    """Predicted decode step time (seconds) of a node running `batch` requests holding
-    `context_tokens` KV tokens once it admits one more with `prompt_tokens` tokens: the
-    request's predicted TBT (what `policy.place` checks against the SLO)."""
-    return cost.decode_step_s(batch + 1, context_tokens + prompt_tokens)
 
 
 class DecodeAdmission:
@@ -60,7 +53,6 @@ class DecodeAdmission:
 
     def _cost(self) -> CostModel:
         if self.model.cost is None:
-            from mooncaked.conductor.service import load_cost_model  # noqa: PLC0415 - cycle
             self.model.cost = load_cost_model(self._settings, self._kvb)
         return self.model.cost
 
@@ -109,4 +101,4 @@ class DecodeAdmission:
                                                     "decode_refits")}}
 
 
-__all__ = ["DecodeAdmission", "step_with_request_s"]
+__all__ = ["DecodeAdmission"]

@@ -44,7 +44,7 @@ from aiohttp import web
 
 import mooncaked
 from mooncaked import failpoints
-from mooncaked.api.node_metrics import node_metrics
+from mooncaked.stall_metrics import node_metrics
 from mooncaked.config import Settings
 from mooncaked.conductor.service import ConductorService
 from mooncaked.kernels.cpu_isa import cpu_name
@@ -62,6 +62,12 @@ from mooncaked.wire.messages import (DecodeLoad, NodeRef, NodeReport, PlaceRejec
 from .node_state import Activity, KVTransferCounters, NodeDraining
 from .prefill_worker import PrefillWorker
 from mooncaked.wire.rpc import ControlClient, ControlServer
+from .frontend import ClusterFrontend
+from mooncaked.transfer import TransferEngine
+from mooncaked.cluster.cpp.cpp_node import CppStageWorker
+from .throughput import log_throughput
+from mooncaked.store import BlockStore
+from mooncaked.store.remote import StoreNode
 
 log = get_logger(__name__)
 
@@ -121,7 +127,6 @@ class ClusterNode:
         self.activity = Activity()                  # since the last report
         self.frontend_runs = 0                      # requests this node's API is serving
         self._background: set[asyncio.Task] = set()
-        from .frontend import ClusterFrontend  # noqa: PLC0415 - frontend imports node types
         self.frontend = ClusterFrontend(self)
 
     # ------------------------------------------------------------------ wiring
@@ -164,7 +169,8 @@ class ClusterNode:
                 "max_logprobs": e.max_logprobs,
                 "kv_capacity_tokens": g.num_blocks * g.block_size,
                 "cpu": cpu_name(),            # the calibrated cost model's key
-                "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim]}
+                "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim],
+                "kernels": e.kernels()}
 
     @property
     def members(self) -> dict[str, Member]:
@@ -257,7 +263,6 @@ class ClusterNode:
         Raises: CoordinationError when the coordinator cannot be reached; OSError when the
         transfer engine cannot listen.
         """
-        from mooncaked.transfer import TransferEngine  # noqa: PLC0415
 
         self.api_url, self.control_addr = api_url, control_addr
         if not self.node_id:
@@ -270,7 +275,6 @@ class ClusterNode:
             self.engine.attach_store(self.store if offload else None)
         is_draining = lambda: self.draining  # noqa: E731
         if self.role == "prefill" and self.settings.cpp.group:    # a CPP stage (cpp_node.py)
-            from mooncaked.cluster.cpp.cpp_node import CppStageWorker  # noqa: PLC0415
             self.prefill = CppStageWorker(self)
             await self.prefill.start()
             # its own store of its layer slices, lent to the pool like every node's
@@ -306,7 +310,6 @@ class ClusterNode:
                                 self.settings, self._on_member, self._report, self.activity)
         await self.view.start()
         if self.engine is not None and self.settings.log.stats_interval_s > 0:
-            from .throughput import log_throughput  # noqa: PLC0415
             self.spawn(log_throughput(self, self.settings.log.stats_interval_s))
         log.info("node_started", node=self.node_id, role=self.role, api=api_url,
                  control=control_addr, backend=self.settings.cluster.backend)
@@ -333,8 +336,6 @@ class ClusterNode:
             await asyncio.sleep(min(1.0, cs.heartbeat_interval_s))
 
     async def _start_store(self, block_bytes: int) -> None:
-        from mooncaked.store import BlockStore  # noqa: PLC0415
-        from mooncaked.store.remote import StoreNode  # noqa: PLC0415
 
         self.store = await BlockStore.from_settings(self.settings, block_bytes,
                                                     self.node_id).start()
@@ -462,6 +463,13 @@ class ClusterNode:
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""
         m = member.info.get("model")
+        mine = self.info.get("model") if self.engine is not None else None
+        if m and mine and m.get("dtype") != mine.get("dtype"):
+            # model.dtype = auto resolves per CPU (model/numerics.py): nodes on different CPU
+            # kinds can differ, and then neither KV handovers nor block keys match
+            log.warning("model_dtype_mismatch", member=member.node_id, member_dtype=m.get("dtype"),
+                        dtype=mine.get("dtype"),
+                        hint="set model.dtype explicitly (float32 or bfloat16) on every node")
         if self.role == "cache" and self.store is None and m:
             await self._start_store(int(m["block_bytes"]))
             await self._reregister()

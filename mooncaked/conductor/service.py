@@ -34,7 +34,6 @@ import dataclasses
 import math
 import random
 import time
-from pathlib import Path
 from collections.abc import Sequence
 from typing import Any
 
@@ -43,10 +42,11 @@ from mooncaked.wire.messages import (FetchPlan, NodeRef, NodeReport, PlaceReject
 from mooncaked.config import Settings, state_dir
 from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
+from mooncaked.store.types import Inventory
 
 from . import calibration_cache, cost_store
 from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
-from .cost_model import CostModel, PolyModel, TransferModel
+from .cost_model import CostModel, step_with_request_s
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
@@ -60,42 +60,6 @@ from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Reje
 log = get_logger(__name__)
 
 CALIBRATION_SAVE_S = 30.0      # the calibrated model is written at most this often
-
-def cost_model_path(settings: Settings) -> Path:
-    """Where `mooncaked profile` writes the cost model and the conductor reads it:
-    conductor.cost_model, else <state dir>/cost_model.json."""
-    return Path(settings.conductor.cost_model) if settings.conductor.cost_model \
-        else state_dir(settings) / "cost_model.json"
-
-
-def default_cost_model(kv_bytes_per_token: int) -> CostModel:
-    """A rough cost model of the bundled 135M model on a small shared CPU (2 cores), for
-    clusters that have not run `mooncaked profile` yet: prefill about 6 ms a new token,
-    a decode step 40 ms plus 4 ms a sequence and 20 us a context token (one thread,
-    fp32), loopback TCP at 1 GB/s."""
-    return CostModel(
-        prefill=PolyModel(((0, 0), (1, 0), (0, 1), (2, 0), (1, 1)), (0.05, 0.006, 1e-5, 0.0, 0.0)),
-        decode=PolyModel(((0, 0), (1, 0), (0, 1)), (0.04, 0.004, 2e-5)),
-        transfer=TransferModel(1e9, 0.002), kv_bytes_per_token=max(1, kv_bytes_per_token),
-        name="default CPU estimate (run `mooncaked profile` to fit this hardware)",
-        meta={"source": "default"})
-
-
-def load_cost_model(settings: Settings, kv_bytes_per_token: int) -> CostModel:
-    """The profiled cost model if its file exists and is valid, else `default_cost_model`
-    (logged). Never raises for a missing or bad file: the conductor must come up."""
-    path = cost_model_path(settings)
-    if path.exists():
-        try:
-            model = CostModel.load(path)
-            log.info("cost_model_loaded", path=str(path), name=model.name)
-            return model
-        except (OSError, ValueError) as e:
-            log.error("cost_model_invalid", path=str(path), error=str(e))
-    else:
-        log.warning("cost_model_missing", path=str(path),
-                    hint="run `mooncaked profile` on this hardware")
-    return default_cost_model(kv_bytes_per_token)
 
 
 class ConductorService:
@@ -225,7 +189,6 @@ class ConductorService:
         v = self.nodes.get(node_id)
         if v is None or not v.control:
             return
-        from mooncaked.store.types import Inventory  # noqa: PLC0415 - keep import light
         try:
             r = await self.client.call(v.control, "store.inventory", None,
                                        timeout_s=self.settings.cluster.rpc_timeout_s)
@@ -321,7 +284,7 @@ class ConductorService:
                 if m.get("block_bytes") and m.get("block_size"):
                     kvb = int(m["block_bytes"]) // int(m["block_size"])
                     break
-            self.model.cost = load_cost_model(self.settings, kvb)
+            self.model.cost = cost_store.load_cost_model(self.settings, kvb)
             key = self._machine_key()
             if self.model.cost.meta.get("source") == "default" and key is not None:
                 cached = calibration_cache.load(state_dir(self.settings), key)
@@ -330,7 +293,7 @@ class ConductorService:
                              name=cached.name)
                     self.model.cost = cached
             self.model.cost.meta.setdefault(
-                "origin", f"file {cost_model_path(self.settings)}"
+                "origin", f"file {cost_store.cost_model_path(self.settings)}"
                 if self.model.cost.meta.get("source") != "default" else "built-in default")
         return self.model.cost
 
@@ -473,8 +436,6 @@ class ConductorService:
         prefill work (policy ``load_balancing``, no decode side), which then decodes too.
         The same SLO checks: TTFT by `place`, TBT as a decode node's (step time of that
         node with the request, `step_with_request_s`)."""
-        from mooncaked.cluster.admission import step_with_request_s  # noqa: PLC0415
-
         keys, n, max_new = list(req.keys), req.prompt_tokens, req.max_new_tokens
         cs = self.settings.conductor
         cfg = PolicyConfig(policy="load_balancing", block_size=self._block_size(nodes[0]),
@@ -606,5 +567,4 @@ class ConductorService:
         }
 
 
-__all__ = ["ConductorService", "INFLIGHT_TTL_S", "NodeView", "cost_model_path", "default_cost_model",
-           "load_cost_model", "state_dir"]
+__all__ = ["ConductorService", "INFLIGHT_TTL_S", "NodeView"]

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
+from mooncaked.stall_metrics import node_metrics
 
 import torch
 
@@ -50,7 +51,6 @@ class AsyncLLM:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        from mooncaked.api.node_metrics import node_metrics  # noqa: PLC0415 - api imports engine
         self._metrics = node_metrics()
 
     @classmethod
@@ -208,6 +208,14 @@ class AsyncLLM:
     def model_id(self) -> str:
         """Identity of the weights (file name and size): part of every block key's salt."""
         return self.engine.model_id
+
+    def kernels(self) -> dict:
+        """What this engine runs, decided once at start: the resolved dtype and weight format
+        (model/numerics.py; `requested_dtype` is model.dtype as configured, e.g. "auto") and
+        the CPU, ISA level and kernel variants (engine/kernel_paths.py KernelPaths)."""
+        e = self.engine
+        return {"dtype": e.numerics.dtype, "requested_dtype": e.settings.model.dtype,
+                "weight_format": e.numerics.weight_format, **e.kernel_paths.to_json()}
 
     def kv_geometry(self) -> KVGeometry:
         """The paged KV layout (layers, block size, heads, dtype, bytes and count of blocks)."""
