@@ -1,6 +1,6 @@
 """`mooncake bench cpp`: TTFT of a 2-stage prefill pipeline against one prefill node.
 
-Ours: two stage processes (mooncaked.cluster.pipeline_stage), each holding half of the
+Ours: two stage processes (mooncaked.cluster.cpp.pipeline_stage), each holding half of the
 bundled model's layers and one torch thread; the prompt goes to stage 0 in chunks of
 `chunk_tokens`, each chunk's hidden states are WRITten into a slot stage 1 reserved, over
 the transfer engine (TCP on loopback), while stage 0 computes the next chunk. TTFT is the
@@ -31,8 +31,8 @@ import time
 
 import orjson
 
-from mooncaked.cluster.pipeline_stage import start_stage_process
-from mooncaked.cluster.rpc import ControlClient
+from mooncaked.cluster.cpp.pipeline_stage import start_stage_process
+from mooncaked.wire.rpc import ControlClient
 
 PROMPTS = (1024, 2048, 4096, 7168)
 VOCAB_LOW, VOCAB_HIGH = 100, 49000  # ordinary tokens of the bundled model's vocabulary

@@ -61,7 +61,7 @@ def _cluster(config: Optional[Path], backend: Optional[str], state_dir: Optional
 
 
 def _view(config, backend, state_dir, etcd, timeout) -> dict:
-    from mooncaked.cluster import ClusterError  # noqa: PLC0415
+    from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
     from mooncaked.cluster.admin import cluster_view  # noqa: PLC0415
     from mooncaked.config import ConfigError  # noqa: PLC0415
 
@@ -145,8 +145,8 @@ def _stall_table(v: dict) -> None:
 
 
 def _group_table(v: dict) -> None:
-    """CPP groups (cluster/cpp_node.py): each stage's node, its layers, weights, the
-    requests it holds and the layer slices in its store (cluster/stage_prefix.py); a group
+    """CPP groups (cluster/cpp/cpp_node.py): each stage's node, its layers, weights, the
+    requests it holds and the layer slices in its store (cluster/cpp/stage_prefix.py); a group
     missing a stage is marked incomplete (not placed on)."""
     rows, groups = [], {}
     for nid, n in v["nodes"].items():
@@ -206,7 +206,12 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     _kernel_table(v)
     _group_table(v)
     _stall_table(v)
-    c = v["conductor"]
+    _print_conductor(v["conductor"])
+
+
+def _print_conductor(c: dict) -> None:
+    """The conductor's part of `ctl status`: counters, cost model, calibration, admission,
+    rejections, prediction errors (c: conductor.status, or {"error": ...})."""
     if "error" in c:
         typer.echo(f"conductor: {c['error']}")
         return
@@ -224,13 +229,32 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}] from "
                f"{(cm.get('meta') or {}).get('origin', '-')}, refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
+    scale, seen = cm.get("scale") or {}, cm.get("observed_steps") or {}
+    cal = cm.get("calibrated") or {}
+    if scale:
+        typer.echo("calibration: " + ", ".join(
+            f"{k} x{scale[k]:.3g} from {seen.get(k, 0)} steps"
+            f"{'' if cal.get(k) else ' (not calibrated yet: admission in shadow)'}"
+            for k in ("prefill", "decode")))
+    adm = c.get("admission") or {}
+    if adm:
+        typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "
+                   f"{adm['rejected']}, shadow-rejected {adm['shadow_rejected']}"
+                   + (f" {adm['shadow_rejected_by_reason']}" if adm["shadow_rejected"] else ""))
     if c["rejected"]:
         _table("rejections", ["reason", "count"],
                [[r, n] for r, n in sorted(c["rejected"].items(), key=lambda x: -x[1])])
     typer.echo(f"prediction error (median |rel|): TTFT "
                f"{'-' if med is None else f'{med:.1%}'} over {err.get('samples', 0)} requests, "
                f"decode step {'-' if dmed is None else f'{dmed:.1%}'} over "
-               f"{derr.get('samples', 0)} steps")
+               f"{derr.get('samples', 0)} steps, prefill step "
+               f"{_rel((c.get('prefill_step_prediction') or {}).get('median_abs_rel_error'))} "
+               f"over {(c.get('prefill_step_prediction') or {}).get('samples', 0)} steps")
+
+
+def _rel(x: float | None) -> str:
+    """A relative error as a percentage, '-' for none."""
+    return "-" if x is None else f"{x:.1%}"
 
 
 @ctl_app.command()
@@ -325,7 +349,7 @@ def requests(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND
 
 def _drain(node: str, config, backend, state_dir, etcd, json_out, timeout,
            method: str) -> dict:
-    from mooncaked.cluster import ClusterError  # noqa: PLC0415
+    from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
     from mooncaked.cluster.admin import drain_node  # noqa: PLC0415
     from mooncaked.config import ConfigError  # noqa: PLC0415
 

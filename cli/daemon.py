@@ -71,7 +71,7 @@ def profile(
 ) -> None:
     """Fit the conductor's cost models on this hardware (prefill, decode step, transfer)."""
     settings = _settings(config, {}, set_)
-    from mooncaked.conductor.profile import ProfileGrid, run_profile  # noqa: PLC0415
+    from mooncaked.profile import ProfileGrid, run_profile  # noqa: PLC0415
     from mooncaked.log import setup_logging  # noqa: PLC0415
 
     setup_logging(settings.log.level, settings.log.format)
@@ -85,12 +85,17 @@ def profile(
     if publish if publish is not None else settings.node.role != "all":
         import asyncio  # noqa: PLC0415
 
-        from mooncaked.cluster.errors import ClusterError  # noqa: PLC0415
         from mooncaked.conductor.cost_store import COST_KEY  # noqa: PLC0415
         from mooncaked.conductor.cost_store import publish as publish_model  # noqa: PLC0415
+        from mooncaked.coord.factory import make_coordinator  # noqa: PLC0415
+        from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
+
+        async def publish_to_cluster() -> None:
+            async with make_coordinator(settings.cluster) as coord:
+                await publish_model(coord, model, str(path))
 
         try:
-            asyncio.run(publish_model(settings.cluster, model, str(path)))
+            asyncio.run(publish_to_cluster())
         except ClusterError as e:
             typer.echo(f"mooncaked profile: not published (the coordinator is unreachable: "
                        f"{e}); the file is written", err=True)
@@ -129,7 +134,7 @@ def token(out: Optional[Path] = typer.Option(None, "--out", "-o", help="Write it
                                              "(created with mode 0600; never overwritten) "
                                              "instead of printing it.")) -> None:
     """Make a new cluster token (the shared secret of cluster.token_file)."""
-    from mooncaked.cluster.auth import new_token, write_token_file  # noqa: PLC0415
+    from mooncaked.wire.auth import new_token, write_token_file  # noqa: PLC0415
 
     if out is None:
         typer.echo(new_token())

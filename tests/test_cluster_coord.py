@@ -1,7 +1,8 @@
 """Coordination with both backends: metadata keys, leased membership, leader election.
 
-Real processes (python -m mooncaked.cluster.probe) and, for the etcd backend, a real
-etcd started here on free loopback ports with a temporary data dir. Lease TTL is 2 s,
+Real processes (python -m mooncaked.cluster.probe) and, for the etcd backend, the run's
+real etcd (conftest's session fixture; each test under a key prefix of its own; the
+restart test starts its own). Lease TTL is 2 s,
 heartbeat 0.5 s: a killed node must leave the view, and a killed leader be replaced,
 within TTL + slack. "Not elected while another leads" is checked only once the candidate
 is known to be campaigning (it has read the election and found the leader's key), over a
@@ -18,8 +19,10 @@ import time
 
 import pytest
 
-from mooncaked.cluster import CoordinationError, MemberEvent, make_coordinator
-from mooncaked.cluster.etcd_server import EtcdServer, etcd_binary, free_port
+from mooncaked.coord.coordinator import MemberEvent
+from mooncaked.coord.factory import make_coordinator
+from mooncaked.wire.errors import CoordinationError
+from mooncaked.coord.etcd_server import EtcdServer, etcd_binary, free_port
 from mooncaked.cluster.probe import ProbeProcess
 from mooncaked.config import ClusterSettings, ConfigError
 
@@ -32,21 +35,10 @@ OBSERVE_S = 10 * POLL  # negative observations ("b is not elected") last this lo
 BACKENDS = ["local", "etcd"]
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    if etcd_binary() is None:
-        pytest.skip("etcd binary not installed (run mooncaked/cluster/install_etcd.sh)")
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request, tmp_path):
-    """(settings, probe kwargs) for one backend; each test gets its own key space."""
+    """(settings, probe kwargs) for one backend; each test gets its own key space (the
+    etcd one is the run's shared etcd, conftest)."""
     name = request.param
     prefix = f"/t/{request.node.name.replace('[', '_').replace(']', '')}-{os.getpid()}/"
     if name == "etcd":
@@ -402,7 +394,7 @@ def test_etcd_restart_is_survived(tmp_path):
     """etcd goes away: calls fail with a clear error within op_timeout_s; it comes back on
     the same ports and data: the session (lease persisted by etcd) and watches resume."""
     if etcd_binary() is None:
-        pytest.skip("etcd binary not installed (run mooncaked/cluster/install_etcd.sh)")
+        pytest.skip("etcd binary not installed (run mooncaked/coord/install_etcd.sh)")
     first = EtcdServer(tmp_path / "data").start()
     ports = (first.client_port, first.peer_port)
     again = EtcdServer(tmp_path / "data", client_port=ports[0], peer_port=ports[1])

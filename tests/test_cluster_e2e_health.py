@@ -19,11 +19,11 @@ import urllib.request
 
 import pytest
 
-from mooncaked.cluster.etcd_server import etcd_binary
+from mooncaked.coord.etcd_server import etcd_binary
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec
 
 pytestmark = pytest.mark.skipif(etcd_binary() is None, reason="etcd is not installed "
-                                "(mooncaked/cluster/install_etcd.sh)")
+                                "(mooncaked/coord/install_etcd.sh)")
 
 READY_TIMEOUT_S = 300.0
 PLACEMENT_WAIT_S = 2.0

@@ -1,4 +1,4 @@
-"""cluster/messages.py: every message survives its JSON form (through orjson, as on the
+"""wire/messages.py: every message survives its JSON form (through orjson, as on the
 wire), and a malformed body is a MessageError (a ValueError: the control server's 400)
 naming the field."""
 
@@ -10,12 +10,13 @@ import dataclasses
 import orjson
 import pytest
 
-from mooncaked.cluster import ControlClient, ControlServer, RpcError
-from mooncaked.cluster.messages import (DecodeFailure, DecodeLoad, DecodeRequest, FetchPlan,
-                                        KVHandle, KVReservation, KVReserved, MessageError,
-                                        NodeRef, NodeReport, OutputDelta, PlaceRejected,
-                                        PlaceReply, PlaceRequest, PrefillDone, PrefillRequest, Release, StoreEventMsg,
-                                        place_result_from_json)
+from mooncaked.wire.errors import RpcError
+from mooncaked.wire.rpc import ControlClient, ControlServer
+from mooncaked.wire.messages import (DecodeFailure, DecodeLoad, DecodeRequest, FetchPlan, KVHandle,
+                                     KVReservation, KVReserved, MessageError, NodeRef, NodeReport,
+                                     OutputDelta, PlaceRejected, PlaceReply, PlaceRequest,
+                                     PrefillDone, PrefillRequest, Release, StoreEventMsg,
+                                     place_result_from_json)
 from mooncaked.engine.types import RequestOutput, SamplingParams, StructuredSpec, TokenLogprob
 
 KEYS = (b"\x01" * 16, b"\x02" * 16)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
 from mooncaked.kernels import cpu_isa
@@ -25,17 +26,6 @@ BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 300.0
 WAIT_S = 90.0     # generous: the suite shares two cores with other work
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    """pred() once truthy, polled for at most timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.1)   # poll interval
 
 
 def http(method: str, url: str, body: dict | None = None, headers: dict | None = None
@@ -228,9 +218,14 @@ def test_published_cost_model_is_used_by_the_leader_without_a_leader_change(clus
                       decode=PolyModel(((0, 0),), (0.05,)), transfer=TransferModel(1e9),
                       kv_bytes_per_token=46080, name="published-by-test", meta={"source": "fit"})
     from mooncaked.conductor.cost_store import publish
+    from mooncaked.coord.factory import make_coordinator
     settings = load_settings(cluster.write_ctl_config())
     leader = control_call(cluster.control("c1"), "node.status")["leader"]
-    asyncio.run(publish(settings.cluster, model, "/elsewhere/cost_model.json"))
+
+    async def publish_model():
+        async with make_coordinator(settings.cluster) as coord:
+            await publish(coord, model, "/elsewhere/cost_model.json")
+    asyncio.run(publish_model())
 
     def in_use():
         st = control_call(cluster.control(leader), "conductor.status")

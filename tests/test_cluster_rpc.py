@@ -13,9 +13,9 @@ import time
 import pytest
 from aiohttp import web
 
-from mooncaked.cluster import (ControlClient, ControlServer, PeerUnavailable, RpcError,
-                               RpcTimeout)
-from mooncaked.cluster.etcd_server import free_port
+from mooncaked.wire.errors import PeerUnavailable, RpcError, RpcTimeout
+from mooncaked.wire.rpc import ControlClient, ControlServer
+from mooncaked.coord.etcd_server import free_port
 from mooncaked.cluster.probe import ProbeProcess
 
 
@@ -174,7 +174,7 @@ def test_add_handler_rejects_bad_registrations():
 PEER_SCRIPT = """
 import asyncio, sys, time
 import orjson
-from mooncaked.cluster import ControlServer
+from mooncaked.wire.rpc import ControlServer
 
 def emit(event, **kw):
     sys.stdout.write(orjson.dumps({"event": event, "t": time.time(), **kw}).decode() + "\\n")

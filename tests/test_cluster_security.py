@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from mooncaked.cluster.auth import authorized, load_token, write_token_file
-from mooncaked.cluster.errors import CoordinationError
-from mooncaked.cluster.etcd import EtcdCoordinator
-from mooncaked.cluster.etcd_server import etcd_binary
+from mooncaked.wire.auth import authorized, load_token, write_token_file
+from mooncaked.wire.errors import CoordinationError
+from mooncaked.coord.etcd import EtcdCoordinator
+from mooncaked.coord.etcd_server import etcd_binary
 from mooncaked.cluster.health import node_health
 from mooncaked.cluster.launcher import free_port
 from mooncaked.config import ClusterSettings, ConfigError
@@ -46,7 +46,7 @@ def make_pki(d: Path) -> None:
 @pytest.fixture(scope="module")
 def tls_etcd(tmp_path_factory):
     if etcd_binary() is None or shutil.which("openssl") is None:
-        pytest.skip("needs etcd (mooncaked/cluster/install_etcd.sh) and openssl")
+        pytest.skip("needs etcd (mooncaked/coord/install_etcd.sh) and openssl")
     d = tmp_path_factory.mktemp("pki")
     make_pki(d)
     cport, pport = free_port(), free_port()

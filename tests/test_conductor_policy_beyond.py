@@ -11,20 +11,20 @@ import math
 
 import pytest
 
-from mooncaked.cluster.messages import NodeReport, PlaceRequest
+from mooncaked.wire.messages import NodeReport, PlaceRequest
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 from mooncaked.conductor.policy import (
-    PlacementRequest,
-    PolicyConfig,
-    QueuedWork,
-    Snapshot,
-    choose_decode,
-    pipeline_rescues,
-    place,
-    spf_bound_s,
-    spf_pick,
-    spf_wait_s,
-)
+                                        PlacementRequest,
+                                        PolicyConfig,
+                                        QueuedWork,
+                                        Snapshot,
+                                        choose_decode,
+                                        pipeline_rescues,
+                                        place,
+                                        spf_bound_s,
+                                        spf_pick,
+                                        spf_wait_s,
+                                        )
 from mooncaked.conductor.replication import replication_worth
 from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
@@ -467,12 +467,12 @@ def test_live_prefill_queue_runs_the_order_the_simulator_runs():
     start) start in
     the same order; with the bound on the wait, L's bound is overrun by S2's 5 s."""
     from mooncaked.cluster.prefill_queue import (
-        PrefillQueue,
-        resolve_aging,
-        resolve_bound_rule,
-        resolve_fcfs_slack,
-        resolve_fcfs_slack_ratio,
-    )
+                                                 PrefillQueue,
+                                                 resolve_aging,
+                                                 resolve_bound_rule,
+                                                 resolve_fcfs_slack,
+                                                 resolve_fcfs_slack_ratio,
+                                                 )
 
     async def live(rule: str) -> list[int]:
         t = [0.0]

@@ -1,4 +1,4 @@
-"""A two-stage prefill pipeline in real processes (cluster/pipeline_stage.py): hidden
+"""A two-stage prefill pipeline in real processes (cluster/cpp/pipeline_stage.py): hidden
 states over the transfer engine, the full model's greedy token, and kill -9 of a stage
 mid-request (a clear error; the surviving stage holds nothing of the request after)."""
 
@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from mooncaked.cluster.errors import RpcError
-from mooncaked.cluster.pipeline_stage import start_stage_process
-from mooncaked.cluster.rpc import ControlClient
+from mooncaked.wire.errors import RpcError
+from mooncaked.cluster.cpp.pipeline_stage import start_stage_process
+from mooncaked.wire.rpc import ControlClient
 from mooncaked.engine.stage import StageEngine, prefill_through, split_layers
 from mooncaked.model.weights import bundled_model_path
 from mooncaked.transfer.engine import TransferEngine

@@ -1,4 +1,4 @@
-"""Prefix reuse of CPP stages beyond their pages (cluster/stage_prefix.py), with two real
+"""Prefix reuse of CPP stages beyond their pages (cluster/cpp/stage_prefix.py), with two real
 stage processes, each running its own KV store (`--store-bytes`), on loopback:
 
 - a stage's slices of a finished request's full blocks go into its store, so after the
@@ -16,8 +16,8 @@ import time
 import pytest
 import torch
 
-from mooncaked.cluster.pipeline_stage import start_stage_process
-from mooncaked.cluster.rpc import ControlClient
+from mooncaked.cluster.cpp.pipeline_stage import start_stage_process
+from mooncaked.wire.rpc import ControlClient
 from mooncaked.config import StoreSettings
 from mooncaked.engine.stage import StageEngine, prefill_through, split_layers
 from mooncaked.model.weights import bundled_model_path

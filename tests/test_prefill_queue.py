@@ -10,12 +10,12 @@ import pytest
 
 from mooncaked.cluster.node_state import Activity, KVTransferCounters
 from mooncaked.cluster.prefill_queue import (
-    PrefillQueue,
-    resolve_aging,
-    resolve_bound_rule,
-    resolve_fcfs_slack_ratio,
-    resolve_order,
-)
+                                             PrefillQueue,
+                                             resolve_aging,
+                                             resolve_bound_rule,
+                                             resolve_fcfs_slack_ratio,
+                                             resolve_order,
+                                             )
 from mooncaked.cluster.prefill_worker import PrefillWorker
 from mooncaked.config import load_settings
 
@@ -110,7 +110,7 @@ def test_the_prefill_node_and_the_conductor_resolve_the_same_order():
 def test_a_real_prefill_node_runs_the_short_prompt_before_the_long_one(tmp_path):
     """PrefillWorker.handle on the bundled model: while a first prompt runs, a long and then
     a short prompt arrive; with cost_aware (spf) the short one runs second."""
-    from mooncaked.cluster.messages import PrefillReply, PrefillRequest
+    from mooncaked.wire.messages import PrefillReply, PrefillRequest
     from mooncaked.engine.async_llm import AsyncLLM
     from mooncaked.engine.llm_engine import LLMEngine
     from mooncaked.engine.types import SamplingParams

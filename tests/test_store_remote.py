@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from mooncaked.cluster import PeerUnavailable
+from mooncaked.wire.errors import PeerUnavailable
 from mooncaked.config import StoreSettings
 from mooncaked.store import DRAM, PutStatus
 from mooncaked.store.node import fill_blocks, fill_keys, start_node
@@ -129,7 +129,7 @@ def test_ranged_read_takes_only_the_granted_bytes_of_leased_blocks():
     byte-exact, into buffers of that size; a range outside the block is refused by the
     holder; a key it does not hold gets no lease and is not read; a read whose lease
     expired is discarded; the holder pins nothing afterwards."""
-    from mooncaked.cluster.errors import RpcError
+    from mooncaked.wire.errors import RpcError
 
     async def main():
         a = await start_node("a", BLOCK, dram(8))

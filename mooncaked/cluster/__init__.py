@@ -1,24 +1,8 @@
-"""mooncaked.cluster: coordination (local or etcd backend), leased membership, conductor
-election, and node-to-node control RPC.
+"""mooncaked.cluster: the node roles of a cluster (the node, its front end, membership,
+the prefill and decode workers, the KV push, the prefill queue, admission) and CPP
+(`cluster.cpp`: chunked pipeline parallelism's stage servers).
 
-    coord = make_coordinator(settings.cluster)       # LocalCoordinator | EtcdCoordinator
-    async with coord:
-        await coord.register(node_id, {"api": "127.0.0.1:8000", "role": "prefill"})
-        leadership = await coord.campaign(node_id)   # returns once elected
-        await leadership.wait_lost()
-
-    server = ControlServer(); server.add_handler("drain", drain)
-    app.add_routes(server.routes())                  # or: await server.start(host, port)
-    result = await ControlClient(timeout_s=5).call("127.0.0.1:8001", "drain", {...})
+The wire contract these roles speak lives in `mooncaked.wire` (messages, RPC, auth,
+errors); coordination (leased membership, the conductor's election, the local and etcd
+backends) in `mooncaked.coord`.
 """
-
-from .coordinator import (DEFAULT_ELECTION, Coordinator, Leadership, Member, MemberEvent,
-                          default_state_dir, make_coordinator)
-from .errors import (ClusterError, CoordinationError, PeerUnavailable, RpcError, RpcTimeout,
-                     SessionLost)
-from .rpc import ControlClient, ControlServer
-
-__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "make_coordinator",
-           "default_state_dir", "DEFAULT_ELECTION", "ControlServer", "ControlClient",
-           "ClusterError", "CoordinationError", "SessionLost", "RpcError", "PeerUnavailable",
-           "RpcTimeout"]

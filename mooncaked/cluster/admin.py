@@ -11,10 +11,10 @@ from typing import Any
 
 from mooncaked.config import ClusterSettings
 
-from .auth import load_token
-from .coordinator import make_coordinator
-from .errors import ClusterError
-from .rpc import ControlClient
+from mooncaked.wire.auth import load_token
+from mooncaked.coord.factory import make_coordinator
+from mooncaked.wire.errors import ClusterError
+from mooncaked.wire.rpc import ControlClient
 
 
 async def cluster_view(settings: ClusterSettings, timeout_s: float = 3.0) -> dict[str, Any]:

@@ -49,17 +49,18 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from mooncaked.api.protocol import ApiError
+from mooncaked.api.errors import ApiError
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
 
-from .auth import auth_headers
-from .errors import PeerUnavailable, RpcError, RpcTimeout
-from .messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef, OutputDelta,
-                       PlaceRejected, PlaceReply, PlaceRequest, PrefillReply, PrefillRequest,
-                       Release)
+from mooncaked.wire.auth import auth_headers
+from mooncaked.wire.errors import NotLeader, PeerUnavailable, RpcError, RpcTimeout
+from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef,
+                                     OutputDelta, PlaceRejected, PlaceReply, PlaceRequest,
+                                     PrefillReply, PrefillRequest, Release)
+from mooncaked.model.weights import resolve_model_path
 
 log = get_logger(__name__)
 
@@ -147,7 +148,6 @@ class ClusterFrontend:
         m = self.port.model_info()
         if m:
             return m["name"]
-        from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
         return resolve_model_path(self.port.settings.model.path).stem
 
     @property
@@ -215,8 +215,6 @@ class ClusterFrontend:
         """conductor.place on the leader, waiting for a leader while there is none, at
         most cluster.placement_wait_s (and the request's `deadline`).
         Raises Overloaded, or ApiError 503 (with Retry-After when no conductor placed it)."""
-        from mooncaked.conductor.service import NotLeader  # noqa: PLC0415
-
         cs = self.port.settings.cluster
         timeout = cs.rpc_timeout_s
         # Without a conductor, wait a bounded while (an election takes about a lease

@@ -33,7 +33,10 @@ import orjson
 
 from mooncaked.log import get_logger
 
-from .pdeathsig import die_with_parent
+from mooncaked.pdeathsig import die_with_parent
+from mooncaked.wire.auth import auth_headers
+from mooncaked.wire.auth import write_token_file
+from mooncaked.coord.etcd_server import EtcdServer
 
 log = get_logger(__name__)
 
@@ -140,7 +143,6 @@ def control_call(addr: str, method: str, payload: Any = None, timeout_s: float =
 
     Raises: OSError when the peer cannot be reached; RuntimeError with the remote error.
     """
-    from .auth import auth_headers  # noqa: PLC0415
 
     token = token if token is not None else _TOKENS.get(addr)
     req = urllib.request.Request(f"http://{addr}/control/{method}", data=orjson.dumps(payload),
@@ -162,7 +164,10 @@ class LocalCluster:
     Args:
         workdir: directory for configs, logs, the local backend's state and etcd's data.
         nodes: what to start.
-        backend: "local" or "etcd" (starts its own etcd on loopback).
+        backend: "local" or "etcd" (starts its own etcd on loopback, unless etcd_endpoint).
+        etcd_endpoint: client URL of an etcd already running that the etcd backend uses
+            instead of starting one (neither started nor stopped here; give the nodes a
+            `cluster.key_prefix` of their own when other clusters share it).
         settings: dotted settings for every node (e.g. {"cluster.lease_ttl_s": 2.0}).
         base_config: a TOML file every node starts from (the dotted settings override it).
         log_level: of the nodes.
@@ -174,7 +179,8 @@ class LocalCluster:
 
     def __init__(self, workdir: str | Path, nodes: list[NodeSpec], *, backend: str = "local",
                  settings: dict[str, Any] | None = None, base_config: str | Path | None = None,
-                 log_level: str = "info", die_with_parent: bool = False):
+                 log_level: str = "info", die_with_parent: bool = False,
+                 etcd_endpoint: str | None = None):
         self.workdir = Path(workdir)
         self.nodes = {n.node_id: n for n in nodes}
         if len(self.nodes) != len(nodes):
@@ -187,6 +193,7 @@ class LocalCluster:
         self.ports: dict[str, int] = {}
         self.rpc_ports: dict[str, int] = {}
         self.etcd: Any = None
+        self.etcd_endpoint = etcd_endpoint
         self.die_with_parent = die_with_parent
         self.token = ""
 
@@ -219,7 +226,7 @@ class LocalCluster:
         if self.backend == "local":
             out["cluster.state_dir"] = str(self.workdir / "coord")
         else:
-            out["cluster.etcd_endpoints"] = [self.etcd.endpoint]
+            out["cluster.etcd_endpoints"] = [self.etcd_endpoint or self.etcd.endpoint]
         return out
 
     def write_ctl_config(self, also_default: bool = False) -> Path:
@@ -253,14 +260,12 @@ class LocalCluster:
         return self
 
     def start_backend(self) -> None:
-        """Creates the work dir and, for the etcd backend, starts etcd (idempotent).
-        Raises: CoordinationError when etcd cannot start."""
-        from .auth import write_token_file  # noqa: PLC0415
+        """Creates the work dir and, for the etcd backend without etcd_endpoint, starts
+        etcd (idempotent). Raises: CoordinationError when etcd cannot start."""
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = write_token_file(self.token_path)
-        if self.backend == "etcd" and self.etcd is None:
-            from .etcd_server import EtcdServer  # noqa: PLC0415
+        if self.backend == "etcd" and self.etcd is None and not self.etcd_endpoint:
             self.etcd = EtcdServer(self.workdir / "etcd",
                                    die_with_parent=self.die_with_parent).start()
 

@@ -1,6 +1,6 @@
 """A node's view of the cluster: who is a member, who leads, its own campaign for the
 conductor's seat, and its reports to whoever leads (Mooncake paper, Figure 2; the
-coordination backend is cluster/coordinator.py).
+coordination backend is coord/coordinator.py).
 
 `ClusterView` follows the coordinator's membership and leader watches, campaigns in
 the election (the winner runs a `ConductorService` until it loses the lease), and
@@ -15,14 +15,14 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mooncaked.conductor.service import ConductorService, NotLeader
+from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 from mooncaked.lograte import RateLimitedLog
 
-from .coordinator import Coordinator, Member
-from .errors import ClusterError, CoordinationError
-from .messages import NodeReport
+from mooncaked.coord.coordinator import Coordinator, Member
+from mooncaked.wire.errors import ClusterError, CoordinationError, NotLeader
+from mooncaked.wire.messages import NodeReport
 from .node_state import Activity
 
 log = get_logger(__name__)

@@ -8,8 +8,8 @@ from typing import Any
 
 from mooncaked.log import get_logger
 
-from .errors import ClusterError
-from .messages import PrefillDone, Release
+from mooncaked.wire.errors import ClusterError
+from mooncaked.wire.messages import PrefillDone, Release
 
 log = get_logger(__name__)
 

@@ -22,22 +22,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncaked import failpoints
+from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
-from .errors import ClusterError
+from mooncaked.wire.errors import ClusterError
 from .kv_push import KVPusher
-from .messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
-                       PrefillReply, PrefillRequest, Release)
+from mooncaked.wire.messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta,
+                                     PrefillDone, PrefillReply, PrefillRequest, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
 from .prefill_queue import (
-    PrefillQueue,
-    resolve_aging,
-    resolve_bound_rule,
-    resolve_fcfs_slack,
-    resolve_fcfs_slack_ratio,
-    resolve_order,
-)
+                            PrefillQueue,
+                            resolve_aging,
+                            resolve_bound_rule,
+                            resolve_fcfs_slack,
+                            resolve_fcfs_slack_ratio,
+                            resolve_order,
+                            )
 
 log = get_logger(__name__)
 
@@ -182,7 +183,6 @@ class PrefillWorker:
         if self.queue.order == "fcfs":
             return 0.0
         if self._cost is None:
-            from mooncaked.conductor.service import load_cost_model  # noqa: PLC0415 - cycle
             g = self.engine.kv_geometry()
             self._cost = load_cost_model(self.settings, g.block_bytes // max(1, g.block_size))
         return self._cost.prefill_s(new, cached)

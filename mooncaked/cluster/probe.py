@@ -34,8 +34,8 @@ from typing import Any
 import orjson
 
 from ..config import ClusterSettings
-from .coordinator import make_coordinator
-from .rpc import ControlServer
+from mooncaked.coord.factory import make_coordinator
+from mooncaked.wire.rpc import ControlServer
 
 
 def emit(event: str, **fields: Any) -> None:

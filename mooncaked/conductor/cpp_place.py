@@ -3,7 +3,7 @@ Algorithm 1: which prefill nodes form complete groups, and whether a request goe
 group or to the best single prefill node.
 
 A stage node registers as a prefill node whose member record carries `cpp` = {group,
-stage, stages, layers, chunk_tokens, hidden_bytes_per_token, ...} (cluster/cpp_node.py).
+stage, stages, layers, chunk_tokens, hidden_bytes_per_token, ...} (cluster/cpp/cpp_node.py).
 `split_groups` takes the live prefill nodes apart into single nodes and complete groups
 (every stage 0..stages-1 live, not draining, agreeing on the group size). `place_with_groups`
 runs Algorithm 1 (policy.place) once per group with the group as one prefill node whose
@@ -15,7 +15,7 @@ single node's uncached part is at least `cpp_min_tokens` and the group beats the
 node's predicted TTFT.
 
 A group's prefix (`group_prefix`): each stage stores its layers' slices of finished blocks
-under `store.keys.slice_key` (cluster/stage_prefix.py), so the index knows each stage's
+under `store.keys.slice_key` (cluster/cpp/stage_prefix.py), so the index knows each stage's
 own prefix; a stage can also READ its layers' byte range of full blocks from a fetch
 source (a single prefill node, cache or decode node in the index). A stage's prefix is the
 longer of its own and the best source's; the group's is the least of its stages'. Each

@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mooncaked.cluster.messages import hex_keys
+from mooncaked.wire.messages import hex_keys
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 

@@ -29,6 +29,7 @@ from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.numerics import resolve as resolve_numerics
 from mooncaked.model.weights import ModelConfig, load_weights
 from mooncaked.utils import cdiv
+from mooncaked.model.weights import ModelLoadError
 
 RELEASE_WAIT_S = 5.0   # bound on a chunk's wait for pages being released (copied out: ms)
 
@@ -67,7 +68,6 @@ def model_num_layers(path) -> int:
     Raises: ModelLoadError when the metadata lacks it or cannot be read."""
     from pathlib import Path  # noqa: PLC0415
 
-    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
     p = Path(path)
     try:
@@ -151,7 +151,7 @@ class StageEngine:
         # caller's event loop: one lock over the page books
         self._pages = threading.RLock()
         # pages of requests that will be released shortly (their slices being copied out,
-        # cluster/stage_prefix.py): a chunk short of pages waits for them, not fails
+        # cluster/cpp/stage_prefix.py): a chunk short of pages waits for them, not fails
         self._freed = threading.Condition(self._pages)
         self.releasing = 0
         self.load_s = time.monotonic() - t0
@@ -227,7 +227,7 @@ class StageEngine:
 
     def append_blocks(self, request_id: str, blocks: torch.Tensor) -> int:
         """Continues a matched request's prefix with given K/V (a page each, e.g. from the
-        store or a peer: cluster/stage_prefix.py), before its first chunk runs.
+        store or a peer: cluster/cpp/stage_prefix.py), before its first chunk runs.
 
         Args:
             blocks: [n, stage_layers, 2, block_size, kv_heads, head_dim], this stage's layers

@@ -10,7 +10,7 @@ these keys, so this module stays small, pure and fast: blake2b (hashlib,
 keyed with the salt) over token ids packed as little-endian uint32; a
 100k-token prompt takes a few milliseconds.
 
-A pipeline stage (chunked pipeline parallelism, cluster/stage_prefix.py) stores only
+A pipeline stage (chunked pipeline parallelism, cluster/cpp/stage_prefix.py) stores only
 its layers of a block: `slice_key(key, start, stop)` names that layer slice, an
 object of its own in the stage's store, distinct from the full block's key.
 """

@@ -22,7 +22,7 @@ import sys
 import numpy as np
 import orjson
 
-from mooncaked.cluster import ControlClient, ControlServer
+from mooncaked.wire.rpc import ControlClient, ControlServer
 from mooncaked.config import StoreSettings, TransferSettings
 from mooncaked.log import setup_logging
 from mooncaked.transfer import TransferEngine

@@ -20,7 +20,7 @@ Reading blocks held by node H (what a prefill node does on a remote prefix hit):
      belong to other blocks, so the reader discards them (never returns them).
 
 Reading a byte range of blocks (`get_ranges`, what a CPP stage does: it needs only its
-layers' bytes `[start, stop)` of a full block, cluster/stage_prefix.py): the same steps,
+layers' bytes `[start, stop)` of a full block, cluster/cpp/stage_prefix.py): the same steps,
 with `range` in `store.locate`; H checks the range lies within its blocks and answers
 each location narrowed to it, so the reader is granted, and READs, only those bytes of
 each leased block. A range outside the block is refused (ValueError); a key H does not
@@ -39,8 +39,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from mooncaked import failpoints
-from mooncaked.cluster import ClusterError, ControlClient, ControlServer
-from mooncaked.cluster.messages import MessageError, hex_keys, unhex_keys
+from mooncaked.wire.errors import ClusterError
+from mooncaked.wire.rpc import ControlClient, ControlServer
+from mooncaked.wire.messages import MessageError, hex_keys, unhex_keys
 from mooncaked.log import get_logger
 from mooncaked.transfer import TransferEngine, TransferOp, TransferRequest
 
@@ -276,7 +277,7 @@ class StoreNode:
                          dsts: Sequence[Any], ttl_s: float | None = None) -> list[bool]:
         """Reads bytes [start, stop) of each block keys[i] held by node `addr` into dsts[i]
         (stop - start bytes each, writable): a CPP stage's layers of full blocks
-        (cluster/stage_prefix.py). Only those bytes are located, leased and READ. True per
+        (cluster/cpp/stage_prefix.py). Only those bytes are located, leased and READ. True per
         block read under a valid lease; a False entry's buffer may hold garbage.
         Raises: ValueError for bad buffers or range; RpcError when the holder refuses the
             range (outside its blocks); PeerUnavailable or RpcTimeout when its control

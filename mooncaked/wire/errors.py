@@ -40,6 +40,14 @@ class RpcError(ClusterError):
         self.remote_message, self.remote_param, self.status = remote_message, remote_param, status
 
 
+class NotLeader(RuntimeError):
+    """This node does not run the conductor (any more); ask the current leader.
+
+    Raised by a node's conductor calls when no leader is known or the callee is not it any
+    more; it crosses the wire as an RpcError whose remote_type is "NotLeader".
+    """
+
+
 class PeerUnavailable(RpcError):
     """The peer could not be reached: connection refused or reset, or it died mid-call."""
 
@@ -49,4 +57,4 @@ class RpcTimeout(RpcError):
 
 
 __all__ = ["ClusterError", "CoordinationError", "SessionLost", "RpcError", "PeerUnavailable",
-           "RpcTimeout"]
+           "RpcTimeout", "NotLeader"]

@@ -558,7 +558,8 @@ class NodeReport:
     rid -> (new, cached) tokens, decode load), requests that arrived, store events after
     `store_seq`, finished prefills and timed decode steps ((batch, context tokens,
     seconds)); `waiting`: the pending prefills not computing yet (fetching, or held back
-    by the node's spf queue)."""
+    by the node's spf queue); `prefill_steps`: timed steps of prefill chunks only ((new
+    tokens, tokens cached before them, seconds): the conductor calibrates from them)."""
 
     node: str
     role: str = ""
@@ -571,6 +572,7 @@ class NodeReport:
     done: tuple[PrefillDone, ...] = ()
     decode_steps: tuple[tuple[int, int, float], ...] = ()
     waiting: tuple[str, ...] = ()
+    prefill_steps: tuple[tuple[int, int, float], ...] = ()
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
@@ -579,7 +581,8 @@ class NodeReport:
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
                 "store_seq": self.store_seq, "events": [e.to_json() for e in self.events],
                 "done": [x.to_json() for x in self.done],
-                "decode_steps": [list(s) for s in self.decode_steps]}
+                "decode_steps": [list(s) for s in self.decode_steps],
+                "prefill_steps": [list(s) for s in self.prefill_steps]}
 
     @classmethod
     def from_json(cls, d: Any) -> NodeReport:
@@ -588,6 +591,8 @@ class NodeReport:
                        for rid, (a, b) in _get(d, "pending", dict, {}).items()}
             steps = tuple((int(b), int(c), float(s)) for b, c, s in
                           _get(d, "decode_steps", list, []))
+            psteps = tuple((int(n), int(c), float(s)) for n, c, s in
+                           _get(d, "prefill_steps", list, []))
         except (TypeError, ValueError) as e:
             raise MessageError(f"report: {e}") from None
         return cls(_get(d, "node", str), _get(d, "role", str, ""),
@@ -597,7 +602,7 @@ class NodeReport:
                    _get(d, "store_seq", int, -1),
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
                    tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
-                   tuple(str(r) for r in _get(d, "waiting", list, [])))
+                   tuple(str(r) for r in _get(d, "waiting", list, [])), psteps)
 
 
 __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",

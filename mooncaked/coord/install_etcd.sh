@@ -3,7 +3,7 @@
 # and its tests, without letting the packaged service start: mooncaked and the
 # tests run their own etcd on loopback ports with their own data directory.
 #
-# Usage (as root, Debian 12): sh mooncaked/cluster/install_etcd.sh
+# Usage (as root, Debian 12): sh mooncaked/coord/install_etcd.sh
 # Idempotent: does nothing when `etcd` is already on PATH.
 set -eu
 

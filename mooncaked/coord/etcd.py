@@ -35,7 +35,7 @@ from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
 from ..lograte import RateLimitedLog
 from .coordinator import Coordinator
-from .errors import CoordinationError
+from mooncaked.wire.errors import CoordinationError
 
 log = get_logger(__name__)
 _limited = RateLimitedLog(log)   # an outage restarts every watch every few seconds

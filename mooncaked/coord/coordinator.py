@@ -37,18 +37,19 @@ from typing import Any, AsyncIterator
 from ..config import ClusterSettings, ConfigError
 from ..log import get_logger
 from ..lograte import RateLimitedLog
-from .coord_election import ElectionMixin
-from .coord_membership import MembershipMixin
-from .coord_records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
-from .errors import CoordinationError, SessionLost
+from .election import ElectionMixin
+from .membership import MembershipMixin
+from .records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, decode_value,
+                      encode_value)
+from mooncaked.wire.errors import CoordinationError, SessionLost
 
 log = get_logger(__name__)
 # An outage fails these every heartbeat / poll: one line per kind per window, with a count.
 _limited = RateLimitedLog(log)
 
 class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
-    """Cluster coordination: metadata, leased membership (coord_membership.py), leader
-    election (coord_election.py), over a backend's primitives.
+    """Cluster coordination: metadata, leased membership (coord/membership.py), leader
+    election (coord/election.py), over a backend's primitives.
 
     Use as `async with make_coordinator(settings) as coord: ...` or call `start()` and
     `close()`. Operations raise `CoordinationError` when the store fails or does not
@@ -322,7 +323,7 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         dies or closes, and is re-written if the session is renewed.
         Raises: ValueError (bad key, not JSON-encodable), CoordinationError, SessionLost.
         """
-        full, raw = self._key(key), _dumps(value)
+        full, raw = self._key(key), encode_value(value)
         lease = self._require_session() if ephemeral else None
         await self._op(self._put(full, raw, lease), f"put {key}")
         if ephemeral:
@@ -333,7 +334,7 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
     async def get(self, key: str) -> Any | None:
         """The JSON value under key, or None when absent. Raises: CoordinationError."""
         raw = await self._op(self._get(self._key(key)), f"get {key}")
-        return None if raw is None else _loads(raw)
+        return None if raw is None else decode_value(raw)
 
     async def delete(self, key: str) -> bool:
         """Deletes key; True if it existed. Raises: CoordinationError."""
@@ -348,7 +349,7 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         """
         full = self._key(prefix)
         raws = await self._op(self._list(full), f"list {prefix}")
-        return {self._rel(k): _loads(v) for k, v in sorted(raws.items())}
+        return {self._rel(k): decode_value(v) for k, v in sorted(raws.items())}
 
     async def watch(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
         """Yields {relative key: value} under prefix now and after every change.
@@ -360,31 +361,6 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         full = self._key(prefix)
         async with contextlib.aclosing(self._snapshots(full)) as snaps:
             async for snap in snaps:
-                yield {self._rel(k): _loads(v) for k, v in sorted(snap.items())}
+                yield {self._rel(k): decode_value(v) for k, v in sorted(snap.items())}
 
-def default_state_dir() -> str:
-    """Local backend directory when cluster.state_dir is empty (shared by one user's nodes)."""
-    import os
-    import tempfile
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run and os.path.isdir(run):
-        return os.path.join(run, "mooncaked-cluster")
-    return os.path.join(tempfile.gettempdir(), f"mooncaked-cluster-{os.getuid()}")
-
-
-def make_coordinator(settings: ClusterSettings) -> Coordinator:
-    """The coordinator of settings.backend ("local" or "etcd"), not yet started.
-
-    Raises: ConfigError for bad settings (e.g. heartbeat too slow for the TTL).
-    """
-    if settings.backend == "local":
-        from .local import LocalCoordinator
-        return LocalCoordinator(settings)
-    if settings.backend == "etcd":
-        from .etcd import EtcdCoordinator
-        return EtcdCoordinator(settings)
-    raise ConfigError("<settings>", "cluster.backend", f"unknown backend {settings.backend!r}")
-
-
-__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "make_coordinator",
-           "default_state_dir", "DEFAULT_ELECTION"]
+__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "DEFAULT_ELECTION"]

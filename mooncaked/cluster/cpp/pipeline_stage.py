@@ -20,7 +20,7 @@ Protocol (every call a ControlServer method; hidden states never travel over RPC
                             with a StagePrefix (`prefix`: the stage's own store) a stage
                             continues its match from its store's slices and from
                             `fetch` = {control, blocks}, a node holding the full blocks
-                            (cluster/stage_prefix.py); its finished blocks' slices go
+                            (cluster/cpp/stage_prefix.py); its finished blocks' slices go
                             into its store when it releases the request
     stage k  WRITE       hidden rows [start, end) of a chunk -> that slot (transfer engine)
     stage k -> stage k+1 cpp.hold {request_id}: open for the request's life on stage k+1;
@@ -59,7 +59,7 @@ Greedy only: the last stage returns the argmax token of the last prompt position
 (the bench's and tests' contract; a cluster prefill node would sample with the request's
 SamplingParams here).
 
-Run one stage per process: `python -m mooncaked.cluster.pipeline_stage --layers 15:30
+Run one stage per process: `python -m mooncaked.cluster.cpp.pipeline_stage --layers 15:30
 [--next HOST:PORT]`; it prints one JSON line {"control": "host:port"} on stdout when ready.
 """
 
@@ -86,8 +86,15 @@ from mooncaked.model.weights import resolve_model_path
 from mooncaked.transfer.batch import TransferOp, TransferRequest
 from mooncaked.transfer.engine import TransferEngine
 
-from .errors import PeerUnavailable, RpcError
-from .rpc import ControlClient, ControlServer
+from mooncaked.wire.errors import PeerUnavailable, RpcError
+from mooncaked.wire.rpc import ControlClient, ControlServer
+from mooncaked.model.sampling import SamplingRow, sample
+from mooncaked.wire.messages import params_from_json
+from mooncaked.engine.structured import mask_logits
+from mooncaked.config import StoreSettings
+from mooncaked.store.remote import StoreNode
+from mooncaked.store.store import BlockStore
+from .stage_prefix import StagePrefix
 
 log = get_logger(__name__)
 
@@ -136,7 +143,7 @@ class StageServer:
         rpc_timeout_s: bound on each call to the next stage (the last chunk's call waits
             for the whole downstream prefill, so it gets max(rpc_timeout_s, 600)).
         transfer, control, client: a cluster node's started TransferEngine, ControlServer
-            and ControlClient to share (cluster/cpp_node.py); None: the server makes and
+            and ControlClient to share (cluster/cpp/cpp_node.py); None: the server makes and
             owns its own (a stand-alone stage process).
         next_resolver: returns the next stage's control address as the cluster sees it now
             (None while unknown); asked before each request leaves this stage.
@@ -169,7 +176,7 @@ class StageServer:
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._tasks: list[asyncio.Task] = []
         self.address = ""
-        self.prefix = None   # StagePrefix (cluster/stage_prefix.py): the stage's own store
+        self.prefix = None   # StagePrefix (cluster/cpp/stage_prefix.py): the stage's own store
         for method in ("prefill", "reserve", "hold", "chunk", "release", "status", "configure"):
             self.control.add_handler(f"cpp.{method}", getattr(self, f"_on_{method}"))
 
@@ -446,16 +453,13 @@ class StageServer:
         structured request; InvalidRequest when the earlier tokens break its constraint."""
         if req.sampling is None:
             return int(torch.argmax(logits)), None
-        from mooncaked.model.sampling import SamplingRow, sample  # noqa: PLC0415
 
-        from .messages import params_from_json  # noqa: PLC0415
         params = params_from_json(req.sampling["params"])
         prompt = list(req.sampling.get("prompt") or [])
         row = logits.float().unsqueeze(0).clone()
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError("this stage has no grammar backend for structured output")
-            from mooncaked.engine.structured import mask_logits  # noqa: PLC0415
             earlier = prompt[len(prompt) - params.output_offset:] if params.output_offset else []
             mask_logits(row, [self.grammars.matcher(params.structured, earlier)])
         tokens, lps = sample(row, [SamplingRow(params, prompt, len(prompt))])
@@ -622,7 +626,7 @@ def start_stage_process(layers: range, next_addr: str = "", *, max_tokens: int =
                         threads: int = 1, idle_timeout_s: float = 5.0, name: str = "",
                         ready_timeout_s: float = 300.0, extra: tuple[str, ...] = ()
                         ) -> tuple[subprocess.Popen, str]:
-    """Starts `python -m mooncaked.cluster.pipeline_stage` for `layers` (`extra`: more
+    """Starts `python -m mooncaked.cluster.cpp.pipeline_stage` for `layers` (`extra`: more
     arguments, e.g. ("--store-bytes", "33554432")); returns the process and its control
     address once it printed its ready line. Start the last stage first: each stage needs
     its next stage's address.
@@ -630,7 +634,7 @@ def start_stage_process(layers: range, next_addr: str = "", *, max_tokens: int =
     Raises: RuntimeError (with its stderr's tail) when it exits or says nothing within
         ready_timeout_s seconds (the process is killed then).
     """
-    cmd = [sys.executable, "-m", "mooncaked.cluster.pipeline_stage", "--layers",
+    cmd = [sys.executable, "-m", "mooncaked.cluster.cpp.pipeline_stage", "--layers",
            f"{layers.start}:{layers.stop}", "--threads", str(threads), "--max-tokens", str(max_tokens),
            "--idle-timeout-s", str(idle_timeout_s)]
     cmd += ["--next", next_addr] if next_addr else []
@@ -671,11 +675,7 @@ async def _serve(args: argparse.Namespace) -> None:
 async def _start_store(server: StageServer, dram_bytes: int):
     """A stand-alone stage's own KV store of `dram_bytes` (its layer slices, lent to peers
     as store.* on its control server) and its StagePrefix. Returns the BlockStore."""
-    from mooncaked.config import StoreSettings  # noqa: PLC0415
-    from mooncaked.store.remote import StoreNode  # noqa: PLC0415
-    from mooncaked.store.store import BlockStore  # noqa: PLC0415
 
-    from .stage_prefix import StagePrefix  # noqa: PLC0415
     st = server.stage
     store = await BlockStore(st.block_bytes, StoreSettings(dram_bytes=dram_bytes),
                              node_id=server.name).start()
@@ -687,7 +687,7 @@ async def _start_store(server: StageServer, dram_bytes: int):
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m mooncaked.cluster.pipeline_stage`: serve one stage until killed."""
+    """`python -m mooncaked.cluster.cpp.pipeline_stage`: serve one stage until killed."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--layers", required=True, help="this stage's layers, START:STOP")
     p.add_argument("--next", default="", help="the next stage's control address (none: last stage)")

@@ -1,7 +1,7 @@
 """Start and stop a single-member etcd on loopback with its own data directory.
 
 For tests, CI and `mooncake up --backend etcd`: never the packaged etcd.service on
-2379/2380. Install the binary with mooncaked/cluster/install_etcd.sh (Debian's
+2379/2380. Install the binary with mooncaked/coord/install_etcd.sh (Debian's
 etcd-server 3.4).
 """
 
@@ -19,7 +19,8 @@ from pathlib import Path
 import orjson
 
 from ..log import get_logger
-from .errors import CoordinationError
+from ..pdeathsig import die_with_parent
+from mooncaked.wire.errors import CoordinationError
 
 log = get_logger(__name__)
 
@@ -79,7 +80,7 @@ class EtcdServer:
     def start(self, timeout_s: float = 20.0) -> "EtcdServer":
         """Starts etcd and waits until /health answers true (at most timeout_s seconds)."""
         if self.binary is None:
-            raise CoordinationError("etcd binary not found: run mooncaked/cluster/install_etcd.sh "
+            raise CoordinationError("etcd binary not found: run mooncaked/coord/install_etcd.sh "
                                     "(apt-get install etcd-server)")
         fixed = bool(self.client_port and self.peer_port)
         for attempt in range(1 if fixed else 3):   # a picked port may be taken meanwhile
@@ -103,7 +104,6 @@ class EtcdServer:
                "--initial-cluster", f"mooncaked={peer}", "--logger", "zap",
                "--log-level", "warn"]
         with open(self.log_path, "ab") as logf:
-            from .pdeathsig import die_with_parent  # noqa: PLC0415
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL,
                                          preexec_fn=die_with_parent() if self.die_with_parent
