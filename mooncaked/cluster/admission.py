@@ -73,7 +73,8 @@ class DecodeAdmission:
             return None
         tbt = step_with_request_s(self._cost(), batch, context_tokens, prompt_tokens)
         calibrated = self.model.calibrated("decode")
-        verdict = decide(self.mode, "tbt_slo" if tbt > self.slo_s else None, calibrated)
+        over = tbt * self.model.tbt_factor() > self.slo_s     # the tail of its gaps, not the median
+        verdict = decide(self.mode, "tbt_slo" if over else None, calibrated)
         if rid:
             self.ledger.record(rid, Decision(verdict, "" if verdict == ADMIT else "tbt_slo",
                                              math.nan, tbt, calibrated))

@@ -40,6 +40,7 @@ REFIT_MIN_SAMPLES = 16      # prefill samples (run alone on their node) before a
 ERROR_WINDOW = 200          # prediction errors kept for `status()`
 CALIBRATE_EVERY = 8         # timed steps of a kind between two calibrations
 CALIBRATE_TOLERANCE = 0.15  # a median observed/predicted ratio within 1 +- this is left alone
+TAIL_MIN_STEPS = 20         # timed decode steps before the TBT tail factor departs from 1
 
 
 def scaled(m: PolyModel, factor: float) -> PolyModel:
@@ -102,6 +103,7 @@ class CostModelRefitter:
         self.observed = {"prefill": 0, "decode": 0}
         self.scale = {"prefill": 1.0, "decode": 1.0}
         self.calibrations = 0
+        self._step_ratios: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / predicted
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
         self.predicted_ttft_sum_s = 0.0
@@ -154,6 +156,18 @@ class CostModelRefitter:
         if self.cost is not None and self.cost.meta.get("source") != "default":
             return True
         return self.observed[kind] >= self.settings.conductor.admission_warmup
+
+    def tbt_factor(self) -> float:
+        """The paper's TBT (the mean of a request's longest 10% gaps) over the step time
+        the model predicts: the mean of the largest 10% of recent measured/predicted step
+        ratios over their median (>= 1; 1 before TAIL_MIN_STEPS steps, or with
+        conductor.refit_cost_model false). Admission compares predicted step x this with
+        the TBT SLO: the median step can meet it while the tail a request sees does not."""
+        r = sorted(self._step_ratios)
+        if len(r) < TAIL_MIN_STEPS or not self.settings.conductor.refit_cost_model:
+            return 1.0
+        top = r[-max(1, len(r) // 10):]
+        return max(1.0, statistics.fmean(top) / statistics.median(r))
 
     def _calibrate(self, kind: str, predicted_s: float, seconds: float) -> None:
         """One timed step of `kind`: after CALIBRATE_EVERY of them, scales that polynomial by
@@ -208,6 +222,8 @@ class CostModelRefitter:
         if self.cost is not None:
             pred = self.cost.decode_step_s(batch, context_tokens)
             self.decode_errors.append((pred - seconds) / seconds)
+            if pred > 0:
+                self._step_ratios.append(seconds / pred)
             self._calibrate("decode", pred, seconds)
         if not self.settings.conductor.refit_cost_model:
             return
@@ -242,6 +258,7 @@ class CostModelRefitter:
                     "name": cost.name, "source": cost.meta.get("source", ""),
                     "refits": self.refits, "decode_refits": self.decode_refits,
                     "calibrations": self.calibrations, "scale": dict(self.scale),
+                    "tbt_factor": round(self.tbt_factor(), 4),
                     "observed_steps": dict(self.observed),
                     "calibrated": {k: self.calibrated(k) for k in ("prefill", "decode")},
                     "meta": cost.meta},
@@ -259,4 +276,4 @@ def _error_summary(errs: list[float]) -> dict:
 
 
 __all__ = ["CALIBRATE_EVERY", "CALIBRATE_TOLERANCE", "CostModelRefitter", "REFIT_MIN_SAMPLES",
-           "scaled"]
+           "TAIL_MIN_STEPS", "scaled"]

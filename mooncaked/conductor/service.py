@@ -340,7 +340,9 @@ class ConductorService:
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,
                            ttft_slo_s=math.inf if decode_only or not checks else cs.ttft_slo_s,
-                           tbt_slo_s=cs.tbt_slo_s if checks else math.inf,
+                           # predicted step x tbt_factor (the tail of the gaps) vs the SLO
+                           tbt_slo_s=cs.tbt_slo_s / self.model.tbt_factor() if checks
+                           else math.inf,
                            min_retry_after_s=retry,
                            fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
                            # the order the prefill nodes run (cluster/prefill_queue.py); no
@@ -459,7 +461,7 @@ class ConductorService:
             v.decode_batch + 1, v.decode_context_tokens + n))
         tbt = step_with_request_s(cost, v.decode_batch + k, v.decode_context_tokens + infl, n)
         result = dataclasses.replace(result, decode=result.prefill, predicted_tbt_s=tbt)
-        if tbt > cs.tbt_slo_s and cs.admission != "off" and not miss:
+        if tbt * self.model.tbt_factor() > cs.tbt_slo_s and cs.admission != "off" and not miss:
             over = Rejection("tbt_slo", cs.min_retry_after_s, result.predicted_ttft_s, tbt)
             if self._verdict(req.rid, over, False) == REJECT:
                 return self._reject(over)
