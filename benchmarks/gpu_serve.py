@@ -469,7 +469,8 @@ def hf_decode_step(hf, prompts: list[list[int]], n: int, device: torch.device) -
 
 def speed(plan: Plan, tokenizer: str) -> dict:
     """Our engine and transformers on dummy weights of plan.speed_config (module doc)."""
-    from mooncaked.engine.llm_engine import DTYPES, LLMEngine  # noqa: PLC0415
+    from mooncaked.engine.llm_engine import LLMEngine  # noqa: PLC0415
+    from mooncaked.model.numerics import DTYPES  # noqa: PLC0415
     from mooncaked.model.dummy import dummy_tensors, read_hf_config  # noqa: PLC0415
 
     dev = torch.device(plan.device)

@@ -185,11 +185,26 @@ def _group_table(v: dict) -> None:
                               "requests", "slices"], rows)
 
 
+def _kernel_table(v: dict) -> None:
+    """Per model node: its CPU (or GPU), ISA level, resolved dtype (model.dtype = auto resolves
+    per CPU) and the kernel variants it runs (engine/kernel_paths.py)."""
+    rows = []
+    for nid, n in sorted(v["nodes"].items()):
+        k = (n["info"].get("model") or {}).get("kernels")
+        if k:
+            dtype = k["dtype"] + (" (auto)" if k.get("requested_dtype") == "auto" else "")
+            rows.append([nid, k["cpu"], k["isa"], dtype, k["weight_format"], k["decode_path"],
+                         k["prefill_path"]])
+    if rows:
+        _table("kernels", ["node", "cpu", "isa", "dtype", "weights", "decode", "prefill"], rows)
+
+
 @ctl_app.command()
 def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
            state_dir: Optional[str] = _STATE, etcd: Optional[list[str]] = _ETCD,
            json_out: bool = _JSON, timeout: float = _TIMEOUT) -> None:
-    """Leader, nodes, roles, health and versions; the conductor's counters and cost model."""
+    """Leader, nodes, roles, health and versions; each model node's CPU, ISA, dtype and kernel
+    variants; the conductor's counters and cost model."""
     v = _view(config, backend, state_dir, etcd, timeout)
     if json_out:
         _print_json(v)
@@ -205,9 +220,15 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
                      (info.get("model") or {}).get("name")])
     _table(f"cluster ({v['backend']} backend), leader: {v['leader'] or 'none'}",
            ["node", "role", "health", "version", "api", "link", "pid", "uptime", "model"], rows)
+    _kernel_table(v)
     _group_table(v)
     _stall_table(v)
-    c = v["conductor"]
+    _print_conductor(v["conductor"])
+
+
+def _print_conductor(c: dict) -> None:
+    """The conductor's part of `ctl status`: counters, cost model, calibration, admission,
+    rejections, prediction errors (c: conductor.status, or {"error": ...})."""
     if "error" in c:
         typer.echo(f"conductor: {c['error']}")
         return
@@ -231,13 +252,32 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}] from "
                f"{(cm.get('meta') or {}).get('origin', '-')}, refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
+    scale, seen = cm.get("scale") or {}, cm.get("observed_steps") or {}
+    cal = cm.get("calibrated") or {}
+    if scale:
+        typer.echo("calibration: " + ", ".join(
+            f"{k} x{scale[k]:.3g} from {seen.get(k, 0)} steps"
+            f"{'' if cal.get(k) else ' (not calibrated yet: admission in shadow)'}"
+            for k in ("prefill", "decode")))
+    adm = c.get("admission") or {}
+    if adm:
+        typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "
+                   f"{adm['rejected']}, shadow-rejected {adm['shadow_rejected']}"
+                   + (f" {adm['shadow_rejected_by_reason']}" if adm["shadow_rejected"] else ""))
     if c["rejected"]:
         _table("rejections", ["reason", "count"],
                [[r, n] for r, n in sorted(c["rejected"].items(), key=lambda x: -x[1])])
     typer.echo(f"prediction error (median |rel|): TTFT "
                f"{'-' if med is None else f'{med:.1%}'} over {err.get('samples', 0)} requests, "
                f"decode step {'-' if dmed is None else f'{dmed:.1%}'} over "
-               f"{derr.get('samples', 0)} steps")
+               f"{derr.get('samples', 0)} steps, prefill step "
+               f"{_rel((c.get('prefill_step_prediction') or {}).get('median_abs_rel_error'))} "
+               f"over {(c.get('prefill_step_prediction') or {}).get('samples', 0)} steps")
+
+
+def _rel(x: float | None) -> str:
+    """A relative error as a percentage, '-' for none."""
+    return "-" if x is None else f"{x:.1%}"
 
 
 @ctl_app.command()

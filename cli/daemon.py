@@ -19,7 +19,8 @@ def serve(
     host: Optional[str] = typer.Option(None, help="API listen address (default 127.0.0.1)."),
     port: Optional[int] = typer.Option(None, help="API port."),
     model: Optional[str] = typer.Option(None, help="GGUF file or safetensors directory."),
-    dtype: Optional[str] = typer.Option(None, help="float32 | bfloat16."),
+    dtype: Optional[str] = typer.Option(None, help="auto | float32 | bfloat16 (auto: per CPU, "
+                                        "model/numerics.py)."),
     device: Optional[str] = typer.Option(None, help="cpu | cuda[:N] (model, KV pages, sampling)."),
     load_format: Optional[str] = typer.Option(None, "--load-format", help="auto | dummy (--model is a "
                                               "config.json; random weights)."),
@@ -70,7 +71,7 @@ def profile(
 ) -> None:
     """Fit the conductor's cost models on this hardware (prefill, decode step, transfer)."""
     settings = _settings(config, {}, set_)
-    from mooncaked.conductor.profile import ProfileGrid, run_profile  # noqa: PLC0415
+    from mooncaked.profile import ProfileGrid, run_profile  # noqa: PLC0415
     from mooncaked.log import setup_logging  # noqa: PLC0415
 
     setup_logging(settings.log.level, settings.log.format)
@@ -84,12 +85,17 @@ def profile(
     if publish if publish is not None else settings.node.role != "all":
         import asyncio  # noqa: PLC0415
 
-        from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
         from mooncaked.conductor.cost_store import COST_KEY  # noqa: PLC0415
         from mooncaked.conductor.cost_store import publish as publish_model  # noqa: PLC0415
+        from mooncaked.coord.factory import make_coordinator  # noqa: PLC0415
+        from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
+
+        async def publish_to_cluster() -> None:
+            async with make_coordinator(settings.cluster) as coord:
+                await publish_model(coord, model, str(path))
 
         try:
-            asyncio.run(publish_model(settings.cluster, model, str(path)))
+            asyncio.run(publish_to_cluster())
         except ClusterError as e:
             typer.echo(f"mooncaked profile: not published (the coordinator is unreachable: "
                        f"{e}); the file is written", err=True)

@@ -346,7 +346,7 @@ def run(device: torch.device, shape: Shape = Shape(), decode_batches=DECODE_BATC
     sweep (x SWEEP_TILES), CUDA only. Rows past `budget_s` seconds are listed under "skipped".
     """
     if ops is None:
-        from . import triton_ops as ops  # noqa: PLC0415
+        from . import triton_ops as ops  # noqa: PLC0415 - needs triton
     import triton  # noqa: PLC0415
 
     t_start = time.perf_counter()

@@ -30,9 +30,10 @@ import torch
 from . import cpu_gemv
 from .cpu_decode import _LOG2E, _exp2_inplace, _flat, attend
 
-__all__ = ["FusedWeights", "decode_step_fn", "head_logits"]
+__all__ = ["ISAS", "FusedWeights", "decode_step_fn", "head_logits"]
 
 _JIT = {"cache": True, "fastmath": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
+ISAS = ("avx2", "avx512_vnni")  # the cpu_gemv variants the step runs on
 
 
 @dataclass
@@ -41,7 +42,8 @@ class FusedWeights:
 
     {qkv,o,gate_up,down}_{codes,d,m}: [L, rows, ...] (cpu_gemv.GemvWeight fields; 4-bit codes);
     attn_norm, mlp_norm: fp32 [L, hidden]; cos, sin: fp32 [max_positions, head_dim / 2]
-    (rotary of interleaved pairs); head: the LM head (4- or 8-bit), norm: fp32 [hidden].
+    (rotary of interleaved pairs); head: the LM head (4- or 8-bit), norm: fp32 [hidden];
+    isa: the cpu_gemv variant the step runs (one of ISAS), chosen when the model is built.
     """
 
     qkv: tuple[np.ndarray, np.ndarray, np.ndarray]
@@ -54,15 +56,18 @@ class FusedWeights:
     sin: np.ndarray
     head: cpu_gemv.GemvWeight
     norm: np.ndarray
+    isa: str = "avx512_vnni"
 
     @staticmethod
     def stack(layers: list[dict[str, cpu_gemv.GemvWeight]], attn_norm: list[np.ndarray],
               mlp_norm: list[np.ndarray], cos: np.ndarray, sin: np.ndarray, head: cpu_gemv.GemvWeight,
-              norm: np.ndarray) -> FusedWeights:
+              norm: np.ndarray, isa: str) -> FusedWeights:
         """From per-layer {"qkv", "o", "gate_up", "down"} GemvWeights (4-bit), the norms
         (fp32 [hidden] each), the rotary cos / sin tables (fp32 [P, head_dim / 2], the
-        model's own, not copied) and the head.
-        Raises: ValueError when a layer weight is not 4-bit."""
+        model's own, not copied), the head and the GEMV variant (one of ISAS).
+        Raises: ValueError when a layer weight is not 4-bit or isa is not one of ISAS."""
+        if isa not in ISAS:
+            raise ValueError(f"the fused step runs on {', '.join(ISAS)}, not {isa!r}")
         def st(name):
             ws = [lay[name] for lay in layers]
             if any(w.bits != 4 for w in ws):
@@ -75,7 +80,7 @@ class FusedWeights:
                             np.ascontiguousarray(np.stack(attn_norm), np.float32),
                             np.ascontiguousarray(np.stack(mlp_norm), np.float32),
                             np.ascontiguousarray(cos, np.float32), np.ascontiguousarray(sin, np.float32),
-                            head, np.ascontiguousarray(norm, np.float32))
+                            head, np.ascontiguousarray(norm, np.float32), isa)
 
     def nbytes(self) -> int:
         """Bytes of the stacked layer weights and the head."""
@@ -117,10 +122,11 @@ def _silu_mul(gu, inter, e, bits, out):  # pragma: no cover - compiled
             out[t, i] = g * sig * gu[t, inter + i]
 
 
-def _make_step(D: int, G: int):
-    """The fused decode step for head_dim D and GQA group G (bf16 KV cache). It closes over
-    those two ints only, so Numba's disk cache finds it in the next process (see
-    cpu_decode._make_kernel)."""
+def _make_step(D: int, G: int, bf16: bool, vnni: bool):
+    """The fused decode step for head_dim D, GQA group G, the KV cache's element type (bf16
+    as uint16 bits, else fp32) and the GEMV variant (vnni: AVX-512 VNNI, else AVX2). It
+    closes over those plain values only, which key Numba's disk cache, so the next process
+    finds it (see cpu_decode._make_kernel) and an ISA cap (MOONCAKED_CPU_ISA) gets its own."""
 
     @numba.njit(**_JIT)
     def step(h, pos, slots, tables, lens, qkv_c, qkv_d, qkv_m, o_c, o_d, o_m, gu_c, gu_d, gu_m,
@@ -138,8 +144,8 @@ def _make_step(D: int, G: int):
         xq_i, dx_i, xs_i = _qbufs(T, inter)
         qkv = np.empty((T, q_size + 2 * kv_size), np.float32)
         qkv_u = qkv.view(np.uint32)
-        q16 = np.empty((T, num_heads, D), np.uint16)
-        o16 = np.empty((T, num_heads, D), np.uint16)
+        q16 = np.empty((T, num_heads, D), kv.dtype)  # q and attention output, as the cache
+        o16 = np.empty((T, num_heads, D), kv.dtype)
         a = np.empty((T, q_size), np.float32)
         a_u = a.view(np.uint32)
         proj = np.empty((T, H), np.float32)
@@ -151,7 +157,7 @@ def _make_step(D: int, G: int):
             # attention block
             _rms_norm(h, attn_norm[layer], eps, x)
             _quant(x, xq_h, dx_h, xs_h, 0)
-            cpu_gemv.gemv_q4(qkv_c[layer], qkv_d[layer], qkv_m[layer], xq_h, dx_h, xs_h, qkv)
+            cpu_gemv.gemv_q4(qkv_c[layer], qkv_d[layer], qkv_m[layer], xq_h, dx_h, xs_h, qkv, vnni)
             for t in range(T):  # rotary on q and k heads (interleaved pairs), fp32
                 c, s = cos[pos[t]], sin[pos[t]]
                 row = qkv[t]
@@ -161,36 +167,51 @@ def _make_step(D: int, G: int):
                         x0, x1 = row[base + 2 * i], row[base + 2 * i + 1]
                         row[base + 2 * i] = x0 * c[i] - x1 * s[i]
                         row[base + 2 * i + 1] = x0 * s[i] + x1 * c[i]
-                for hd in range(num_heads):
-                    for d in range(D):
-                        q16[t, hd, d] = _bf16_bits(qkv_u[t], hd * D + d)
                 slot = slots[t]
                 k_base = layer * layer_stride + (slot // block_size) * block_stride + (slot % block_size) * token_stride
-                for hd in range(num_kv):
-                    dst_k = kv[k_base + hd * head_stride:k_base + hd * head_stride + D]
-                    dst_v = kv[k_base + v_delta + hd * head_stride:k_base + v_delta + hd * head_stride + D]
-                    for d in range(D):
-                        dst_k[d] = _bf16_bits(qkv_u[t], q_size + hd * D + d)
-                    for d in range(D):
-                        dst_v[d] = _bf16_bits(qkv_u[t], q_size + kv_size + hd * D + d)
+                if bf16:
+                    for hd in range(num_heads):
+                        for d in range(D):
+                            q16[t, hd, d] = _bf16_bits(qkv_u[t], hd * D + d)
+                    for hd in range(num_kv):
+                        dst_k = kv[k_base + hd * head_stride:k_base + hd * head_stride + D]
+                        dst_v = kv[k_base + v_delta + hd * head_stride:k_base + v_delta + hd * head_stride + D]
+                        for d in range(D):
+                            dst_k[d] = _bf16_bits(qkv_u[t], q_size + hd * D + d)
+                        for d in range(D):
+                            dst_v[d] = _bf16_bits(qkv_u[t], q_size + kv_size + hd * D + d)
+                else:
+                    for hd in range(num_heads):
+                        for d in range(D):
+                            q16[t, hd, d] = row[hd * D + d]
+                    for hd in range(num_kv):
+                        dst_k = kv[k_base + hd * head_stride:k_base + hd * head_stride + D]
+                        dst_v = kv[k_base + v_delta + hd * head_stride:k_base + v_delta + hd * head_stride + D]
+                        for d in range(D):
+                            dst_k[d] = row[q_size + hd * D + d]
+                        for d in range(D):
+                            dst_v[d] = row[q_size + kv_size + hd * D + d]
             attend(q16, qscale, kv, layer * layer_stride, kv, layer * layer_stride + v_delta, block_size,
-                   block_stride, token_stride, head_stride, tables, lens, o16, True, D, G)
+                   block_stride, token_stride, head_stride, tables, lens, o16, bf16, D, G)
             ou = o16.reshape(T, q_size)
             for t in range(T):
                 for i in range(q_size):
-                    a_u[t, i] = np.uint32(ou[t, i]) << np.uint32(16)
+                    if bf16:
+                        a_u[t, i] = np.uint32(ou[t, i]) << np.uint32(16)
+                    else:
+                        a[t, i] = ou[t, i]
             _quant(a, xq_q, dx_q, xs_q, 0)
-            cpu_gemv.gemv_q4(o_c[layer], o_d[layer], o_m[layer], xq_q, dx_q, xs_q, proj)
+            cpu_gemv.gemv_q4(o_c[layer], o_d[layer], o_m[layer], xq_q, dx_q, xs_q, proj, vnni)
             for t in range(T):
                 for i in range(H):
                     h[t, i] += proj[t, i]
             # MLP block
             _rms_norm(h, mlp_norm[layer], eps, x)
             _quant(x, xq_h, dx_h, xs_h, 0)
-            cpu_gemv.gemv_q4(gu_c[layer], gu_d[layer], gu_m[layer], xq_h, dx_h, xs_h, gu)
+            cpu_gemv.gemv_q4(gu_c[layer], gu_d[layer], gu_m[layer], xq_h, dx_h, xs_h, gu, vnni)
             _silu_mul(gu, inter, e, bits, act)
             _quant(act, xq_i, dx_i, xs_i, 0)
-            cpu_gemv.gemv_q4(dn_c[layer], dn_d[layer], dn_m[layer], xq_i, dx_i, xs_i, proj)
+            cpu_gemv.gemv_q4(dn_c[layer], dn_d[layer], dn_m[layer], xq_i, dx_i, xs_i, proj, vnni)
             for t in range(T):
                 for i in range(H):
                     h[t, i] += proj[t, i]
@@ -212,14 +233,18 @@ def _quant(x, xq, dx, xs, offset):  # pragma: no cover - compiled
         cpu_gemv._quantize_row(x[t], xq[t], dx[t], xs[t], offset)
 
 
-_STEPS: dict[tuple[int, int], object] = {}
+_STEPS: dict[tuple[int, int, bool, bool], object] = {}
 
 
-def decode_step_fn(head_dim: int, group: int):
-    """The compiled step for head_dim and GQA group (built once, cached on disk by Numba)."""
-    key = (head_dim, group)
+def decode_step_fn(head_dim: int, group: int, bf16: bool = True, isa: str = "avx512_vnni"):
+    """The compiled step for head_dim, GQA group, KV cache element type (bf16, else fp32)
+    and GEMV variant `isa` ("avx2" or "avx512_vnni"), built once, cached on disk by Numba.
+    Raises: ValueError for another isa."""
+    if isa not in ISAS:
+        raise ValueError(f"the fused step runs on {', '.join(ISAS)}, not {isa!r}")
+    key = (head_dim, group, bf16, isa == "avx512_vnni")
     if key not in _STEPS:
-        _STEPS[key] = _make_step(head_dim, group)
+        _STEPS[key] = _make_step(*key)
     return _STEPS[key]
 
 
@@ -234,16 +259,17 @@ def decode_layers(w: FusedWeights, h: np.ndarray, positions: torch.Tensor, slot_
             after the last layer (before the final norm) and returned.
         positions: int64 [T]; slot_mapping: int64 [T] (page slot of each token's K/V, >= 0).
         block_tables: int32 [T, max_blocks]; context_lens: int32 [T] (this token included).
-        kv_cache: bf16 [num_blocks, L, 2, block_size, num_kv_heads, head_dim], contiguous.
+        kv_cache: bf16 or fp32 [num_blocks, L, 2, block_size, num_kv_heads, head_dim],
+            contiguous (K/V written in its dtype; q rounded to it before attention).
         num_heads, num_kv_heads: attention heads; eps: RMSNorm epsilon; scale: softmax scale.
     Returns: h.
-    Raises: ValueError for a cache that is not bf16 or not contiguous.
+    Raises: ValueError for a cache that is not bf16/fp32 or not contiguous.
     """
-    if kv_cache.dtype != torch.bfloat16 or not kv_cache.is_contiguous():
-        raise ValueError("fused decode needs a contiguous bf16 KV cache")
+    if kv_cache.dtype not in (torch.bfloat16, torch.float32) or not kv_cache.is_contiguous():
+        raise ValueError(f"fused decode needs a contiguous bf16 or fp32 KV cache, not {kv_cache.dtype}")
     _, _, _, block_size, _, head_dim = kv_cache.shape
     sb, sl, skv, st, sh, _ = kv_cache.stride()
-    step = decode_step_fn(head_dim, num_heads // num_kv_heads)
+    step = decode_step_fn(head_dim, num_heads // num_kv_heads, kv_cache.dtype == torch.bfloat16, w.isa)
     kv = _flat(kv_cache)
     off = kv_cache.storage_offset()
     if off:
@@ -254,25 +280,36 @@ def decode_layers(w: FusedWeights, h: np.ndarray, positions: torch.Tensor, slot_
     return h
 
 
-@numba.njit(**_JIT)
-def _head(h, norm, eps, codes, d, m, out, nibbles):  # pragma: no cover - compiled
-    """Final RMSNorm, int8 activations and the head's GEMV (4-bit or, nibbles False, Q8_0).
-    `nibbles` is a runtime flag here: a literal one would make every call from Python retry
-    its dispatch (measured: 8.5 instead of 117 tok/s)."""
-    x = np.empty(h.shape, np.float32)
-    _rms_norm(h, norm, eps, x)
-    xq, dx, xs = _qbufs(h.shape[0], h.shape[1])
-    if nibbles:
-        _quant(x, xq, dx, xs, 0)
-        cpu_gemv.gemv_q4(codes, d, m, xq, dx, xs, out)
-    else:
-        _quant(x, xq, dx, xs, 128)
-        cpu_gemv.gemv_q8(codes, d, m, xq, dx, xs, out)
+def _make_head(vnni: bool):
+    """The final RMSNorm, int8 activations and the head's GEMV (4-bit or, nibbles False,
+    Q8_0) for one GEMV variant (a closure over a plain bool, as `_make_step`). `nibbles` is a
+    runtime flag: a literal one would make every call from Python retry its dispatch
+    (measured: 8.5 instead of 117 tok/s)."""
+
+    @numba.njit(**_JIT)
+    def head(h, norm, eps, codes, d, m, out, nibbles):  # pragma: no cover - compiled
+        x = np.empty(h.shape, np.float32)
+        _rms_norm(h, norm, eps, x)
+        xq, dx, xs = _qbufs(h.shape[0], h.shape[1])
+        if nibbles:
+            _quant(x, xq, dx, xs, 0)
+            cpu_gemv.gemv_q4(codes, d, m, xq, dx, xs, out, vnni)
+        else:
+            _quant(x, xq, dx, xs, 128)
+            cpu_gemv.gemv_q8(codes, d, m, xq, dx, xs, out, vnni)
+
+    return head
+
+
+_HEADS: dict[bool, object] = {}
 
 
 def head_logits(w: FusedWeights, h: np.ndarray, eps: float) -> torch.Tensor:
     """Final RMSNorm and LM head: h fp32 [T, hidden] -> fp32 logits [T, vocab] (a tensor)."""
+    vnni = w.isa == "avx512_vnni"
+    if vnni not in _HEADS:
+        _HEADS[vnni] = _make_head(vnni)
     out = np.empty((h.shape[0], w.head.shape[0]), np.float32)
-    _head(np.ascontiguousarray(h, np.float32), w.norm, np.float32(eps), w.head.codes, w.head.d, w.head.m,
-          out, w.head.bits == 4)
+    _HEADS[vnni](np.ascontiguousarray(h, np.float32), w.norm, np.float32(eps), w.head.codes, w.head.d,
+                 w.head.m, out, w.head.bits == 4)
     return torch.from_numpy(out)

@@ -1,13 +1,24 @@
-"""Quantized GEMV for the CPU (Numba + AVX-512 VNNI): GGUF Q4_0/Q4_1/Q8_0 weights
-against int8 activations, as llama.cpp computes them.
+"""Quantized GEMV for the CPU: GGUF Q4_0/Q4_1/Q8_0 weights against int8 activations, as
+llama.cpp computes them; one contract, a variant per ISA level (cpu_isa), chosen at start-up.
 
 At batch 1 a decode step is a chain of matrix-vector products whose cost is the
 weight bytes they read. torch's `_weight_int4pack_mm_for_cpu` reads a Q4 weight
-at about 7-10 GB/s at M = 1 here; this kernel reads the file's own blocks at
-about 20 GB/s (measured, same run: 58 us against 104 us for the 3072 x 576
-gate/up matrix, one thread), because its inner step is one `vpdpbusd`: 64
-unsigned 4/8-bit weight codes times 64 signed int8 activations summed into 16
-int32 lanes in one instruction.
+at about 7-10 GB/s at M = 1 on an AVX-512 CPU; the VNNI variant here reads the file's
+own blocks at about 20 GB/s (58 us against 104 us for the 3072 x 576 gate/up matrix,
+one thread), because its inner step is one `vpdpbusd`: 64 unsigned 4/8-bit weight codes
+times 64 signed int8 activations summed into 16 int32 lanes in one instruction.
+
+Variants (`VARIANTS`, `variant()` picks the highest this CPU runs; `gemv(..., isa=)`):
+- ``avx512_vnni``: Numba + LLVM IR, `vpdpbusd` (`_make_row_dot`).
+- ``avx2``: Numba + LLVM IR, llama.cpp's AVX2 dot product, `vpmaddubsw` + `vpmaddwd`
+  (`_make_row_dot_avx2`); the same weight and activation layout, the same results up to
+  fp32 summation order. AMD EPYC (AVX2), one thread, the bundled model's 30 layers of Q4_1
+  (66 MB): 1.9x faster than torch's int4 kernel, at the speed of a NumPy sum of the same
+  bytes (benchmarks/gemv.py, docs/benchmarks.md).
+- ``portable``: `gemv_reference` (NumPy), any CPU.
+The two compiled variants share `_gemv` (the row loop and the weight prefetch); the row
+dot is one intrinsic whose literal arguments select the variant's IR, so an AVX2 CPU never
+compiles an AVX-512 instruction.
 
 Weights (`GemvWeight`): every GGUF Q4/Q8 block of 32 weights is w = d * c + m
 with c an unsigned code (Q4_1: c in 0..15 and m from the file; Q4_0: m = -8 d;
@@ -21,8 +32,8 @@ sum(xq). A row's dot product is then sum over blocks of d * dx * (c . xq) + m * 
 the weight side is exact, the error is the activation's int8 rounding (relative
 error of a 576-long dot product about 0.5%, tests/test_cpu_gemv.py).
 
-Needs AVX-512 VNNI (`supported()`); the engine keeps torch's kernels elsewhere.
-The contract is checked against `gemv_reference` (NumPy, fp32).
+The contract is `gemv_reference` (NumPy, fp32); tests/test_fused_decode.py checks every
+variant this CPU runs against it.
 """
 
 from __future__ import annotations
@@ -39,9 +50,12 @@ from numba.extending import intrinsic
 from . import cpu_isa
 from .cpu_decode import _data_ptr, _prefetch
 
-__all__ = ["GemvWeight", "gemv", "gemv_reference", "quantize", "supported"]
+__all__ = ["VARIANTS", "GemvWeight", "gemv", "gemv_reference", "quantize", "supported", "variant"]
 
 BLOCK = 32  # weights (and activations) per GGUF block
+# One contract, variants by ISA level (cpu_isa.LEVELS), lowest first: NumPy, then two Numba
+# kernels whose row dot is LLVM IR over x86 intrinsics.
+VARIANTS = ("portable", "avx2", "avx512_vnni")
 # Software prefetch distance of the weight stream. A decode step reads each weight once
 # from DRAM; the hardware prefetcher alone kept this kernel at 7.5-9 GB/s, against 13.4
 # for a NumPy sum of the same bytes. Prefetching the rows 4 KiB ahead: 13.7 GB/s (30
@@ -52,15 +66,22 @@ _JIT = {"cache": True, "fastmath": True, "nogil": True, "boundscheck": False, "e
 _I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
 
+def variant() -> str:
+    """The variant this CPU runs (one of VARIANTS): the highest its ISA level allows
+    (cpu_isa.isa_level(), which MOONCAKED_CPU_ISA can cap); "portable" on anything else."""
+    level = cpu_isa.isa_level()
+    return level if level in VARIANTS else ("avx512_vnni" if cpu_isa.has("avx512_vnni") else "portable")
+
+
 def supported() -> bool:
-    """Whether this CPU runs the kernel: ISA level avx512_vnni (AVX-512 VNNI and BW for the
-    byte ops; cpu_isa, which MOONCAKED_CPU_ISA can cap)."""
-    return cpu_isa.has("avx512_vnni")
+    """Whether this CPU runs a compiled variant (AVX2+FMA or AVX-512 VNNI), not only the
+    portable NumPy one."""
+    return variant() != "portable"
 
 
 def _make_row_dot(nibbles: bool):
-    """An intrinsic row_dot(codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pairs) ->
-    float32, the dot product of one weight row with one int8 activation vector:
+    """The code generator (context, builder, argtypes, args) of `_row_dot` on AVX-512 VNNI:
+    row_dot(codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pairs) -> float32, the dot product of one weight row with one int8 activation vector:
 
     4-bit codes: sum_b d[b] * dx[b] * (c_b . xq_b) + m[b] * xs[b];
     8-bit codes (Q8_0, c = q + 128, no m): sum_b d[b] * dx[b] * (c_b . xq_b - 128 sum(xq_b)),
@@ -71,74 +92,176 @@ def _make_row_dot(nibbles: bool):
     the fp16 bits), the activation's xq at xbase and its dx, xs at xdbase; `pairs` pairs of
     blocks, two blocks (64 weights) a vpdpbusd."""
 
-    @intrinsic
-    def row_dot(typingctx, codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pairs):
-        sig = types.float32(codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pairs)
+    def codegen(context, builder, argtypes, args):
+        ct, _, xt, _, dt, mt, _, dxt, xst, _, _ = argtypes
+        c_, cbase_, x_, xbase_, d_, m_, dbase_, dx_, xs_, xdbase_, n_ = args
+        v16i32, v16f, v2f = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_F32, 2)
+        v2h = ir.VectorType(ir.HalfType(), 2)
+        step = 32 if nibbles else 64  # code bytes per pair of blocks
+        vcode = ir.VectorType(_I8, step)
+        vdot = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16i32, [v16i32] * 3), "llvm.x86.avx512.vpdpbusd.512")
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+        macc = cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2))
+        cp = _data_ptr(context, builder, ct, c_, cbase_, _I8)
+        xp = _data_ptr(context, builder, xt, x_, xbase_, _I8)
+        dp = _data_ptr(context, builder, dt, d_, dbase_, ir.HalfType())
+        mp = _data_ptr(context, builder, mt, m_, dbase_, ir.HalfType())
+        dxp = _data_ptr(context, builder, dxt, dx_, xdbase_, _F32)
+        xsp = _data_ptr(context, builder, xst, xs_, xdbase_, _F32)
+        spread = ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8)  # block 0 | block 1 lanes
 
-        def codegen(context, builder, signature, args):
-            ct, _, xt, _, dt, mt, _, dxt, xst, _, _ = signature.args
-            c_, cbase_, x_, xbase_, d_, m_, dbase_, dx_, xs_, xdbase_, n_ = args
-            v16i32, v16f, v2f = ir.VectorType(_I32, 16), ir.VectorType(_F32, 16), ir.VectorType(_F32, 2)
-            v2h = ir.VectorType(ir.HalfType(), 2)
-            step = 32 if nibbles else 64  # code bytes per pair of blocks
-            vcode = ir.VectorType(_I8, step)
-            vdot = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(v16i32, [v16i32] * 3), "llvm.x86.avx512.vpdpbusd.512")
-            acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
-            macc = cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2))
-            cp = _data_ptr(context, builder, ct, c_, cbase_, _I8)
-            xp = _data_ptr(context, builder, xt, x_, xbase_, _I8)
-            dp = _data_ptr(context, builder, dt, d_, dbase_, ir.HalfType())
-            mp = _data_ptr(context, builder, mt, m_, dbase_, ir.HalfType())
-            dxp = _data_ptr(context, builder, dxt, dx_, xdbase_, _F32)
-            xsp = _data_ptr(context, builder, xst, xs_, xdbase_, _F32)
-            spread = ir.Constant(ir.VectorType(_I32, 16), [0] * 8 + [1] * 8)  # block 0 | block 1 lanes
+        def pair(ptr, k, vty):
+            return builder.load(builder.bitcast(builder.gep(ptr, [builder.mul(k, k.type(2))]),
+                                                vty.as_pointer()), align=2)
 
-            def pair(ptr, k, vty):
-                return builder.load(builder.bitcast(builder.gep(ptr, [builder.mul(k, k.type(2))]),
-                                                    vty.as_pointer()), align=2)
+        with cgutils.for_range(builder, n_) as loop:
+            k = loop.index
+            w = builder.load(builder.bitcast(builder.gep(cp, [builder.mul(k, k.type(step))]),
+                                             vcode.as_pointer()), align=1)
+            if nibbles:  # [lo0 hi0 lo1 hi1]: elements 0..31 of block 0, then of block 1
+                lo = builder.and_(w, ir.Constant(vcode, [15] * 32))
+                hi = builder.lshr(w, ir.Constant(vcode, [4] * 32))
+                order = [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
+                w = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), order))
+            x = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(k, k.type(64))]),
+                                             ir.VectorType(_I8, 64).as_pointer()), align=1)
+            zero = ir.Constant(v16i32, [0] * 16)
+            dot = builder.sitofp(builder.call(vdot, [zero, builder.bitcast(w, v16i32),
+                                                     builder.bitcast(x, v16i32)]), v16f)
+            dd = builder.fpext(pair(dp, k, v2h), v2f)
+            ddx = pair(dxp, k, v2f)
+            xs2 = pair(xsp, k, v2f)
+            if nibbles:
+                mm = builder.fpext(pair(mp, k, v2h), v2f)
+                builder.store(builder.fadd(builder.fmul(mm, xs2, flags=["fast"]), builder.load(macc),
+                                           flags=["fast"]), macc)
+            else:  # c . xq - 128 sum(xq), per block
+                dot = builder.fsub(dot, builder.shuffle_vector(xs2, xs2, spread), flags=["fast"])
+            s2 = builder.fmul(dd, ddx, flags=["fast"])
+            f = builder.fmul(dot, builder.shuffle_vector(s2, s2, spread), flags=["fast"])
+            builder.store(builder.fadd(f, builder.load(acc), flags=["fast"]), acc)
+        # lanes 0-7 of the accumulator hold block sums of even blocks, 8-15 of odd ones
+        red = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_F32, [_F32, v16f]), "llvm.vector.reduce.fadd.v16f32")
+        r = builder.call(red, [ir.Constant(_F32, 0.0), builder.load(acc)], fastmath=("fast",))
+        mv = builder.load(macc)
+        return builder.fadd(r, builder.fadd(builder.extract_element(mv, _I32(0)),
+                                            builder.extract_element(mv, _I32(1))))
 
-            with cgutils.for_range(builder, n_) as loop:
-                k = loop.index
-                w = builder.load(builder.bitcast(builder.gep(cp, [builder.mul(k, k.type(step))]),
-                                                 vcode.as_pointer()), align=1)
-                if nibbles:  # [lo0 hi0 lo1 hi1]: elements 0..31 of block 0, then of block 1
-                    lo = builder.and_(w, ir.Constant(vcode, [15] * 32))
-                    hi = builder.lshr(w, ir.Constant(vcode, [4] * 32))
-                    order = [*range(0, 16), *range(32, 48), *range(16, 32), *range(48, 64)]
-                    w = builder.shuffle_vector(lo, hi, ir.Constant(ir.VectorType(_I32, 64), order))
-                x = builder.load(builder.bitcast(builder.gep(xp, [builder.mul(k, k.type(64))]),
-                                                 ir.VectorType(_I8, 64).as_pointer()), align=1)
-                zero = ir.Constant(v16i32, [0] * 16)
-                dot = builder.sitofp(builder.call(vdot, [zero, builder.bitcast(w, v16i32),
-                                                         builder.bitcast(x, v16i32)]), v16f)
-                dd = builder.fpext(pair(dp, k, v2h), v2f)
-                ddx = pair(dxp, k, v2f)
-                xs2 = pair(xsp, k, v2f)
-                if nibbles:
-                    mm = builder.fpext(pair(mp, k, v2h), v2f)
-                    builder.store(builder.fadd(builder.fmul(mm, xs2, flags=["fast"]), builder.load(macc),
-                                               flags=["fast"]), macc)
-                else:  # c . xq - 128 sum(xq), per block
-                    dot = builder.fsub(dot, builder.shuffle_vector(xs2, xs2, spread), flags=["fast"])
-                s2 = builder.fmul(dd, ddx, flags=["fast"])
-                f = builder.fmul(dot, builder.shuffle_vector(s2, s2, spread), flags=["fast"])
-                builder.store(builder.fadd(f, builder.load(acc), flags=["fast"]), acc)
-            # lanes 0-7 of the accumulator hold block sums of even blocks, 8-15 of odd ones
-            red = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(_F32, [_F32, v16f]), "llvm.vector.reduce.fadd.v16f32")
-            r = builder.call(red, [ir.Constant(_F32, 0.0), builder.load(acc)], fastmath=("fast",))
-            mv = builder.load(macc)
-            return builder.fadd(r, builder.fadd(builder.extract_element(mv, _I32(0)),
-                                                builder.extract_element(mv, _I32(1))))
-
-        return sig, codegen
-
-    return row_dot
+    return codegen
 
 
-_row_dot4 = _make_row_dot(True)
-_row_dot8 = _make_row_dot(False)
+
+
+def _make_row_dot_avx2(nibbles: bool):
+    """`_make_row_dot`'s code generator (same arguments, same result) on AVX2, as llama.cpp's AVX2
+    `ggml_vec_dot_q4_1_q8_1` / `q8_0_q8_0`: `vpmaddubsw` multiplies unsigned by signed bytes
+    and adds adjacent pairs into int16, `vpmaddwd` by ones adds pairs of those into int32.
+
+    4-bit codes, a pair of blocks a step: the 32 code bytes split into low nibbles (elements
+    0..15 of block 0 | of block 1) and high nibbles (16..31 of each); the activations are
+    gathered to match (a 128-bit half of each block), both halves' products are added as
+    int16 (at most 4 * 15 * 127 = 7620: no saturation) and one vpmaddwd leaves block 0's
+    sum in int32 lanes 0-3 and block 1's in 4-7, scaled by d * dx in one fma.
+
+    8-bit codes (c = q + 128): vpmaddubsw's unsigned x signed pairs of 255 * 127 would
+    saturate int16, so as llama.cpp it multiplies |q| by xq with q's sign (`vpsignb`),
+    pairs of at most 2 * 128 * 127 = 32512, which is q . xq itself: the -128 sum(xq) term
+    (`xs`) is not needed."""
+
+    def codegen(context, builder, argtypes, args):
+        ct, _, xt, _, dt, mt, _, dxt, xst, _, _ = argtypes
+        c_, cbase_, x_, xbase_, d_, m_, dbase_, dx_, xs_, xdbase_, n_ = args
+        v32i8, v16i16, v8i32 = ir.VectorType(_I8, 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
+        v8f, v2f, v2h = ir.VectorType(_F32, 8), ir.VectorType(_F32, 2), ir.VectorType(ir.HalfType(), 2)
+        maddubs = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v16i16, [v32i8, v32i8]), "llvm.x86.avx2.pmadd.ub.sw")
+        maddwd = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v8i32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
+        ones = ir.Constant(v16i16, [1] * 16)
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
+        acc1 = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
+        macc = cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2))
+        cp = _data_ptr(context, builder, ct, c_, cbase_, _I8)
+        xp = _data_ptr(context, builder, xt, x_, xbase_, _I8)
+        dp = _data_ptr(context, builder, dt, d_, dbase_, ir.HalfType())
+        mp = _data_ptr(context, builder, mt, m_, dbase_, ir.HalfType())
+        dxp = _data_ptr(context, builder, dxt, dx_, xdbase_, _F32)
+        xsp = _data_ptr(context, builder, xst, xs_, xdbase_, _F32)
+
+        def pair(ptr, k, vty):
+            return builder.load(builder.bitcast(builder.gep(ptr, [builder.mul(k, k.type(2))]),
+                                                vty.as_pointer()), align=2)
+
+        def bytes32(ptr, offset):
+            return builder.load(builder.bitcast(builder.gep(ptr, [offset]), v32i8.as_pointer()), align=1)
+
+        def splat(v2, lanes):
+            return builder.shuffle_vector(v2, v2, ir.Constant(ir.VectorType(_I32, 8), lanes))
+
+        with cgutils.for_range(builder, n_) as loop:
+            k = loop.index
+            x0 = bytes32(xp, builder.mul(k, k.type(64)))
+            x1 = bytes32(xp, builder.add(builder.mul(k, k.type(64)), k.type(32)))
+            s2 = builder.fmul(builder.fpext(pair(dp, k, v2h), v2f), pair(dxp, k, v2f), flags=["fast"])
+            if nibbles:
+                w = bytes32(cp, builder.mul(k, k.type(32)))
+                lo = builder.and_(w, ir.Constant(v32i8, [15] * 32))
+                hi = builder.and_(builder.lshr(w, ir.Constant(v32i8, [4] * 32)), ir.Constant(v32i8, [15] * 32))
+                mask = ir.VectorType(_I32, 32)
+                xlo = builder.shuffle_vector(x0, x1, ir.Constant(mask, [*range(0, 16), *range(32, 48)]))
+                xhi = builder.shuffle_vector(x0, x1, ir.Constant(mask, [*range(16, 32), *range(48, 64)]))
+                p16 = builder.add(builder.call(maddubs, [lo, xlo]), builder.call(maddubs, [hi, xhi]))
+                f = builder.sitofp(builder.call(maddwd, [p16, ones]), v8f)
+                builder.store(builder.call(fma, [f, splat(s2, [0] * 4 + [1] * 4), builder.load(acc)]), acc)
+                mm = builder.fpext(pair(mp, k, v2h), v2f)
+                builder.store(builder.fadd(builder.fmul(mm, pair(xsp, k, v2f), flags=["fast"]),
+                                           builder.load(macc), flags=["fast"]), macc)
+            else:
+                sign = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(v32i8, [v32i8, v32i8]), "llvm.x86.avx2.psign.b")
+                absf = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(v32i8, [v32i8, ir.IntType(1)]), "llvm.abs.v32i8")
+                for j, (xj, accj) in enumerate(((x0, acc), (x1, acc1))):
+                    q = builder.xor(bytes32(cp, builder.add(builder.mul(k, k.type(64)), k.type(32 * j))),
+                                    ir.Constant(v32i8, [-128] * 32))
+                    p16 = builder.call(maddubs, [builder.call(absf, [q, ir.IntType(1)(0)]),
+                                                 builder.call(sign, [xj, q])])
+                    f = builder.sitofp(builder.call(maddwd, [p16, ones]), v8f)
+                    builder.store(builder.call(fma, [f, splat(s2, [j] * 8), builder.load(accj)]), accj)
+        red = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_F32, [_F32, v8f]), "llvm.vector.reduce.fadd.v8f32")
+        tot = builder.fadd(builder.load(acc), builder.load(acc1), flags=["fast"])
+        r = builder.call(red, [ir.Constant(_F32, 0.0), tot], fastmath=("fast",))
+        mv = builder.load(macc)
+        return builder.fadd(r, builder.fadd(builder.extract_element(mv, _I32(0)),
+                                            builder.extract_element(mv, _I32(1))))
+
+    return codegen
+
+
+# (nibbles, vnni) -> the row dot's code generator
+_ROW_DOT = {(n, v): (_make_row_dot if v else _make_row_dot_avx2)(n) for n in (True, False) for v in (True, False)}
+
+
+@intrinsic
+def _row_dot(typingctx, codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pairs, nibbles, vnni):
+    """row_dot(codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pairs, nibbles, vnni) ->
+    float32: `_make_row_dot`'s row dot (vnni True) or `_make_row_dot_avx2`'s (False), for
+    4-bit codes (nibbles True) or 8-bit ones. nibbles and vnni must be literals: only the
+    chosen variant's IR is generated, so no AVX-512 instruction reaches an AVX2 CPU's code
+    even unoptimized."""
+    if not isinstance(nibbles, types.BooleanLiteral) or not isinstance(vnni, types.BooleanLiteral):
+        return None
+    sig = types.float32(codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pairs, nibbles, vnni)
+    gen = _ROW_DOT[(nibbles.literal_value, vnni.literal_value)]
+
+    def codegen(context, builder, signature, args):
+        return gen(context, builder, signature.args[:11], args[:11])
+
+    return sig, codegen
 
 
 @numba.njit(inline="always", **_JIT)
@@ -170,11 +293,14 @@ def _quantize(x, xq, dx, xs, offset):  # pragma: no cover - compiled
 
 
 @numba.njit(**_JIT)
-def _gemv(codes, d, m, xq, dx, xs, out, nibbles):  # pragma: no cover - compiled
+def _gemv(codes, d, m, xq, dx, xs, out, nibbles, vnni):  # pragma: no cover - compiled
     """out [T, rows] fp32 = x [T, K] . W.T, each weight row read once for all T rows of x;
-    specialised on the literal `nibbles` (4-bit codes, else 8-bit). Module-level functions
-    only (no closures): Numba's disk cache misses closures over jitted functions."""
+    specialised on the literals `nibbles` (4-bit codes, else 8-bit) and `vnni` (the
+    AVX-512 VNNI row dot, else the AVX2 one: only the chosen one is compiled, so the AVX2
+    variant builds on a CPU without AVX-512). Module-level functions only (no closures):
+    Numba's disk cache misses closures over jitted functions."""
     numba.literally(nibbles)
+    numba.literally(vnni)
     width = BLOCK // 2 if nibbles else BLOCK  # code bytes per block
     rows, nb = d.shape
     k = nb * BLOCK
@@ -190,22 +316,44 @@ def _gemv(codes, d, m, xq, dx, xs, out, nibbles):  # pragma: no cover - compiled
             if nibbles:
                 _prefetch(mf, (r + ahead) * nb)
         for t in range(xq.shape[0]):
-            if nibbles:
-                out[t, r] = _row_dot4(codes, r * row_bytes, xq, t * k, d, m, r * nb, dx, xs, t * nb, nb // 2)
-            else:
-                out[t, r] = _row_dot8(codes, r * row_bytes, xq, t * k, d, m, r * nb, dx, xs, t * nb, nb // 2)
+            out[t, r] = _row_dot(codes, r * row_bytes, xq, t * k, d, m, r * nb, dx, xs, t * nb, nb // 2,
+                                 nibbles, vnni)
 
 
 @numba.njit(**_JIT)
-def gemv_q4(codes, d, m, xq, dx, xs, out):  # pragma: no cover - compiled
-    """`_gemv` for 4-bit codes (GemvWeight.bits == 4), on its fields and `quantize`'s output."""
-    _gemv(codes, d, m, xq, dx, xs, out, True)
+def gemv_q4(codes, d, m, xq, dx, xs, out, vnni):  # pragma: no cover - compiled
+    """`_gemv` for 4-bit codes (GemvWeight.bits == 4), on its fields and `quantize`'s output;
+    `vnni` a literal (True: the AVX-512 VNNI variant, False: AVX2). For jitted callers that
+    pass a constant; from Python use `gemv` (a literal argument from Python re-dispatches
+    on every call)."""
+    numba.literally(vnni)
+    _gemv(codes, d, m, xq, dx, xs, out, True, vnni)
 
 
 @numba.njit(**_JIT)
-def gemv_q8(codes, d, m, xq, dx, xs, out):  # pragma: no cover - compiled
-    """`_gemv` for 8-bit codes (Q8_0 + 128), on its fields and `quantize(x, 128)`'s output."""
-    _gemv(codes, d, m, xq, dx, xs, out, False)
+def gemv_q8(codes, d, m, xq, dx, xs, out, vnni):  # pragma: no cover - compiled
+    """`_gemv` for 8-bit codes (Q8_0 + 128), on its fields and `quantize(x, 128)`'s output;
+    `vnni` as in `gemv_q4`."""
+    numba.literally(vnni)
+    _gemv(codes, d, m, xq, dx, xs, out, False, vnni)
+
+
+@numba.njit(**_JIT)
+def _gemv_avx2(codes, d, m, xq, dx, xs, out, nibbles):  # pragma: no cover - compiled
+    """`gemv`'s AVX2 entry from Python (runtime `nibbles`, constant variant)."""
+    if nibbles:
+        gemv_q4(codes, d, m, xq, dx, xs, out, False)
+    else:
+        gemv_q8(codes, d, m, xq, dx, xs, out, False)
+
+
+@numba.njit(**_JIT)
+def _gemv_vnni(codes, d, m, xq, dx, xs, out, nibbles):  # pragma: no cover - compiled
+    """`gemv`'s AVX-512 VNNI entry from Python (runtime `nibbles`, constant variant)."""
+    if nibbles:
+        gemv_q4(codes, d, m, xq, dx, xs, out, True)
+    else:
+        gemv_q8(codes, d, m, xq, dx, xs, out, True)
 
 
 @dataclass
@@ -295,19 +443,24 @@ def quantize(x: np.ndarray, offset: int = 0) -> tuple[np.ndarray, np.ndarray, np
     return xq, dx, xs
 
 
-def gemv(w: GemvWeight, x: np.ndarray) -> np.ndarray:
+def gemv(w: GemvWeight, x: np.ndarray, isa: str | None = None) -> np.ndarray:
     """y = x . W.T with x quantized per block to int8 (see the module doc).
 
     Args: w: a [rows, K] GemvWeight; x: fp32 [T, K] (T small: every weight row is read
-        once and used for all T rows).
+        once and used for all T rows); isa: the variant (VARIANTS), default `variant()`.
     Returns: fp32 [T, rows].
-    Raises: ValueError when K does not match (check `supported()` before calling).
+    Raises: ValueError when K does not match or `isa` is not a variant this CPU runs.
     """
+    isa = variant() if isa is None else isa
+    if isa not in VARIANTS or not cpu_isa.has(isa):
+        raise ValueError(f"gemv variant {isa!r}: this CPU runs {', '.join(v for v in VARIANTS if cpu_isa.has(v))}")
     if x.shape[1] != w.shape[1]:
         raise ValueError(f"x has {x.shape[1]} columns, the weight {w.shape[1]}")
+    if isa == "portable":
+        return gemv_reference(w, x)
     xq, dx, xs = quantize(x, 0 if w.bits == 4 else 128)
     out = np.empty((x.shape[0], w.shape[0]), np.float32)
-    (gemv_q4 if w.bits == 4 else gemv_q8)(w.codes, w.d, w.m, xq, dx, xs, out)
+    (_gemv_vnni if isa == "avx512_vnni" else _gemv_avx2)(w.codes, w.d, w.m, xq, dx, xs, out, w.bits == 4)
     return out
 
 

@@ -21,8 +21,8 @@ from .reference import paged_prefill_attention as _reference_prefill
 
 _PREFILL_KERNEL_MAX_THREADS = 2  # beyond this, SDPA's parallel heads beat the serial kernel
 
-__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "rms_norm",
-           "rotary_", "scatter_blocks", "write_kv"]
+__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "prefill_path",
+           "rms_norm", "rotary_", "scatter_blocks", "write_kv"]
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -46,9 +46,20 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     bundled model's layer here: SDPA 23.2 ms on one thread, 15.5 ms on two; the kernel
     13.3 ms. So the kernel is used up to `_PREFILL_KERNEL_MAX_THREADS` threads. (Numba's
     parallel loops were not an option: its OpenMP layer resets torch's thread count.)"""
-    if (k_cache.device.type == "cpu" and q.dtype == torch.bfloat16
-            and torch.get_num_threads() <= _PREFILL_KERNEL_MAX_THREADS
-            and cpu_prefill.supports(k_cache.dtype, q.shape[-1])):
+    if k_cache.device.type == "cpu" and prefill_path(q.dtype, k_cache.dtype, q.shape[-1]) != "sdpa":
         return cpu_prefill.paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q,
                                                    context_lens, scale)
     return _reference_prefill(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale)
+
+
+def prefill_path(q_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int,
+                 threads: int | None = None) -> str:
+    """Which variant `paged_prefill_attention` runs for a CPU cache: "cpu_prefill-avx512_bf16"
+    (bf16 on AVX512-BF16, up to `_PREFILL_KERNEL_MAX_THREADS` torch threads) or "sdpa" (torch's
+    scaled_dot_product_attention). threads: torch's intra-op threads, None for the current
+    count. The one decision both the kernel call and the engine's report read."""
+    threads = torch.get_num_threads() if threads is None else threads
+    if (q_dtype == torch.bfloat16 and threads <= _PREFILL_KERNEL_MAX_THREADS
+            and cpu_prefill.supports(cache_dtype, head_dim)):
+        return "cpu_prefill-avx512_bf16"
+    return "sdpa"

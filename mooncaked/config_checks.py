@@ -1,15 +1,30 @@
 """Cross-field checks of a whole Settings: what one key alone cannot say (a heartbeat
 slower than half the lease, an etcd cluster without a shared token, half a TLS key
 pair). `load_settings` runs them, so `mooncaked serve` and `mooncaked config --check`
-refuse the same files with the same one-line ConfigError (file, key, reason)."""
+refuse the same files with the same one-line ConfigError (file, key, reason), defined
+here so that config.py imports this module and not the other way round."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from mooncaked.config import ConfigError, Settings
+if TYPE_CHECKING:  # annotations only: config.py imports this module
+    from mooncaked.config import Settings
 
 CLUSTER_ROLES = ("prefill", "decode", "cache")
+
+
+class ConfigError(ValueError):
+    """A setting is unknown, of the wrong type or out of range.
+
+    Attributes: `path` (the file, or "<flags>"), `key` (dotted, e.g.
+    "engine.block_size") and `reason`.
+    """
+
+    def __init__(self, path: str, key: str, reason: str):
+        super().__init__(f"{path}: {key}: {reason}")
+        self.path, self.key, self.reason = path, key, reason
 
 
 def check_settings(settings: Settings, where: str) -> None:
@@ -52,4 +67,4 @@ def check_settings(settings: Settings, where: str) -> None:
                           f"from the public API")
 
 
-__all__ = ["check_settings", "CLUSTER_ROLES"]
+__all__ = ["check_settings", "CLUSTER_ROLES", "ConfigError"]

@@ -37,6 +37,17 @@ from aiohttp import web
 from mooncaked.config import ConfigError, Settings
 from mooncaked.log import get_logger, setup_logging
 from mooncaked.shutdown import Shutdown, ShutdownRequested
+from mooncaked.api.server import SERVER_KEY, build_app
+from mooncaked.engine.async_llm import AsyncLLM
+from mooncaked.model.weights import ModelLoadError
+from mooncaked.store import BlockStore, StoreError
+from mooncaked.wire.errors import ClusterError
+from mooncaked.cluster.health import node_health
+from mooncaked.cluster.node import ClusterNode
+from mooncaked.cluster.node_metrics import label_registry
+from mooncaked.model.tokenizer import Tokenizer
+from mooncaked.model.weights import resolve_model_path
+from mooncaked.roles import unused_settings
 
 log = get_logger(__name__)
 
@@ -87,10 +98,6 @@ async def _listen(app: web.Application, host: str, port: int) -> web.AppRunner |
 
 
 async def _serve(settings: Settings, stop: Shutdown) -> int:
-    from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
-    from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
-    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
-    from mooncaked.store import BlockStore, StoreError  # noqa: PLC0415
 
     stop.bind()
     # Loading takes seconds and blocks the loop; a signal meanwhile is handled right after.
@@ -139,12 +146,6 @@ async def _serve(settings: Settings, stop: Shutdown) -> int:
 
 async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     """A prefill, decode or cache node (see the module doc)."""
-    from mooncaked.api.server import SERVER_KEY, build_app  # noqa: PLC0415
-    from mooncaked.wire.errors import ClusterError  # noqa: PLC0415
-    from mooncaked.cluster.health import node_health  # noqa: PLC0415
-    from mooncaked.cluster.node import ClusterNode  # noqa: PLC0415
-    from mooncaked.cluster.node_metrics import label_registry  # noqa: PLC0415
-    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
     stop.bind()
     role = settings.node.role
@@ -153,12 +154,9 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         # all: a coupled node (cluster.coupled); a CPP stage (cpp.group) loads only its
         # layers itself (cluster/cpp/cpp_node.py), so it starts like a cache node here
         if role in ("prefill", "decode", "all") and not (role == "prefill" and settings.cpp.group):
-            from mooncaked.engine.async_llm import AsyncLLM  # noqa: PLC0415
             engine = AsyncLLM.from_settings(settings)
             tokenizer = engine.tokenizer
         else:   # cache, CPP stage: the API front end needs the tokenizer only
-            from mooncaked.model.tokenizer import Tokenizer  # noqa: PLC0415
-            from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
             tokenizer = Tokenizer(resolve_model_path(settings.model.path), [])
     except (ModelLoadError, OSError, ValueError) as e:
         log.error("model_load_failed", path=settings.model.path or "<bundled>", error=str(e))
@@ -242,7 +240,6 @@ def run_daemon(settings: Settings) -> int:
     # Installed before anything is logged or loaded, so a signal during start-up counts.
     stop = Shutdown(bound).install()
     setup_logging(settings.log.level, settings.log.format)
-    from mooncaked.roles import unused_settings  # noqa: PLC0415
     unused = unused_settings(settings)
     if unused:
         log.warning("settings_unused", role=settings.node.role, keys=unused,

@@ -1,4 +1,5 @@
-"""Shared fixtures (the bundled model's path, the shared trace) and the suite's CI rule.
+"""Shared fixtures (the bundled model's path, the shared trace, the run's one etcd and one
+default server: tests/cluster_harness.py) and the suite's CI rule.
 
 The CI rule: when the environment variable CI is set (to anything but "", "0", "false" or
 "no"; `.ci/run` runs under CI=true), a test that skips FAILS instead, whatever skipped it:
@@ -25,6 +26,8 @@ import pytest
 # Triton kernels run on the CPU interpreter in tests. Set before anything imports triton,
 # so every kernel test runs in this process (the GPU check runs with --noconftest).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import cluster_harness  # noqa: E402 - after TRITON_INTERPRET is set
 
 CI_SKIP_MARKERS = ("gpu", "rdma_devices", "cpu_isa")
 _HARDWARE_SKIP = pytest.StashKey[str]()
@@ -138,3 +141,26 @@ def shared_trace() -> Path:
         pytest.skip("shared conversation trace not found: put shared/ beside the checkout "
                     "(../shared/traces/conversation_trace.jsonl) or set MOONCAKE_TRACE_DIR")
     return path
+
+
+@pytest.fixture(scope="session")
+def default_server(tmp_path_factory):
+    """The run's one `mooncaked serve --role all` with default settings (a free loopback
+    port; cluster_harness.Server: url, proc, log). The API and replay modules share it, so
+    a test leaves it as it found it: it never stops it or changes its settings, and a test
+    that asserts on prefix hits or counters uses its own cache_salt or prompts and compares
+    counters before and after. Stopped at the end of the run (SIGTERM, then SIGKILL)."""
+    with cluster_harness.run_server(tmp_path_factory.mktemp("default_server")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def etcd(tmp_path_factory):
+    """The run's one etcd (single member, free loopback ports; `.endpoint` is its client
+    URL). Tests sharing it keep to a key prefix of their own (cluster_harness.etcd_prefix).
+    Tests that stop, pause or restart etcd, or need TLS, start their own. Skips (fails
+    under CI) when etcd is not installed."""
+    if cluster_harness.etcd_binary() is None:
+        pytest.skip("etcd is not installed (mooncaked/coord/install_etcd.sh)")
+    with cluster_harness.run_etcd(tmp_path_factory.mktemp("etcd") / "data") as server:
+        yield server

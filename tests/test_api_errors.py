@@ -16,16 +16,16 @@ import aiohttp
 import orjson
 import pytest
 
-from api_server import post, run_server, stream
+from cluster_harness import apost as post, run_server, stream
 
 GOOD = {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}
 LONG_BODY_BYTES = 5 * 1024 * 1024   # above the server's 4 MiB client_max_size
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("api_errors")) as s:
-        yield s
+def server(default_server):
+    """The run's default server (conftest): shared, so tests leave it as they found it."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

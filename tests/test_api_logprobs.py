@@ -15,7 +15,7 @@ import re
 
 import aiohttp
 import pytest
-from api_server import post, run_server, stream
+from cluster_harness import apost as post, stream
 
 from mooncaked.api.logprobs import TextOffset
 
@@ -25,9 +25,9 @@ COMPLETION = {"prompt": "🫠🫠🫠🫠🫠🫠🫠🫠", "max_tokens": 6, "te
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("api_logprobs")) as s:
-        yield s
+def server(default_server):
+    """The run's default server (conftest): shared, so tests leave it as they found it."""
+    return default_server
 
 
 def token_bytes(token: str) -> bytes:

@@ -21,7 +21,7 @@ import asyncio
 import aiohttp
 import pytest
 
-from api_server import post, run_server, stream
+from cluster_harness import apost as post, stream
 
 PROMPT = "The capital of France is"
 N_FREE = 12
@@ -33,9 +33,9 @@ def run(coro):
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("api_sampling")) as s:
-        yield s
+def server(default_server):
+    """The run's default server (conftest): shared, so tests leave it as they found it."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

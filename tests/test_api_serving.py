@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 import pytest
 
-from api_server import metrics, post, run_server, stream
+from cluster_harness import apost as post, metrics, stream
 
 PROMPT = "The capital of France is"
 # 45 tokens: two full 16-token blocks a repeat can find cached.
@@ -29,9 +29,9 @@ BLOCK = 16                      # engine.block_size
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("api_serving")) as s:
-        yield s
+def server(default_server):
+    """The run's default server (conftest): shared, so tests leave it as they found it."""
+    return default_server
 
 
 @pytest.fixture(scope="module")

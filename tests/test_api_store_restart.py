@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-from api_server import post, run_server
+from cluster_harness import apost as post, run_server
 
 BLOCK = 16                      # engine.block_size
 PROMPT_TOKENS = 150  # the issue used 582; 9 full blocks show the same

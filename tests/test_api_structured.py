@@ -15,7 +15,7 @@ import re
 import aiohttp
 import jsonschema
 import pytest
-from api_server import post, run_server, stream
+from cluster_harness import apost as post, stream
 from structured_schemas import SCHEMAS
 
 from mooncaked.engine import structured
@@ -34,9 +34,9 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with run_server(tmp_path_factory.mktemp("api_structured")) as s:
-        yield s
+def server(default_server):
+    """The run's default server (conftest): shared, so tests leave it as they found it."""
+    return default_server
 
 
 def _chat(server, bodies: list[dict]) -> list[tuple[int, dict]]:

@@ -1,7 +1,8 @@
 """Coordination with both backends: metadata keys, leased membership, leader election.
 
-Real processes (python -m mooncaked.cluster.probe) and, for the etcd backend, a real
-etcd started here on free loopback ports with a temporary data dir. Lease TTL is 2 s,
+Real processes (python -m mooncaked.cluster.probe) and, for the etcd backend, the run's
+real etcd (conftest's session fixture; each test under a key prefix of its own; the
+restart test starts its own). Lease TTL is 2 s,
 heartbeat 0.5 s: a killed node must leave the view, and a killed leader be replaced,
 within TTL + slack. "Not elected while another leads" is checked only once the candidate
 is known to be campaigning (it has read the election and found the leader's key), over a
@@ -34,21 +35,10 @@ OBSERVE_S = 10 * POLL  # negative observations ("b is not elected") last this lo
 BACKENDS = ["local", "etcd"]
 
 
-@pytest.fixture(scope="module")
-def etcd(tmp_path_factory):
-    if etcd_binary() is None:
-        pytest.skip("etcd binary not installed (run mooncaked/coord/install_etcd.sh)")
-    server = EtcdServer(tmp_path_factory.mktemp("etcd") / "data")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 @pytest.fixture(params=BACKENDS)
 def backend(request, tmp_path):
-    """(settings, probe kwargs) for one backend; each test gets its own key space."""
+    """(settings, probe kwargs) for one backend; each test gets its own key space (the
+    etcd one is the run's shared etcd, conftest)."""
     name = request.param
     prefix = f"/t/{request.node.name.replace('[', '_').replace(']', '')}-{os.getpid()}/"
     if name == "etcd":

@@ -1,5 +1,5 @@
-"""End to end on the etcd backend (a single-member etcd started by the launcher on
-loopback): a prefix held by a busy prefill node is fetched by the idle one; kill -9 of a
+"""End to end on the etcd backend (the run's single-member etcd on loopback, conftest,
+under a key prefix of this module's own): a prefix held by a busy prefill node is fetched by the idle one; kill -9 of a
 prefill node with queued work (its requests are placed again on the other prefill node);
 kill -9 of the leader (a new one is elected and requests succeed again).
 
@@ -24,6 +24,8 @@ import uuid
 import aiohttp
 import orjson
 import pytest
+from cluster_harness import etcd_prefix, wait_until
+from cluster_harness import node_status as status
 
 from mooncaked.coord.etcd_server import etcd_binary
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
@@ -43,7 +45,8 @@ LAYER_BLOCK_BYTES = 2 * BLOCK * 3 * 64 * 4      # K and V of one block in one la
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+def cluster(tmp_path_factory, etcd):
+    """The four nodes on the run's shared etcd (conftest), under a key prefix of their own."""
     tmp = tmp_path_factory.mktemp("etcd_cluster")
     settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
                 "cluster.stream_idle_timeout_s": 6.0, "cluster.drain_timeout_s": 5.0,
@@ -53,10 +56,11 @@ def cluster(tmp_path_factory):
                 "server.request_timeout_s": 120.0,
                 # this cluster moves KV the other way: the decode node READs it after the
                 # prefill (the local-backend tests cover the layer-wise push)
-                "cluster.layerwise_kv_push": False}
+                "cluster.layerwise_kv_push": False,
+                "cluster.key_prefix": etcd_prefix("e2e")}
     cl = LocalCluster(tmp, [NodeSpec("cache", "c1"), NodeSpec("prefill", "p1"),
                             NodeSpec("prefill", "p2"), NodeSpec("decode", "d1")],
-                      backend="etcd", settings=settings)
+                      backend="etcd", etcd_endpoint=etcd.endpoint, settings=settings)
     try:
         cl.start_backend()
         cl.start_node("c1")
@@ -90,20 +94,6 @@ async def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict
         async with s.post(url, data=orjson.dumps(body),
                           headers={"Content-Type": "application/json"}) as r:
             return r.status, orjson.loads(await r.read())
-
-
-def status(cl: LocalCluster, nid: str) -> dict:
-    return control_call(cl.control(nid), "node.status", timeout_s=5.0)
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.1)   # poll interval
 
 
 def live(cl: LocalCluster) -> list[str]:

@@ -1,5 +1,6 @@
 """End to end: a disaggregated cluster of real `mooncaked serve` processes on loopback
-(local coordination backend), against a single-process `--role all` reference.
+(local coordination backend), against a single-process `--role all` reference (the run's
+default server, conftest).
 
 One module-scoped cluster: c1 (cache role, API front end, started first so it is the
 first conductor), p1 (prefill), d1 and d2 (decode). The tests run in any order (pytest-randomly
@@ -33,15 +34,16 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from pathlib import Path
 
 import aiohttp
 import orjson
 import pytest
+from cluster_harness import wait_until
+from cluster_harness import node_status as status
 
-from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 
 BIN = Path(sys.executable).parent
@@ -71,17 +73,10 @@ TEST_COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.3, 0.002)),
                       meta={"source": "test"})
 
 
-def _health(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-            return r.status == 200
-    except OSError:
-        return False
-
-
 @pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    """(cluster, reference URL): the cluster and a `--role all` process, both ready."""
+def env(tmp_path_factory, default_server):
+    """(cluster, reference URL): the cluster and the run's default `--role all` server
+    (conftest; shared: the reference requests carry fresh cache salts), both ready."""
     tmp = tmp_path_factory.mktemp("cluster")
     cost = tmp / "cost_model.json"
     TEST_COST.save(cost)
@@ -106,13 +101,6 @@ def env(tmp_path_factory):
     p1 = NodeSpec("prefill", "p1", env={"MOONCAKED_FAILPOINTS": ""})
     cluster = LocalCluster(tmp / "c", [c1, p1, NodeSpec("decode", "d1"),
                                        NodeSpec("decode", "d2")], settings=settings)
-    ref_port = free_port()
-    ref_log = (tmp / "ref.log").open("wb")
-    ref = subprocess.Popen([str(BIN / "mooncaked"), "serve", "--role", "all", "--port",
-                            str(ref_port), "--set", f"engine.kv_cache_bytes={KV_CACHE_BYTES}"],
-                           stdout=ref_log, stderr=subprocess.STDOUT, cwd=tmp,
-                           start_new_session=True)
-    ref_url = f"http://127.0.0.1:{ref_port}"
     try:
         cluster.start_backend()
         cluster.start_node("c1")                       # first: it wins the first election
@@ -120,24 +108,11 @@ def env(tmp_path_factory):
         for nid in ("p1", "d1", "d2"):
             cluster.start_node(nid)
         cluster.wait_ready(READY_TIMEOUT_S)
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _health(ref_url):
-            assert ref.poll() is None, (tmp / "ref.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "reference server not ready"
-            time.sleep(0.2)   # poll interval; readiness is /health
         cluster.notify = notify
-        yield cluster, ref_url
+        yield cluster, default_server.url
     finally:
         notify.close()
         cluster.stop()
-        if ref.poll() is None:
-            ref.send_signal(signal.SIGTERM)
-            try:
-                ref.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(ref.pid, signal.SIGKILL)
-                ref.wait(10)
-        ref_log.close()
 
 
 async def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict, dict]:
@@ -179,24 +154,6 @@ def reusable(prompt_tokens: int) -> int:
     """Prompt tokens a repeat of a prompt finds cached: every full block but the one holding
     the last prompt token (engine/block_manager.py match_prefix: its logits are needed)."""
     return (prompt_tokens - 1) // BLOCK * BLOCK
-
-
-def status(cluster: LocalCluster, nid: str) -> dict:
-    return control_call(cluster.control(nid), "node.status", timeout_s=5.0)
-
-
-def wait_until(pred, timeout_s: float, what, state=None):
-    """pred() once it is truthy, polled for at most timeout_s; the failure names `what`
-    and, when given, what state() shows then."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout_s} s waiting for {what}"
-                                 + (f"; now: {state()}" if state is not None else ""))
-        time.sleep(0.1)   # poll interval
 
 
 def live(cluster: LocalCluster) -> list[str]:

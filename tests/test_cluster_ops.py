@@ -17,24 +17,15 @@ from pathlib import Path
 
 import orjson
 import pytest
+from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.kernels import cpu_isa
 
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 300.0
 WAIT_S = 90.0     # generous: the suite shares two cores with other work
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    """pred() once truthy, polled for at most timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.1)   # poll interval
 
 
 def http(method: str, url: str, body: dict | None = None, headers: dict | None = None
@@ -227,9 +218,14 @@ def test_published_cost_model_is_used_by_the_leader_without_a_leader_change(clus
                       decode=PolyModel(((0, 0),), (0.05,)), transfer=TransferModel(1e9),
                       kv_bytes_per_token=46080, name="published-by-test", meta={"source": "fit"})
     from mooncaked.conductor.cost_store import publish
+    from mooncaked.coord.factory import make_coordinator
     settings = load_settings(cluster.write_ctl_config())
     leader = control_call(cluster.control("c1"), "node.status")["leader"]
-    asyncio.run(publish(settings.cluster, model, "/elsewhere/cost_model.json"))
+
+    async def publish_model():
+        async with make_coordinator(settings.cluster) as coord:
+            await publish(coord, model, "/elsewhere/cost_model.json")
+    asyncio.run(publish_model())
 
     def in_use():
         st = control_call(cluster.control(leader), "conductor.status")
@@ -256,3 +252,30 @@ def test_transfer_port_in_use_names_the_port():
                                 node_id="t")
         with pytest.raises(OSError, match=f"127.0.0.1:{port} \\(transfer.host/transfer.port\\)"):
             asyncio.run(engine.start())
+
+
+def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
+    """issue 30: the serve log's start-up `numerics` line, the registered model record and
+    `mooncake ctl status` say which dtype model.dtype = auto chose and which variants run."""
+    want_dtype = "bfloat16" if cpu_isa.has("avx512_bf16") else "float32"
+    state = ["-c", str(cluster.write_ctl_config())]
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "--json", *state],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    view = orjson.loads(out.stdout)
+    for nid in ("p1", "d1"):
+        k = view["nodes"][nid]["info"]["model"]["kernels"]
+        assert (k["cpu"], k["isa"]) == (cpu_isa.cpu_name(), cpu_isa.isa_level()), nid
+        assert (k["dtype"], k["requested_dtype"]) == (want_dtype, "auto"), nid
+        assert k["decode_path"] == "per-op-torch" or k["decode_path"].startswith("fused-")
+        assert k["prefill_path"] in ("sdpa", "cpu_prefill-avx512_bf16")
+        assert view["nodes"][nid]["info"]["model"]["dtype"] == want_dtype
+        line = next(orjson.loads(ln) for ln in cluster.log_path(nid).read_text().splitlines()
+                    if '"numerics"' in ln)
+        assert {f: line[f] for f in k if f in line} == {f: k[f] for f in k if f in line}
+        assert {"cpu", "isa", "decode_path", "prefill_path", "dtype"} <= set(line)
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", *state],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout[out.stdout.index("kernels"):]
+    assert cpu_isa.isa_level() in table and f"{want_dtype} (auto)" in table

@@ -18,6 +18,7 @@ import urllib.request
 
 import orjson
 import pytest
+from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec
 from mooncaked.daemon import SHUTDOWN_SLACK_S
@@ -27,16 +28,6 @@ DRAIN_S = 20.0                      # long enough that a running request holds a
 BOUND_S = DRAIN_S + SHUTDOWN_SLACK_S + 10.0   # + process exit on a loaded machine
 NODES = ("c1", "p1", "d1")          # a cache, a prefill and a decode node
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)   # poll interval
 
 
 def events(cl: LocalCluster, nid: str, since: int = 0) -> list[dict]:
@@ -157,7 +148,7 @@ def test_children_die_with_their_parent(tmp_path):
     pidfile = tmp_path / "child.pid"
     parent = subprocess.Popen([sys.executable, "-c", f"""
 import subprocess, sys, time
-from mooncaked.cluster.pdeathsig import die_with_parent
+from mooncaked.pdeathsig import die_with_parent
 p = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"],
                      preexec_fn=die_with_parent())
 open({str(pidfile)!r}, "w").write(str(p.pid))

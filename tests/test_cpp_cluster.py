@@ -17,7 +17,6 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, cluster_specs, control_call
 
@@ -36,17 +36,6 @@ FREE_S = 5.0           # "within a few seconds": what a dead stage's peers take 
 NODES = ("g0s0", "g0s1", "prefill0", "decode0")
 LONG = " ".join(f"item{i}" for i in range(60))           # ~170 tokens: the group's
 SHORT = "Hello there"                                   # a few tokens: prefill0's
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    """pred() once truthy, polled for at most timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.05)   # poll interval
 
 
 def http(method: str, url: str, body: dict | None = None, timeout_s: float = 120.0

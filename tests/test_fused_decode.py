@@ -1,20 +1,29 @@
-"""The fused CPU decode step (kernels/cpu_fused_decode.py over kernels/cpu_gemv.py).
+"""The fused CPU decode step (kernels/cpu_fused_decode.py over kernels/cpu_gemv.py), per
+ISA variant.
 
-The GEMV against its NumPy contract and against the exact weights; the GGUF blocks it
-keeps against the loader's dequantization; the whole fused model against the same file
-dequantized (the oracle test_quant.py uses for torch's int4 path, with the same
-bounds), and batches against single sequences. Measured here: max |logit error| over
-16 teacher-forced tokens of 4 chat prompts 0.87-1.37 against the dequantized fp32
-forward (torch's int4 path: 0.87-1.96; the bf16 dequantized forward itself: 0.67-1.14).
+The GEMV of every variant (portable NumPy, AVX2, AVX-512 VNNI) against its NumPy contract
+and the exact weights, on odd shapes and zero / negative blocks; the GGUF blocks it keeps
+against the loader's dequantization; the whole fused model on each compiled variant and
+KV cache dtype (bf16, fp32) against the same file dequantized (the oracle test_quant.py
+uses for torch's int4 path, with the same bounds), and batches against single sequences.
+A variant this CPU cannot run is skipped through the cpu_isa marker (allowed in CI); the
+portable variant and the one this CPU selects run everywhere. Measured (AVX-512 CPU, VNNI,
+bf16): max |logit error| over 16 teacher-forced tokens of 4 chat prompts 0.87-1.37 against
+the dequantized fp32 forward (torch's int4 path: 0.87-1.96; the bf16 dequantized forward
+itself: 0.67-1.14); AMD EPYC (AVX2), the first prompt: 0.95 (fp32 cache), 1.22 (bf16).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 import torch
 
-from mooncaked.kernels import cpu_gemv, cpu_ops
+from mooncaked.kernels import cpu_gemv, cpu_isa, cpu_ops
 from mooncaked.model import quant
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.tokenizer import Tokenizer
@@ -22,10 +31,20 @@ from mooncaked.model.weights import load_weights
 
 from test_quant import CLEAR_MARGIN, MAX_ATOL, _logits
 
-pytestmark = pytest.mark.cpu_isa("avx512_vnni")
-
 PROMPTS = ["What is the capital of France?", "Write a short story about a lighthouse keeper.",
            "List three prime numbers."]
+
+
+def _isa(level: str):
+    """A parameter for an ISA variant, marked so that it runs only where the CPU has it."""
+    return pytest.param(level, marks=pytest.mark.cpu_isa(level), id=level)
+
+
+GEMV_VARIANTS = [_isa("portable"), _isa("avx2"), _isa("avx512_vnni")]
+# the fused step's variants x the KV cache dtype (the model's: bfloat16 or float32)
+FUSED_VARIANTS = [pytest.param((level, dt), marks=pytest.mark.cpu_isa(level), id=f"{level}-{name}")
+                  for level in ("avx2", "avx512_vnni") for name, dt in (("bf16", torch.bfloat16),
+                                                                       ("fp32", torch.float32))]
 
 
 def _random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int) -> np.ndarray:
@@ -40,18 +59,26 @@ def _random_blocks(rng: np.random.Generator, qtype: int, rows: int, cols: int) -
     return blocks
 
 
+@pytest.mark.parametrize("isa", GEMV_VARIANTS)
 @pytest.mark.parametrize("qtype", [quant.Q4_0, quant.Q4_1, quant.Q8_0])
-def test_gemv_matches_its_contract_and_the_exact_product(qtype):
-    rng = np.random.default_rng(qtype)
-    rows, cols = 200, 576
+@pytest.mark.parametrize(("rows", "cols", "t"), [(200, 576, 3), (37, 64, 1), (5, 1536, 2)])
+def test_gemv_matches_its_contract_and_the_exact_product(isa, qtype, rows, cols, t):
+    rng = np.random.default_rng(qtype * 1000 + rows)
     blocks = _random_blocks(rng, qtype, rows, cols)
+    blocks[1, 0, 0:2] = 0  # a block whose scale d is zero
+    blocks[2, 0, 0:2] = np.array([-0.015], np.float16).view(np.uint8)  # a negative scale
+    if qtype == quant.Q8_0:  # the extreme int8 codes: -128 (vpmaddubsw's |q| = 128) and 127
+        blocks[3 % rows, -1, 2:] = np.array([0x80, 0x7F] * 16, np.uint8)
     w = cpu_gemv.GemvWeight.from_blocks(qtype, blocks)
     qw = quant.QuantizedWeight(qtype, blocks.reshape(rows, -1), (rows, cols))
     assert np.array_equal(w.dense(), qw.dequantize().numpy())  # the file's values, exactly
-    x = rng.standard_normal((3, cols)).astype(np.float32)
-    y = cpu_gemv.gemv(w, x)
+    x = rng.standard_normal((t, cols)).astype(np.float32)
+    x[0, :32] = 0.0  # an all-zero activation block (dx = 0)
+    x[-1, 32:64] = -np.abs(x[-1, 32:64]) * 40  # a block of large negative activations
+    y = cpu_gemv.gemv(w, x, isa)
     ref = cpu_gemv.gemv_reference(w, x)  # the same int8 activations, in NumPy
-    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert y.shape == (t, rows) and y.dtype == np.float32
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(y - ref).max() / np.abs(ref).max()
     exact = x @ w.dense().T  # only the activations' int8 rounding separates the two
     rel = np.abs(y - exact).max() / np.abs(exact).max()
     assert 1e-5 < rel < 0.02, rel  # measured 0.005-0.006
@@ -63,19 +90,52 @@ def test_gemv_rejects_an_odd_number_of_blocks():
         cpu_gemv.GemvWeight.from_blocks(quant.Q4_1, blocks)
 
 
+def test_the_selected_gemv_variant_follows_the_isa_level(monkeypatch):
+    """variant() is the highest variant the (capped) ISA level runs; a variant the CPU
+    lacks is refused, not run."""
+    monkeypatch.delenv(cpu_isa.ENV_CAP, raising=False)
+    level = cpu_isa.isa_level()
+    want = {"portable": "portable", "avx2": "avx2"}.get(level, "avx512_vnni")
+    assert cpu_gemv.variant() == want
+    assert cpu_gemv.supported() == (want != "portable")
+    monkeypatch.setenv(cpu_isa.ENV_CAP, "portable")
+    assert cpu_gemv.variant() == "portable" and not cpu_gemv.supported()
+    w = cpu_gemv.GemvWeight.from_blocks(quant.Q4_1, _random_blocks(np.random.default_rng(1), quant.Q4_1, 3, 64))
+    with pytest.raises(ValueError, match="this CPU runs portable"):
+        cpu_gemv.gemv(w, np.ones((1, 64), np.float32), "avx2")
+    with pytest.raises(ValueError, match="variant 'neon'"):
+        cpu_gemv.gemv(w, np.ones((1, 64), np.float32), "neon")
+
+
 @pytest.fixture(scope="module")
-def models(bundled_model):
+def weights(bundled_model):
     cfg, tensors = load_weights(bundled_model, keep_quantized=True)
-    dev = torch.device("cpu")
-    ref = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 256, weight_format="dequantized")
-    fused = LlamaModel(cfg, tensors, torch.bfloat16, dev, cpu_ops, 256, weight_format="auto",
-                       dense_above=None, fused_decode_max_batch=4)
-    return ref, fused, tensors, Tokenizer(bundled_model, cfg.eos_token_ids)
+    ref = LlamaModel(cfg, tensors, torch.float32, torch.device("cpu"), cpu_ops, 256, weight_format="dequantized")
+    return cfg, tensors, ref, Tokenizer(bundled_model, cfg.eos_token_ids)
+
+
+def _fused_model(cfg, tensors, dtype: torch.dtype, isa: str) -> LlamaModel:
+    """The bundled model with the fused step on the GEMV variant `isa` (the ISA capped to it
+    while the model is built, which is when the variant is chosen)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cpu_isa.ENV_CAP, isa)
+        model = LlamaModel(cfg, tensors, dtype, torch.device("cpu"), cpu_ops, 256, weight_format="auto",
+                           dense_above=None, fused_decode_max_batch=4)
+    return model
+
+
+@pytest.fixture(scope="module", params=FUSED_VARIANTS)
+def models(request, weights):
+    """(reference fp32 model, fused model, tensors, tokenizer) for one (variant, dtype)."""
+    cfg, tensors, ref, tok = weights
+    isa, dtype = request.param
+    return ref, _fused_model(cfg, tensors, dtype, isa), tensors, tok
 
 
 def test_the_bundled_model_runs_fused_and_keeps_the_files_blocks(models):
     ref, fused, tensors, _ = models
     assert fused.fused_decode_reason is None and fused.fused is not None
+    assert fused.fused.isa in ("avx2", "avx512_vnni")
     assert fused.fused.head.bits == 8  # the tied Q8_0 embedding / LM head
     assert np.array_equal(fused.fused.head.rows(np.array([7, 42])),
                           tensors["embed"].dequantize().numpy()[[7, 42]])
@@ -83,8 +143,20 @@ def test_the_bundled_model_runs_fused_and_keeps_the_files_blocks(models):
     linear = sum(t.data.nbytes for k, t in tensors.items() if k.startswith("layers.")
                  and isinstance(t, quant.QuantizedWeight))
     assert fused.fused.nbytes() == linear + tensors["embed"].data.nbytes
-    assert "bfloat16" in LlamaModel(ref.cfg, tensors, torch.float32, torch.device("cpu"), cpu_ops, 64,
-                                    weight_format="auto", fused_decode_max_batch=4).fused_decode_reason
+
+
+def test_why_not_says_what_the_fused_step_needs(weights):
+    """The model says why it runs the per-op path: the weight format, or a CPU level with
+    no compiled GEMV variant (here forced by the ISA cap)."""
+    cfg, tensors, _, _ = weights
+    dev = torch.device("cpu")
+    deq = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 64, weight_format="dequantized",
+                     fused_decode_max_batch=4)
+    assert deq.fused is None and "weight_format = auto" in deq.fused_decode_reason
+    assert "dequantized" in deq.fused_decode_reason
+    portable = _fused_model(cfg, tensors, torch.float32, "portable")
+    assert portable.fused is None and "AVX2+FMA" in portable.fused_decode_reason
+    assert "portable" in portable.fused_decode_reason
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
@@ -105,9 +177,10 @@ def test_a_fused_batch_equals_its_sequences_alone(models):
     """Three sequences decoded in one fused step get the logits and KV each gets alone."""
     _, model, _, tok = models
     cfg, bs = model.cfg, 16
+    assert model.fused is not None
     prompts = [tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS]
     nb = sum(len(p) // bs + 2 for p in prompts)
-    kv = torch.zeros(nb, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    kv = torch.zeros(nb, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
     order = torch.randperm(nb, generator=torch.Generator().manual_seed(0)).to(torch.int32)
     tables, start = [], 0
     for p in prompts:  # each prompt's pages, scattered; prefill through the per-op path
@@ -129,7 +202,7 @@ def test_a_fused_batch_equals_its_sequences_alone(models):
         meta = AttentionMetadata(slots, len(idx), decode_block_tables=table,
                                  decode_context_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32))
         hidden = model.forward(torch.tensor([100 + i for i in idx]), torch.tensor(pos), meta, cache)
-        assert hidden.dtype == torch.float32  # the fused step ran
+        assert hidden.dtype == torch.float32  # the fused step ran (or an fp32 model's forward)
         return model.logits(hidden)
 
     alone_kv = kv.clone()
@@ -141,17 +214,22 @@ def test_a_fused_batch_equals_its_sequences_alone(models):
 
 
 def test_small_batches_get_fp32_logits_from_the_files_head(models):
-    """A prefill's first token (bf16 hidden states, few rows) takes the fused head too:
-    fp32 logits, not bf16-rounded ones (where near ties became exact ties)."""
+    """A prefill's first token (hidden states in the model's dtype, few rows) takes the fused
+    head too: fp32 logits, not bf16-rounded ones (where near ties became exact ties); more
+    rows than the fused batch take the per-op head."""
     ref, model, _, _ = models
     h = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    h = h.to(model.dtype)
     got = model.logits(h)
     assert got.dtype == torch.float32 and got.shape == (2, model.cfg.vocab_size)
     assert (got.to(torch.bfloat16).float() != got).float().mean() > 0.9  # not on the bf16 grid
     want = ref.logits(h.float())  # the dequantized fp32 head
     assert (got - want).abs().max() < 0.5  # only the int8 activations' rounding apart
-    big = torch.randn(model.fused_decode_max_batch + 1, model.cfg.hidden_size).to(torch.bfloat16)
-    assert (model.logits(big).to(torch.bfloat16).float() == model.logits(big)).all()  # the per-op head
+    big = torch.randn(model.fused_decode_max_batch + 1, model.cfg.hidden_size).to(model.dtype)
+    if model.dtype == torch.bfloat16:
+        assert (model.logits(big).to(torch.bfloat16).float() == model.logits(big)).all()  # the per-op head
+    else:  # the per-op head of an fp32 model: the dequantized weights, as the reference's
+        assert torch.allclose(model.logits(big), ref.logits(big), atol=1e-4)
 
 
 def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
@@ -160,7 +238,7 @@ def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
     _, model, _, tok = models
     cfg, bs = model.cfg, 16
     a, b = (tok.apply_chat_template([{"role": "user", "content": p}]) for p in PROMPTS[:2])
-    kv = torch.zeros(16, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+    kv = torch.zeros(16, cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
     ta = torch.arange(0, 8, dtype=torch.int32)[None]
     tb = torch.arange(8, 16, dtype=torch.int32)[None]
 
@@ -187,3 +265,29 @@ def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
     assert torch.equal(mixed[:1], alone)
     assert torch.equal(kv[:8], alone_kv[:8])  # a's pages: the same K/V
     assert kv[8:].abs().sum() > 0 and not torch.equal(mixed[1], mixed[0])  # b's chunk ran
+
+
+_COMPILE_VNNI = """
+from numba import types
+from mooncaked.kernels import cpu_gemv
+a2 = lambda dt: types.Array(dt, 2, "C")
+sig = (a2(types.uint8), a2(types.uint16), a2(types.uint16), a2(types.int8), a2(types.float32),
+       a2(types.float32), a2(types.float32), types.boolean)
+for f in (cpu_gemv._gemv_vnni, cpu_gemv._gemv_avx2):
+    f.compile(sig)
+    asm = "\\n".join(f.inspect_asm().values())
+    print(f.__name__, "vpdpbusd" in asm, "vpmaddubsw" in asm, "zmm" in asm)
+"""
+
+
+@pytest.mark.cpu_isa("avx2")
+def test_each_compiled_variant_has_its_own_instructions(tmp_path):
+    """Compiled (not run) for an AVX-512 VNNI target in a child process, so an x86 CPU
+    without AVX-512 still checks that variant's code: vpdpbusd in the VNNI GEMV only, and
+    the AVX2 GEMV with vpmaddubsw and no 512-bit register."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="icelake-server",
+               NUMBA_CPU_FEATURES="+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512vnni,+avx2,+avx,+fma,+f16c")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_VNNI], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["_gemv_vnni True False True", "_gemv_avx2 False True False"], out.stdout

@@ -36,7 +36,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -44,6 +43,8 @@ import aiohttp
 import jsonschema
 import orjson
 import pytest
+from cluster_harness import wait_until
+from cluster_harness import node_status as status
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
@@ -182,21 +183,6 @@ def _health(url: str) -> bool:
             return r.status == 200
     except OSError:
         return False
-
-
-def wait_until(pred, timeout_s: float, what: str):
-    """Polls pred every 0.1 s until it returns a true value (returned); fails after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        v = pred()
-        if v:
-            return v
-        assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
-        time.sleep(0.1)   # poll interval
-
-
-def status(cluster: LocalCluster, nid: str) -> dict:
-    return control_call(cluster.control(nid), "node.status", timeout_s=5.0)
 
 
 def leader(cluster: LocalCluster) -> str:

@@ -120,6 +120,24 @@ def greedy32(ours):
     return get
 
 
+@pytest.fixture(scope="module")
+def hf_refs(bundled_model, hf_model, greedy32):
+    """hf_refs(prompt) -> (transformers' bf16 logits, its fp32 logits) along our fp32 greedy
+    sequence of prompt (prompt ids + our tokens but the last), [positions, vocab] each; the
+    bf16 model is loaded once for the module and each prompt computed once, when first
+    asked for (both parametrizations of the bf16 test use them)."""
+    hf16 = load_hf(bundled_model, torch.bfloat16)
+    done = {}
+
+    def get(prompt: str):
+        if prompt not in done:
+            ids, tokens, _ = greedy32(prompt)
+            seq = ids + tokens[:-1]
+            done[prompt] = hf_logits(hf16, seq), hf_logits(hf_model, seq)
+        return done[prompt]
+    return get
+
+
 def per_position_max(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """max over the vocabulary of |a - b|, one value per position."""
     return (a - b).abs().amax(-1)
@@ -164,19 +182,18 @@ def test_safetensors_directory_loads_to_the_same_logits(ours, hf_model, bundled_
 
 
 @pytest.mark.parametrize("ops", [reference, cpu_ops], ids=["reference", "cpu_ops"])
-def test_bfloat16_forward_matches_transformers_in_bfloat16(ours, hf_model, bundled_model, greedy32, ops):
+def test_bfloat16_forward_matches_transformers_in_bfloat16(bundled_model, greedy32, hf_refs, ops):
     """Our bf16 model and transformers' bf16 model, teacher-forced along our fp32 greedy
     sequence: logits close at every position, greedy picks equal except at near-ties, and
     no further from fp32 than transformers' own bf16. With the torch kernels and with the
     CPU kernels (cpu_prefill's bf16 prefill attention, cpu_decode's decode attention)."""
     cfg, tensors = load_weights(bundled_model)
     model16 = LlamaModel(cfg, tensors, torch.bfloat16, torch.device("cpu"), ops, max_positions=2048)
-    hf16 = load_hf(bundled_model, torch.bfloat16)
     for prompt in PROMPTS:
         ids, tokens, _ = greedy32(prompt)
         seq = ids + tokens[:-1]
         _, mine = paged_logits(model16, ids, NEW_TOKENS, forced=tokens)
-        ref16, ref32 = hf_logits(hf16, seq), hf_logits(hf_model, seq)
+        ref16, ref32 = hf_refs(prompt)
         err = per_position_max(mine, ref16)
         assert err.mean().item() < BF16_MEAN_ATOL, (prompt, err.mean().item())
         ours_vs_fp32, theirs_vs_fp32 = per_position_max(mine, ref32), per_position_max(ref16, ref32)

@@ -14,7 +14,6 @@ from pathlib import Path
 import orjson
 import pytest
 
-from api_server import run_server
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.replay import load_trace
 from mooncaked.replay.prompts import scale_length
@@ -25,10 +24,9 @@ BLOCK = 16               # the engine's block size; also 512 trace tokens at --l
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A real `mooncaked serve --role all` on a free loopback port; yields its URL."""
-    with run_server(tmp_path_factory.mktemp("replay_server")) as s:
-        yield s.url
+def server(default_server):
+    """The URL of the run's default `mooncaked serve --role all` (conftest; shared)."""
+    return default_server.url
 
 
 def bench(args, cwd):

@@ -25,34 +25,12 @@ import orjson
 from mooncaked.engine.types import InvalidRequest, SamplingParams
 
 from .engine_client import EngineInfo
+from .errors import ApiError, error_body
+from .structured import parse_constraint, parse_tools
 
 MAX_CHOICES = 64          # prompts x n per API request: bounds the engine requests one call makes
 MAX_SEED = 2**63 - 1
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-
-
-class ApiError(Exception):
-    """An error answered with an OpenAI-style body: {"error": {message, type, param, code}}.
-
-    `status` is the HTTP status (400 bad input, 404 unknown model or route, 413 body
-    too large, 500 engine failure, 503 shutting down).
-    """
-
-    def __init__(self, status: int, message: str, *, param: str | None = None,
-                 code: str | None = None, type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = (
-            status, message, param, code, type)
-
-    def body(self) -> dict:
-        """The JSON error body (OpenAI API reference, "Error codes")."""
-        return error_body(self.message, self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    """{"error": {"message", "type", "param", "code"}} as the OpenAI API answers errors."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 @dataclass
@@ -309,7 +287,6 @@ def parse_completion(body: dict, engine: EngineInfo) -> GenerationRequest:
     prompts = _prompts(body.get("prompt", _MISSING), engine)
     max_tokens = _int(body, "max_tokens", 16)
     params = _sampling(body, "max_tokens", max_tokens)
-    from .structured import parse_constraint  # (a local import: it imports this module)
     params.structured, _ = parse_constraint(body)
     logprobs = _int(body, "logprobs", None)
     echo = _bool(body, "echo", False)
@@ -364,7 +341,6 @@ def parse_chat(body: dict, engine: EngineInfo) -> GenerationRequest:
     if top is not None and not want_logprobs:
         raise ApiError(400, "'top_logprobs' requires 'logprobs' to be true", param="top_logprobs")
     logprobs = (top or 0) if want_logprobs else None
-    from .structured import parse_constraint, parse_tools  # (it imports this module)
     params.structured, source = parse_constraint(body)
     plan, tool_spec = parse_tools(body, getattr(engine.tokenizer, "accepts_tools", False))
     if tool_spec is not None:

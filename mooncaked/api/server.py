@@ -37,8 +37,9 @@ from .engine_client import EngineClient
 from .health import health_status, livez_status
 from .logprobs import TextOffset, chat_logprobs, completion_logprobs
 from .metrics import ApiMetrics
-from .node_metrics import attach as attach_node_metrics, node_metrics
-from .protocol import (ApiError, GenerationRequest, Prompt, check_model, error_body, parse_chat,
+from mooncaked.stall_metrics import attach as attach_node_metrics, node_metrics
+from .errors import ApiError, error_body
+from .protocol import (GenerationRequest, Prompt, check_model, parse_chat,
                        parse_completion, parse_json, token_ids)
 from .structured import ToolStream, chat_message
 

@@ -34,7 +34,7 @@ from mooncaked.engine.structured import (
 )
 from mooncaked.engine.types import InvalidRequest, StructuredSpec
 
-from .protocol import ApiError
+from .errors import ApiError
 
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")          # OpenAI's function / schema names
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")

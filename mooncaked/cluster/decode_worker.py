@@ -31,6 +31,8 @@ from .admission import DecodeAdmission
 from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation,
                                      KVReserved, MessageError, OutputDelta, Release)
 from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
+from mooncaked.engine.types import KVImport
+from mooncaked.engine.types import InvalidRequest
 
 log = get_logger(__name__)
 
@@ -172,7 +174,6 @@ class DecodeWorker:
         DecodeFailure line. Answers 503 while draining, 400 for a malformed body, 502 when
         the KV cannot be read.
         """
-        from mooncaked.engine.types import KVImport  # noqa: PLC0415
 
         if self._draining():
             return web.json_response({"error": f"{self.node_id} is draining"}, status=503)
@@ -207,7 +208,7 @@ class DecodeWorker:
         """The TBT admission check (cluster/admission.py): a 429 with Retry-After and the
         reason when this node's predicted step time with the request breaks the SLO."""
         _, batch, context = self.load()
-        refusal = self.admission.check(batch, context, tokens)
+        refusal = self.admission.check(batch, context, tokens, rid)
         if refusal is None:
             return None
         log.info("decode_refused", request_id=rid, reason=refusal["reason"],
@@ -242,7 +243,6 @@ class DecodeWorker:
 
     async def _stream(self, request: web.Request, rid: str, gen: Any) -> web.StreamResponse:
         """Streams the engine generator's deltas as JSON lines (see `route`)."""
-        from mooncaked.engine.types import InvalidRequest  # noqa: PLC0415
 
         q: asyncio.Queue = asyncio.Queue()
 

@@ -49,7 +49,7 @@ from typing import Any, Protocol
 import aiohttp
 import orjson
 
-from mooncaked.api.protocol import ApiError
+from mooncaked.api.errors import ApiError
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
@@ -60,6 +60,7 @@ from mooncaked.wire.errors import NotLeader, PeerUnavailable, RpcError, RpcTimeo
 from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, NodeRef,
                                      OutputDelta, PlaceRejected, PlaceReply, PlaceRequest,
                                      PrefillReply, PrefillRequest, Release)
+from mooncaked.model.weights import resolve_model_path
 
 log = get_logger(__name__)
 
@@ -147,7 +148,6 @@ class ClusterFrontend:
         m = self.port.model_info()
         if m:
             return m["name"]
-        from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
         return resolve_model_path(self.port.settings.model.path).stem
 
     @property

@@ -36,8 +36,12 @@ import orjson
 
 from mooncaked.log import get_logger
 
+from mooncaked.pdeathsig import die_with_parent
+from mooncaked.wire.auth import auth_headers
+from mooncaked.wire.auth import write_token_file
+from mooncaked.coord.etcd_server import EtcdServer
+
 from .hosts import Hosts
-from .pdeathsig import die_with_parent
 
 log = get_logger(__name__)
 
@@ -151,7 +155,6 @@ def control_call(addr: str, method: str, payload: Any = None, timeout_s: float =
 
     Raises: OSError when the peer cannot be reached; RuntimeError with the remote error.
     """
-    from mooncaked.wire.auth import auth_headers  # noqa: PLC0415
 
     token = token if token is not None else _TOKENS.get(addr)
     req = urllib.request.Request(f"http://{addr}/control/{method}", data=orjson.dumps(payload),
@@ -173,7 +176,10 @@ class LocalCluster:
     Args:
         workdir: directory for configs, logs, the local backend's state and etcd's data.
         nodes: what to start.
-        backend: "local" or "etcd" (starts its own etcd on loopback).
+        backend: "local" or "etcd" (starts its own etcd on loopback, unless etcd_endpoint).
+        etcd_endpoint: client URL of an etcd already running that the etcd backend uses
+            instead of starting one (neither started nor stopped here; give the nodes a
+            `cluster.key_prefix` of their own when other clusters share it).
         settings: dotted settings for every node (e.g. {"cluster.lease_ttl_s": 2.0}).
         base_config: a TOML file every node starts from (the dotted settings override it).
         log_level: of the nodes.
@@ -189,7 +195,8 @@ class LocalCluster:
     def __init__(self, workdir: str | Path, nodes: list[NodeSpec], *, backend: str = "local",
                  settings: dict[str, Any] | None = None, base_config: str | Path | None = None,
                  log_level: str = "info", die_with_parent: bool = False,
-                 hosts: bool = False, link_rate: str | None = None):
+                 etcd_endpoint: str | None = None, hosts: bool = False,
+                 link_rate: str | None = None):
         self.workdir = Path(workdir)
         self.nodes = {n.node_id: n for n in nodes}
         if len(self.nodes) != len(nodes):
@@ -202,6 +209,7 @@ class LocalCluster:
         self.ports: dict[str, int] = {}
         self.rpc_ports: dict[str, int] = {}
         self.etcd: Any = None
+        self.etcd_endpoint = etcd_endpoint
         self.die_with_parent = die_with_parent
         self.token = ""
         self.use_hosts = hosts
@@ -241,7 +249,7 @@ class LocalCluster:
         if self.backend == "local":
             out["cluster.state_dir"] = str(self.workdir / "coord")
         else:
-            out["cluster.etcd_endpoints"] = [self.etcd.endpoint]
+            out["cluster.etcd_endpoints"] = [self.etcd_endpoint or self.etcd.endpoint]
         return out
 
     def write_ctl_config(self, also_default: bool = False) -> Path:
@@ -275,17 +283,16 @@ class LocalCluster:
         return self
 
     def start_backend(self) -> None:
-        """Creates the work dir, the hosts (with `hosts`) and, for the etcd backend, starts
-        etcd (idempotent). Raises: CoordinationError when etcd cannot start; HostsError."""
-        from mooncaked.wire.auth import write_token_file  # noqa: PLC0415
+        """Creates the work dir, the hosts (with `hosts`) and, for the etcd backend without
+        etcd_endpoint, starts etcd (idempotent, on a host of its own with `hosts`).
+        Raises: CoordinationError when etcd cannot start; HostsError."""
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = write_token_file(self.token_path)
         if self.use_hosts and self.hosts is None:
-            names = (["etcd"] if self.backend == "etcd" else []) + list(self.nodes)
-            self.hosts = Hosts(names, link_rate=self.link_rate).start()
-        if self.backend == "etcd" and self.etcd is None:
-            from mooncaked.coord.etcd_server import EtcdServer  # noqa: PLC0415
+            names = (["etcd"] if self.backend == "etcd" and not self.etcd_endpoint else [])
+            self.hosts = Hosts(names + list(self.nodes), link_rate=self.link_rate).start()
+        if self.backend == "etcd" and self.etcd is None and not self.etcd_endpoint:
             where = ({"host": self.hosts.address("etcd"),
                       "prefix": tuple(self.hosts.command("etcd", []))} if self.hosts else {})
             self.etcd = EtcdServer(self.workdir / "etcd", die_with_parent=self.die_with_parent,

@@ -44,9 +44,10 @@ from aiohttp import web
 
 import mooncaked
 from mooncaked import failpoints
-from mooncaked.api.node_metrics import node_metrics
+from mooncaked.stall_metrics import node_metrics
 from mooncaked.config import Settings
 from mooncaked.conductor.service import ConductorService
+from mooncaked.kernels.cpu_isa import cpu_name
 from mooncaked.log import get_logger
 
 from mooncaked.wire.auth import authorized, load_token
@@ -61,6 +62,12 @@ from mooncaked.wire.messages import (DecodeLoad, NodeRef, NodeReport, PlaceRejec
 from .node_state import Activity, KVTransferCounters, NodeDraining
 from .prefill_worker import PrefillWorker
 from mooncaked.wire.rpc import ControlClient, ControlServer
+from .frontend import ClusterFrontend
+from mooncaked.transfer import TransferEngine
+from mooncaked.cluster.cpp.cpp_node import CppStageWorker
+from .throughput import log_throughput
+from mooncaked.store import BlockStore
+from mooncaked.store.remote import StoreNode
 
 log = get_logger(__name__)
 
@@ -120,7 +127,6 @@ class ClusterNode:
         self.activity = Activity()                  # since the last report
         self.frontend_runs = 0                      # requests this node's API is serving
         self._background: set[asyncio.Task] = set()
-        from .frontend import ClusterFrontend  # noqa: PLC0415 - frontend imports node types
         self.frontend = ClusterFrontend(self)
 
     # ------------------------------------------------------------------ wiring
@@ -162,7 +168,9 @@ class ClusterNode:
                 "max_model_len": e.max_model_len, "block_bytes": g.block_bytes,
                 "max_logprobs": e.max_logprobs,
                 "kv_capacity_tokens": g.num_blocks * g.block_size,
-                "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim]}
+                "cpu": cpu_name(),            # the calibrated cost model's key
+                "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim],
+                "kernels": e.kernels()}
 
     @property
     def members(self) -> dict[str, Member]:
@@ -255,7 +263,6 @@ class ClusterNode:
         Raises: CoordinationError when the coordinator cannot be reached; OSError when the
         transfer engine cannot listen.
         """
-        from mooncaked.transfer import TransferEngine  # noqa: PLC0415
 
         self.api_url, self.control_addr = api_url, control_addr
         if not self.node_id:
@@ -268,7 +275,6 @@ class ClusterNode:
             self.engine.attach_store(self.store if offload else None)
         is_draining = lambda: self.draining  # noqa: E731
         if self.role == "prefill" and self.settings.cpp.group:    # a CPP stage (cpp_node.py)
-            from mooncaked.cluster.cpp.cpp_node import CppStageWorker  # noqa: PLC0415
             self.prefill = CppStageWorker(self)
             await self.prefill.start()
             # its own store of its layer slices, lent to the pool like every node's
@@ -288,7 +294,8 @@ class ClusterNode:
                         ("node.undrain", self._h_undrain),
                         ("node.kv_reserve", self._h_kv_reserve),
                         ("conductor.place", self._h_place), ("conductor.report", self._h_report),
-                        ("conductor.status", self._h_conductor_status)):
+                        ("conductor.status", self._h_conductor_status),
+                        ("admission.ledger", self._h_admission_ledger)):
             self.control.add_handler(name, h)
         if failpoints.enabled():       # test processes only (MOONCAKED_FAILPOINTS set)
             failpoints.load_from_env()
@@ -303,7 +310,6 @@ class ClusterNode:
                                 self.settings, self._on_member, self._report, self.activity)
         await self.view.start()
         if self.engine is not None and self.settings.log.stats_interval_s > 0:
-            from .throughput import log_throughput  # noqa: PLC0415
             self.spawn(log_throughput(self, self.settings.log.stats_interval_s))
         log.info("node_started", node=self.node_id, role=self.role, api=api_url,
                  control=control_addr, backend=self.settings.cluster.backend)
@@ -330,8 +336,6 @@ class ClusterNode:
             await asyncio.sleep(min(1.0, cs.heartbeat_interval_s))
 
     async def _start_store(self, block_bytes: int) -> None:
-        from mooncaked.store import BlockStore  # noqa: PLC0415
-        from mooncaked.store.remote import StoreNode  # noqa: PLC0415
 
         self.store = await BlockStore.from_settings(self.settings, block_bytes,
                                                     self.node_id).start()
@@ -453,12 +457,21 @@ class ClusterNode:
                           self.store.events.seq if self.store is not None else -1,
                           tuple(events), tuple(self.activity.done), steps,
                           self.prefill.queued() if self.prefill is not None else (),
+                          tuple(self.engine.take_prefill_steps())     # calibration
+                          if self.engine is not None and self.role != "decode" else (),
                           {peer: e.bytes_per_s
                            for peer, e in self.transfer.bandwidth.estimates().items()})
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""
         m = member.info.get("model")
+        mine = self.info.get("model") if self.engine is not None else None
+        if m and mine and m.get("dtype") != mine.get("dtype"):
+            # model.dtype = auto resolves per CPU (model/numerics.py): nodes on different CPU
+            # kinds can differ, and then neither KV handovers nor block keys match
+            log.warning("model_dtype_mismatch", member=member.node_id, member_dtype=m.get("dtype"),
+                        dtype=mine.get("dtype"),
+                        hint="set model.dtype explicitly (float32 or bfloat16) on every node")
         if self.role == "cache" and self.store is None and m:
             await self._start_store(int(m["block_bytes"]))
             await self._reregister()
@@ -485,6 +498,18 @@ class ClusterNode:
     async def _h_conductor_status(self, payload: Any) -> dict:
         return self._leader().status()
 
+    async def _h_admission_ledger(self, payload: Any) -> dict:
+        """`admission.ledger` {"rids": [...] | absent}: this node's admission decisions by
+        request id (conductor/admission_ledger.py): "conductor" when it leads, "node" for
+        its decode or coupled TBT check; each null where it has none."""
+        rids = payload.get("rids") if isinstance(payload, dict) else None
+        if rids is not None and not (isinstance(rids, list)
+                                     and all(isinstance(r, str) for r in rids)):
+            raise ValueError("admission.ledger: rids must be a list of strings")
+        return {"node": self.node_id,
+                "conductor": self.conductor.admissions(rids) if self.conductor else None,
+                "node_check": self.decode.admission.ledger_view(rids) if self.decode else None}
+
     # ------------------------------------------------------------------ node handlers
 
     async def _h_status(self, payload: Any) -> dict:
@@ -502,6 +527,7 @@ class ClusterNode:
                              "staged": len(self.prefill.stages) if self.prefill else 0,
                              "receiving": len(self.decode.buffers) if self.decode else 0,
                              "refused": self.decode.admission.refused if self.decode else 0},
+                "admission": self.decode.admission.status() if self.decode else None,
                 "kv_transfer": self.kv_transfer.as_dict(),
                 "cpp": self.prefill.status() if hasattr(self.prefill, "status") else None,
                 "stalls": node_metrics().summary()}

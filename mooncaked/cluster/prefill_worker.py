@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mooncaked import failpoints
+from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
@@ -182,7 +183,6 @@ class PrefillWorker:
         if self.queue.order == "fcfs":
             return 0.0
         if self._cost is None:
-            from mooncaked.conductor.service import load_cost_model  # noqa: PLC0415 - cycle
             g = self.engine.kv_geometry()
             self._cost = load_cost_model(self.settings, g.block_bytes // max(1, g.block_size))
         return self._cost.prefill_s(new, cached)

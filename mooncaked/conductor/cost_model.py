@@ -333,3 +333,12 @@ def fit_cost_model(prefill_samples: Sequence[tuple[float, float, float]],
     return CostModel(prefill=pm, decode=dm, transfer=TransferModel(bandwidth_bytes_per_s, latency_s),
                      kv_bytes_per_token=kv_bytes_per_token, name=name,
                      meta={"source": "fit", "prefill_fit": pstats, "decode_fit": dstats})
+
+
+def step_with_request_s(cost: CostModel, batch: int, context_tokens: float,
+                        prompt_tokens: float) -> float:
+    """Predicted decode step time (seconds) of a node running `batch` requests holding
+    `context_tokens` KV tokens once it admits one more with `prompt_tokens` tokens: the
+    request's predicted TBT. The conductor (coupled placement) and the decode node's own
+    TBT check (cluster/admission.py) predict with this same function."""
+    return cost.decode_step_s(batch + 1, context_tokens + prompt_tokens)

@@ -39,7 +39,8 @@ from ..log import get_logger
 from ..lograte import RateLimitedLog
 from .election import ElectionMixin
 from .membership import MembershipMixin
-from .records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, _dumps, _loads)
+from .records import (DEFAULT_ELECTION, Leadership, Member, MemberEvent, decode_value,
+                      encode_value)
 from mooncaked.wire.errors import CoordinationError, SessionLost
 
 log = get_logger(__name__)
@@ -348,7 +349,7 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         dies or closes, and is re-written if the session is renewed.
         Raises: ValueError (bad key, not JSON-encodable), CoordinationError, SessionLost.
         """
-        full, raw = self._key(key), _dumps(value)
+        full, raw = self._key(key), encode_value(value)
         lease = self._require_session() if ephemeral else None
         await self._op(self._put(full, raw, lease), f"put {key}")
         if ephemeral:
@@ -359,7 +360,7 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
     async def get(self, key: str) -> Any | None:
         """The JSON value under key, or None when absent. Raises: CoordinationError."""
         raw = await self._op(self._get(self._key(key)), f"get {key}")
-        return None if raw is None else _loads(raw)
+        return None if raw is None else decode_value(raw)
 
     async def delete(self, key: str) -> bool:
         """Deletes key; True if it existed. Raises: CoordinationError."""
@@ -374,7 +375,7 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         """
         full = self._key(prefix)
         raws = await self._op(self._list(full), f"list {prefix}")
-        return {self._rel(k): _loads(v) for k, v in sorted(raws.items())}
+        return {self._rel(k): decode_value(v) for k, v in sorted(raws.items())}
 
     async def watch(self, prefix: str) -> AsyncIterator[dict[str, Any]]:
         """Yields {relative key: value} under prefix now and after every change.
@@ -386,17 +387,6 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         full = self._key(prefix)
         async with contextlib.aclosing(self._snapshots(full)) as snaps:
             async for snap in snaps:
-                yield {self._rel(k): _loads(v) for k, v in sorted(snap.items())}
+                yield {self._rel(k): decode_value(v) for k, v in sorted(snap.items())}
 
-def default_state_dir() -> str:
-    """Local backend directory when cluster.state_dir is empty (shared by one user's nodes)."""
-    import os
-    import tempfile
-    run = os.environ.get("XDG_RUNTIME_DIR")
-    if run and os.path.isdir(run):
-        return os.path.join(run, "mooncaked-cluster")
-    return os.path.join(tempfile.gettempdir(), f"mooncaked-cluster-{os.getuid()}")
-
-
-__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "default_state_dir",
-           "DEFAULT_ELECTION"]
+__all__ = ["Coordinator", "Member", "MemberEvent", "Leadership", "DEFAULT_ELECTION"]

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ..log import get_logger
-from .records import DEFAULT_ELECTION, Leadership, _check_name, _dumps, _loads
+from .records import DEFAULT_ELECTION, Leadership, check_name, decode_value, encode_value
 from mooncaked.wire.errors import CoordinationError
 
 log = get_logger("mooncaked.coord.coordinator")
@@ -21,7 +21,7 @@ class ElectionMixin:
     the backend primitives these methods use)."""
 
     def _leader_key(self, election: str) -> str:
-        _check_name("election", election)
+        check_name("election", election)
         return self._key(f"election/{election}/leader")
 
     async def campaign(self, node_id: str, election: str = DEFAULT_ELECTION) -> Leadership:
@@ -33,7 +33,7 @@ class ElectionMixin:
         campaigning. Calling it while already leader returns the held Leadership.
         Raises: CoordinationError, SessionLost (no live session).
         """
-        _check_name("node_id", node_id)
+        check_name("node_id", node_id)
         key = self._leader_key(election)
         held = self._leading.get(election)
         if held is not None and held.held:
@@ -43,7 +43,7 @@ class ElectionMixin:
                 if key in snap:
                     continue                      # someone leads; wait for the key to go
                 lease = self._require_session()
-                raw = _dumps({"node_id": node_id, "incarnation": self._session_id,
+                raw = encode_value({"node_id": node_id, "incarnation": self._session_id,
                               "since": time.time()})
                 self._unconfirmed[election] = raw
                 won = await self._op(self._create(key, raw, lease), f"campaign {election}")
@@ -82,7 +82,7 @@ class ElectionMixin:
         """Node id of the current leader of `election`, or None. Raises: CoordinationError."""
         key = self._leader_key(election)
         raw = await self._op(self._get(key), f"get {key}")
-        return None if raw is None else _loads(raw)["node_id"]
+        return None if raw is None else decode_value(raw)["node_id"]
 
     async def watch_leader(self, election: str = DEFAULT_ELECTION) -> AsyncIterator[str | None]:
         """Yields the current leader's node id (None: no leader), then each change."""
@@ -91,7 +91,7 @@ class ElectionMixin:
         async with contextlib.aclosing(self._snapshots(key[: -len("leader")])) as snaps:
             async for snap in snaps:
                 raw = snap.get(key)
-                cur = None if raw is None else _loads(raw)["node_id"]
+                cur = None if raw is None else decode_value(raw)["node_id"]
                 if cur != last:
                     last = cur
                     yield cur

@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 
 from ..log import get_logger
+from ..pdeathsig import die_with_parent
 from mooncaked.wire.errors import CoordinationError
 
 log = get_logger(__name__)
@@ -109,7 +110,6 @@ class EtcdServer:
                "--initial-cluster", f"mooncaked={peer}", "--logger", "zap",
                "--log-level", "warn"]
         with open(self.log_path, "ab") as logf:
-            from mooncaked.cluster.pdeathsig import die_with_parent  # noqa: PLC0415
             self.proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env,
                                          stdin=subprocess.DEVNULL,
                                          preexec_fn=die_with_parent() if self.die_with_parent

@@ -32,9 +32,9 @@ from typing import Any, Callable
 
 import orjson
 
-from ..config import ClusterSettings
+from ..config import ClusterSettings, cluster_state_dir
 from ..log import get_logger
-from .coordinator import Coordinator, default_state_dir
+from .coordinator import Coordinator
 from mooncaked.wire.errors import CoordinationError
 
 log = get_logger(__name__)
@@ -62,7 +62,7 @@ class LocalCoordinator(Coordinator):
 
     def __init__(self, settings: ClusterSettings):
         super().__init__(settings)
-        self.dir = Path(settings.state_dir or default_state_dir())
+        self.dir = cluster_state_dir(settings)
         self._boot = _boot_id()
 
     def _describe(self) -> str:

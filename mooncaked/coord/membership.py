@@ -9,7 +9,7 @@ import time
 from collections.abc import AsyncIterator
 
 from ..log import get_logger
-from .records import _loads, Member, MemberEvent, _check_name, _dumps, _member_from
+from .records import Member, MemberEvent, check_name, decode_value, encode_value, member_from
 
 log = get_logger("mooncaked.coord.coordinator")
 
@@ -21,7 +21,7 @@ class MembershipMixin:
     async def _put_member(self, node_id: str, info: dict, registered_at: float) -> None:
         record = {"node_id": node_id, "info": info, "incarnation": self._session_id,
                   "registered_at": registered_at}
-        await self._op(self._put(self._key(f"members/{node_id}"), _dumps(record), self._lease),
+        await self._op(self._put(self._key(f"members/{node_id}"), encode_value(record), self._lease),
                        f"register {node_id}")
 
     async def register(self, node_id: str, info: dict) -> Member:
@@ -31,10 +31,10 @@ class MembershipMixin:
         registers again: its new record (new incarnation) replaces the old one.
         Raises: ValueError (bad id, info not a JSON object), CoordinationError, SessionLost.
         """
-        _check_name("node_id", node_id)
+        check_name("node_id", node_id)
         if not isinstance(info, dict):
             raise ValueError(f"member info must be a dict, got {type(info).__name__}")
-        _dumps(info)
+        encode_value(info)
         self._require_session()
         registered_at = self._registered.get(node_id, (None, time.time()))[1]
         self._registered[node_id] = (info, registered_at)
@@ -47,23 +47,23 @@ class MembershipMixin:
         the lease): None when claimed (or already ours), else the holder's record of the
         process that holds it. Two processes can never hold one id at once.
         Raises: CoordinationError, SessionLost."""
-        _check_name("node_id", node_id)
+        check_name("node_id", node_id)
         key = self._key(f"ids/{node_id}")
-        raw = _dumps({**holder, "session": self._session_id})
+        raw = encode_value({**holder, "session": self._session_id})
         lease = self._require_session()
         if key in self._ephemeral or await self._op(self._create(key, raw, lease),
                                                     f"claim {node_id}"):
             self._ephemeral[key] = raw
             return None
         got = await self._op(self._get(key), f"get {key}")
-        return _loads(got) if got is not None else {}
+        return decode_value(got) if got is not None else {}
 
     async def unregister(self, node_id: str) -> None:
         """Leaves the membership view now (instead of at lease expiry)."""
         self._registered.pop(node_id, None)
         key = self._key(f"members/{node_id}")
         raw = await self._op(self._get(key), f"get {key}")
-        member = _member_from(raw) if raw is not None else None
+        member = member_from(raw) if raw is not None else None
         # Only our own record: never evict a newer incarnation of the same id.
         if member is not None and member.incarnation == self._session_id:
             await self._op(self._delete_if(key, raw), f"unregister {node_id}")
@@ -73,7 +73,7 @@ class MembershipMixin:
         raws = await self._op(self._list(self._key("members/")), "list members")
         out = {}
         for raw in raws.values():
-            m = _member_from(raw)
+            m = member_from(raw)
             if m is not None:
                 out[m.node_id] = m
         return dict(sorted(out.items()))
@@ -89,7 +89,7 @@ class MembershipMixin:
             async for snap in snaps:
                 now: dict[str, Member] = {}
                 for raw in snap.values():
-                    m = _member_from(raw)
+                    m = member_from(raw)
                     if m is not None:
                         now[m.node_id] = m
                 for node_id, m in known.items():

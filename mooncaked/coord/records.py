@@ -75,29 +75,35 @@ class Leadership:
         await self.lost.wait()
 
 
-def _dumps(value: Any) -> bytes:
+def encode_value(value: Any) -> bytes:
+    """A coordination value as stored (JSON bytes). Raises: ValueError if not JSON-encodable."""
     try:
         return orjson.dumps(value)
     except TypeError as e:
         raise ValueError(f"coordination values must be JSON-encodable: {e}") from e
 
 
-def _loads(raw: bytes) -> Any:
+def decode_value(raw: bytes) -> Any:
+    """A stored coordination value (JSON bytes) back. Raises: orjson.JSONDecodeError."""
     return orjson.loads(raw)
 
 
-def _member_from(raw: bytes) -> Member | None:
+def member_from(raw: bytes) -> Member | None:
+    """The Member of a stored membership record, or None when it is malformed."""
     try:
-        d = _loads(raw)
+        d = decode_value(raw)
         return Member(d["node_id"], d.get("info") or {}, d["incarnation"], d["registered_at"])
     except (orjson.JSONDecodeError, KeyError, TypeError):
         return None
 
 
-def _check_name(kind: str, name: str) -> None:
+def check_name(kind: str, name: str) -> None:
+    """Raises ValueError unless `name` (a node id or election name) is a non-empty string
+    without '/' or surrounding spaces."""
     if not name or "/" in name or name != name.strip():
         raise ValueError(f"{kind} must be a non-empty string without '/' or surrounding spaces, "
                          f"got {name!r}")
 
 
-__all__ = ["DEFAULT_ELECTION", "Leadership", "Member", "MemberEvent"]
+__all__ = ["DEFAULT_ELECTION", "Leadership", "Member", "MemberEvent", "check_name",
+           "decode_value", "encode_value", "member_from"]

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from mooncaked.config import Settings
 from mooncaked.log import get_logger
+from mooncaked.stall_metrics import node_metrics
 
 import torch
 
@@ -49,7 +51,6 @@ class AsyncLLM:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._task: asyncio.Task | None = None
         self._error: BaseException | None = None
-        from mooncaked.api.node_metrics import node_metrics  # noqa: PLC0415 - api imports engine
         self._metrics = node_metrics()
 
     @classmethod
@@ -208,6 +209,14 @@ class AsyncLLM:
         """Identity of the weights (file name and size): part of every block key's salt."""
         return self.engine.model_id
 
+    def kernels(self) -> dict:
+        """What this engine runs, decided once at start: the resolved dtype and weight format
+        (model/numerics.py; `requested_dtype` is model.dtype as configured, e.g. "auto") and
+        the CPU, ISA level and kernel variants (engine/kernel_paths.py KernelPaths)."""
+        e = self.engine
+        return {"dtype": e.numerics.dtype, "requested_dtype": e.settings.model.dtype,
+                "weight_format": e.numerics.weight_format, **e.kernel_paths.to_json()}
+
     def kv_geometry(self) -> KVGeometry:
         """The paged KV layout (layers, block size, heads, dtype, bytes and count of blocks)."""
         e = self.engine
@@ -224,8 +233,19 @@ class AsyncLLM:
         """The timed decode steps since the last call, newest `limit` of them: (batch size,
         context tokens, seconds) each. Safe from the event loop (a deque the step thread
         appends to)."""
-        log_ = self.engine.decode_steps
-        steps = []
-        while log_:
-            steps.append(log_.popleft())
-        return steps[-limit:]
+        return _take(self.engine.decode_steps, limit)
+
+    def take_prefill_steps(self, limit: int = 64) -> list[tuple[int, int, float]]:
+        """The timed steps of prefill chunks only (no decodes) since the last call, newest
+        `limit` of them: (new tokens, tokens cached before them, seconds) each; the
+        conductor calibrates its prefill model from them. Safe from the event loop."""
+        return _take(self.engine.prefill_steps, limit)
+
+
+def _take(log_: deque, limit: int) -> list[tuple[int, int, float]]:
+    """Pops everything from the deque `log_` (another thread appends); returns the newest
+    `limit` entries."""
+    steps = []
+    while log_:
+        steps.append(log_.popleft())
+    return steps[-limit:]

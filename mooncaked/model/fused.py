@@ -3,9 +3,12 @@
 `why_not` decides whether a model can run the fused step (and says why not),
 `build` turns the loader's QuantizedWeights into the step's stacked GGUF blocks,
 `decode` and `logits` run it for a decode step. The fused step needs: the GGUF's
-Q4_0/Q4_1 linear weights kept (`weight_format = auto`, bf16 on the CPU), every
-matmul width a multiple of 64, the whole model (not a pipeline stage), the CPU
-kernel set (attention_backend auto or cpu), and AVX-512 VNNI.
+Q4_0/Q4_1 linear weights (`weight_format = auto`), the CPU with a bf16 or fp32 model
+dtype (its activations are fp32 either way; the KV cache, the model's dtype, is read
+and written as it is), every matmul width a multiple of 64, the whole model (not a
+pipeline stage), the CPU kernel set (attention_backend auto or cpu), and a CPU whose
+ISA level runs one of cpu_gemv's compiled variants: AVX2+FMA or AVX-512 VNNI, chosen
+at build (kernels/cpu_isa.py; MOONCAKED_CPU_ISA caps it).
 """
 
 from __future__ import annotations
@@ -14,6 +17,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+from mooncaked.kernels import cpu_isa
 
 from . import quant
 from .weights import ModelConfig
@@ -35,8 +40,9 @@ def why_not(cfg: ModelConfig, tensors: dict, weight_format: str, dtype: torch.dt
     """None when the fused decode step can run this model, else the reason it cannot."""
     if partial:
         return "a pipeline stage (a layer range)"
-    if weight_format != "auto" or not quant.quantized_ok(dtype, device):
-        return "needs weight_format = auto with bfloat16 on the CPU"
+    if weight_format != "auto" or device.type != "cpu" or dtype not in (torch.bfloat16, torch.float32):
+        return (f"needs weight_format = auto (the GGUF's Q4 blocks) on the CPU with dtype bfloat16 "
+                f"or float32, not {weight_format} on {device.type} with {str(dtype).removeprefix('torch.')}")
     if not getattr(ops, "__name__", "").endswith("cpu_ops"):
         return "needs the CPU kernel set (engine.attention_backend auto or cpu)"
     try:
@@ -44,7 +50,8 @@ def why_not(cfg: ModelConfig, tensors: dict, weight_format: str, dtype: torch.dt
     except ImportError as e:
         return f"Numba kernels unavailable: {e}"
     if not cpu_gemv.supported():
-        return "this CPU has no AVX-512 VNNI"
+        return (f"needs a CPU with AVX2+FMA or AVX-512 VNNI; this one runs ISA level {cpu_isa.isa_level()} "
+                f"({cpu_isa.cpu_name()})")
     for k, v in tensors.items():
         if k.startswith("layers.") and k.split(".", 2)[2] in _LINEARS:
             if not isinstance(v, quant.QuantizedWeight) or v.qtype not in (quant.Q4_0, quant.Q4_1):
@@ -60,10 +67,11 @@ def why_not(cfg: ModelConfig, tensors: dict, weight_format: str, dtype: torch.dt
 
 
 def build(cfg: ModelConfig, tensors: dict, rope_cos: np.ndarray, rope_sin: np.ndarray):
-    """The model's cpu_fused_decode.FusedWeights (check `why_not` first); rope_cos, rope_sin:
-    the model's rotary tables, fp32 [P, head_dim / 2]."""
-    from mooncaked.kernels.cpu_fused_decode import FusedWeights  # noqa: PLC0415
-    from mooncaked.kernels.cpu_gemv import GemvWeight  # noqa: PLC0415
+    """The model's cpu_fused_decode.FusedWeights (check `why_not` first), on the GEMV
+    variant this CPU runs (cpu_gemv.variant()); rope_cos, rope_sin: the model's rotary
+    tables, fp32 [P, head_dim / 2]."""
+    from mooncaked.kernels.cpu_fused_decode import FusedWeights  # noqa: PLC0415 - needs numba
+    from mooncaked.kernels.cpu_gemv import GemvWeight, variant  # noqa: PLC0415 - needs numba
     layers, attn_norm, mlp_norm = [], [], []
     for i in range(cfg.num_layers):
         t = {k.split(".", 2)[2]: v for k, v in tensors.items() if k.startswith(f"layers.{i}.")}
@@ -74,13 +82,13 @@ def build(cfg: ModelConfig, tensors: dict, rope_cos: np.ndarray, rope_sin: np.nd
         mlp_norm.append(quant.dense(t["mlp_norm"]).float().numpy())
     head = _gemv_weight(tensors.get("lm_head", tensors.get("embed")))
     return FusedWeights.stack(layers, attn_norm, mlp_norm, rope_cos, rope_sin, head,
-                              quant.dense(tensors["norm"]).float().numpy())
+                              quant.dense(tensors["norm"]).float().numpy(), variant())
 
 
 def decode(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
            meta: AttentionMetadata, kv_cache: torch.Tensor) -> torch.Tensor:
     """LlamaModel.forward for a decode step through the fused kernels: fp32 [T, hidden]."""
-    from mooncaked.kernels.cpu_fused_decode import decode_layers  # noqa: PLC0415
+    from mooncaked.kernels.cpu_fused_decode import decode_layers  # noqa: PLC0415 - needs numba
     ids = input_ids.numpy()
     if model.embed is not None:
         h = model.embed[input_ids].float().numpy().copy()
@@ -96,5 +104,5 @@ def decode(model: LlamaModel, input_ids: torch.Tensor, positions: torch.Tensor,
 
 def logits(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     """LlamaModel.logits of the fused step's fp32 hidden states: fp32 [N, vocab]."""
-    from mooncaked.kernels.cpu_fused_decode import head_logits  # noqa: PLC0415
+    from mooncaked.kernels.cpu_fused_decode import head_logits  # noqa: PLC0415 - needs numba
     return head_logits(model.fused, hidden.numpy(), model.cfg.rms_norm_eps)

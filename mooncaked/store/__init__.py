@@ -16,16 +16,11 @@ A node's pool of KV blocks in DRAM and on SSD, keyed by block keys:
 """
 
 from .keys import KEY_BYTES, block_keys, make_salt, slice_key
+from .leases import Lease
+from .store import BlockStore
 from .types import (DRAM, SSD, BlockPinned, Inventory, LeaseExpired, Location, PutResult,
                     PutStatus, StoreError, StoreEvent, StoreMetrics)
 
 __all__ = ["KEY_BYTES", "block_keys", "make_salt", "slice_key", "DRAM", "SSD", "BlockPinned", "Inventory",
            "LeaseExpired", "Location", "PutResult", "PutStatus", "StoreError", "StoreEvent",
            "StoreMetrics", "BlockStore", "Lease"]
-
-
-def __getattr__(name):  # BlockStore pulls in config/numpy; keep `import keys` light
-    if name in ("BlockStore", "Lease"):
-        from . import store
-        return getattr(store, name)
-    raise AttributeError(name)

@@ -17,7 +17,7 @@ import os
 import secrets
 from pathlib import Path
 
-from mooncaked.config import ClusterSettings, ConfigError
+from mooncaked.config import ClusterSettings, ConfigError, cluster_state_dir
 from mooncaked.log import get_logger
 from mooncaked.lograte import RateLimitedLog
 
@@ -36,8 +36,7 @@ def token_path(settings: ClusterSettings) -> Path:
     if settings.token_file:
         return Path(settings.token_file).expanduser()
     if settings.backend == "local":
-        from mooncaked.coord.coordinator import default_state_dir  # noqa: PLC0415
-        return Path(settings.state_dir or default_state_dir()) / "token"
+        return cluster_state_dir(settings) / "token"
     raise ConfigError("<settings>", "cluster.token_file",
                       "required with the etcd backend: a file holding the cluster's shared "
                       "secret, the same on every node (create one with "

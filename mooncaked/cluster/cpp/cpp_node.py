@@ -63,6 +63,12 @@ from mooncaked.wire.messages import (KVHandle, KVReservation, KVReserved, Output
 from mooncaked.cluster.node_state import NodeDraining, release_on
 from .pipeline_stage import StageFailure, StageServer
 from mooncaked.cluster.prefill_worker import PrefillLoad
+from mooncaked.engine.stage import StageEngine, model_num_layers, split_layers
+from mooncaked.model.weights import resolve_model_path
+from mooncaked.engine.structured import GrammarBackend
+from .stage_prefix import StagePrefix
+from mooncaked.engine.detokenizer import IncrementalDetokenizer
+from mooncaked.engine.types import TokenLogprob
 
 log = get_logger(__name__)
 
@@ -97,8 +103,6 @@ class CppStageWorker:
 
     async def start(self) -> None:
         """Loads this stage's layers (in a thread: seconds) and starts its StageServer."""
-        from mooncaked.engine.stage import StageEngine, model_num_layers, split_layers  # noqa: PLC0415
-        from mooncaked.model.weights import resolve_model_path  # noqa: PLC0415
 
         s, cpp = self.settings, self.cpp
         path = resolve_model_path(s.model.path)
@@ -111,7 +115,6 @@ class CppStageWorker:
         n = self.node
         grammars = None
         if self.engine.is_last:
-            from mooncaked.engine.structured import GrammarBackend  # noqa: PLC0415
             tok = n.tokenizer
             grammars = GrammarBackend(tok.hf, self.engine.cfg.vocab_size, sorted(tok.eos_token_ids))
         self.server = StageServer(self.engine, n.node_id, None, max_tokens=cpp.max_tokens,
@@ -128,7 +131,6 @@ class CppStageWorker:
         """Gives the stage the node's StoreNode (a BlockStore of `engine.block_bytes`
         blocks: the stage's layer slices): its prefix continues from the store and from
         fetch sources, and finished slices go into it (cluster/cpp/stage_prefix.py)."""
-        from .stage_prefix import StagePrefix  # noqa: PLC0415
 
         self.prefix = StagePrefix(self.engine, self.engine.cfg.num_layers, store_node)
         self.server.prefix = self.prefix
@@ -303,8 +305,6 @@ class CppStageWorker:
         """The first token as the engine would emit it: its text (held back while a
         character is incomplete, as the decode node's detokenizer does), finished when it is
         an end-of-sequence token or the request wants no more tokens."""
-        from mooncaked.engine.detokenizer import IncrementalDetokenizer  # noqa: PLC0415
-        from mooncaked.engine.types import TokenLogprob  # noqa: PLC0415
 
         p, tok = req.params, self.node.tokenizer
         detok = IncrementalDetokenizer(tok, p.stop, p.include_stop_str_in_output)

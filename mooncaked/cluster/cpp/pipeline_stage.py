@@ -88,6 +88,13 @@ from mooncaked.transfer.engine import TransferEngine
 
 from mooncaked.wire.errors import PeerUnavailable, RpcError
 from mooncaked.wire.rpc import ControlClient, ControlServer
+from mooncaked.model.sampling import SamplingRow, sample
+from mooncaked.wire.messages import params_from_json
+from mooncaked.engine.structured import mask_logits
+from mooncaked.config import StoreSettings
+from mooncaked.store.remote import StoreNode
+from mooncaked.store.store import BlockStore
+from .stage_prefix import StagePrefix
 
 log = get_logger(__name__)
 
@@ -446,16 +453,13 @@ class StageServer:
         structured request; InvalidRequest when the earlier tokens break its constraint."""
         if req.sampling is None:
             return int(torch.argmax(logits)), None
-        from mooncaked.model.sampling import SamplingRow, sample  # noqa: PLC0415
 
-        from mooncaked.wire.messages import params_from_json  # noqa: PLC0415
         params = params_from_json(req.sampling["params"])
         prompt = list(req.sampling.get("prompt") or [])
         row = logits.float().unsqueeze(0).clone()
         if params.structured is not None:
             if self.grammars is None:
                 raise ValueError("this stage has no grammar backend for structured output")
-            from mooncaked.engine.structured import mask_logits  # noqa: PLC0415
             earlier = prompt[len(prompt) - params.output_offset:] if params.output_offset else []
             mask_logits(row, [self.grammars.matcher(params.structured, earlier)])
         tokens, lps = sample(row, [SamplingRow(params, prompt, len(prompt))])
@@ -671,11 +675,7 @@ async def _serve(args: argparse.Namespace) -> None:
 async def _start_store(server: StageServer, dram_bytes: int):
     """A stand-alone stage's own KV store of `dram_bytes` (its layer slices, lent to peers
     as store.* on its control server) and its StagePrefix. Returns the BlockStore."""
-    from mooncaked.config import StoreSettings  # noqa: PLC0415
-    from mooncaked.store.remote import StoreNode  # noqa: PLC0415
-    from mooncaked.store.store import BlockStore  # noqa: PLC0415
 
-    from .stage_prefix import StagePrefix  # noqa: PLC0415
     st = server.stage
     store = await BlockStore(st.block_bytes, StoreSettings(dram_bytes=dram_bytes),
                              node_id=server.name).start()
@@ -693,7 +693,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--next", default="", help="the next stage's control address (none: last stage)")
     p.add_argument("--name", default="")
     p.add_argument("--model", default="", help="model path (default: the bundled model)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"))
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=8192)
     p.add_argument("--kv-cache-bytes", type=int, default=256 * 1024 * 1024)

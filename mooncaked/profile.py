@@ -25,11 +25,13 @@ from pathlib import Path
 
 import numpy as np
 
+from mooncaked.conductor.cost_model import CostModel, fit_cost_model
+from mooncaked.conductor.cost_store import cost_model_path
 from mooncaked.config import Settings, TransferSettings
+from mooncaked.engine.llm_engine import LLMEngine
+from mooncaked.engine.types import SamplingParams
 from mooncaked.log import get_logger
-
-from .cost_model import CostModel, fit_cost_model
-from .service import cost_model_path
+from mooncaked.transfer import TransferEngine
 
 log = get_logger(__name__)
 
@@ -38,7 +40,6 @@ log = get_logger(__name__)
 class ProfileGrid:
     """What to measure: prefill (new, cached) token counts, decode batch sizes and context
     lengths per request, repeats per point (the median is kept), transfer sizes (bytes)."""
-
     prefill_new: tuple[int, ...] = (16, 64, 128, 256, 512)
     prefill_cached: tuple[int, ...] = (0, 128, 512)
     decode_batch: tuple[int, ...] = (1, 4, 8)
@@ -68,8 +69,6 @@ class ProfileGrid:
 
 def _run(engine, rid: str, prompt: list[int], max_tokens: int = 1):
     """Runs one request to completion on a synchronous LLMEngine; returns (seconds, last output)."""
-    from mooncaked.engine.types import SamplingParams  # noqa: PLC0415
-
     t0 = time.perf_counter()
     engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
                                                    ignore_eos=True))
@@ -110,8 +109,6 @@ def measure_prefill(engine, grid: ProfileGrid, rng: random.Random) -> list[tuple
 
 def measure_decode(engine, grid: ProfileGrid, rng: random.Random) -> list[tuple[int, int, float]]:
     """(batch size, context tokens of the batch, seconds per step) samples."""
-    from mooncaked.engine.types import SamplingParams  # noqa: PLC0415
-
     vocab = engine.cfg.vocab_size
     out = []
     for ctx in grid.decode_context:
@@ -137,8 +134,6 @@ def measure_decode(engine, grid: ProfileGrid, rng: random.Random) -> list[tuple[
 
 async def measure_transfer(settings: TransferSettings, nbytes: int) -> tuple[float, float]:
     """(bandwidth bytes/s, latency s) of READs between two transfer engines on loopback."""
-    from mooncaked.transfer import TransferEngine  # noqa: PLC0415
-
     s = dataclasses.replace(settings, port=0)
     a, b = TransferEngine(s, node_id="profile-a"), TransferEngine(s, node_id="profile-b")
     await a.start()
@@ -178,8 +173,6 @@ def run_profile(settings: Settings, grid: ProfileGrid | None = None,
     Returns: (the fitted model, the path written).
     Raises: ModelLoadError, ValueError (too few samples), OSError (cannot write).
     """
-    from mooncaked.engine.llm_engine import LLMEngine  # noqa: PLC0415
-
     grid = grid or ProfileGrid()
     rng = random.Random(0)
     t0 = time.monotonic()
@@ -187,7 +180,7 @@ def run_profile(settings: Settings, grid: ProfileGrid | None = None,
     prefill = measure_prefill(engine, grid, rng)
     decode = measure_decode(engine, grid, rng)
     bw, lat = asyncio.run(measure_transfer(settings.transfer, grid.transfer_bytes))
-    name = (f"{engine.model_name} ({settings.model.dtype}, {settings.model.device}) on "
+    name = (f"{engine.model_name} ({engine.numerics.dtype}, {settings.model.device}) on "
             f"{platform.node()}")
     model = fit_cost_model(prefill, decode, bw, engine.block_bytes // engine.block_size,
                            latency_s=lat, name=name)

@@ -1,4 +1,5 @@
-"""Per-node stall metrics (issue 13): engine step time, event-loop lag, relay delay.
+"""Per-node stall metrics (issue 13): engine step time, event-loop lag, relay delay. On
+the base floor: the engine records its steps here, the API and the cluster node serve them.
 
 One `NodeMetrics` per process (`node_metrics()`), registered into every API app's
 Prometheus registry (`attach`) and summarised in `node.status` (`mooncake ctl status`):

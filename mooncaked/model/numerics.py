@@ -1,0 +1,93 @@
+"""`model.dtype = auto`: the activation/KV dtype and weight format a node runs, chosen once.
+
+`resolve` is the one decision (a pure function of the settings, the device and the CPU's
+ISA level, kernels/cpu_isa.py); everything downstream (weight loading, the model, the KV
+pages, the store's block-key salt, a P/D handover's dtype check) reads its `Numerics`.
+
+What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
+
+- CPU with AVX512-BF16 (``avx512_bf16``): bfloat16 activations and KV with the GGUF's
+  Q4_0/Q4_1/Q8_0 blocks kept (the fused decode step; bf16 prefill attention). This is
+  what measured fastest there (docs/benchmarks.md, issues 15 and 19). Logits within
+  test_quant's bounds of the fp32 reference.
+- any other CPU (AVX2 only, AVX-512 without bf16, ARM): float32 activations and KV.
+  torch's bf16 matmuls and int4 kernels run emulated without native bf16 (20-70x
+  slower), so the linears are dense fp32, dequantized from the file: prefill and every
+  step the fused decode step does not take are exactly `dtype = float32`. The GGUF's
+  blocks are kept beside them for the fused decode step (int8 activations against the
+  Q4/Q8 blocks, as llama.cpp; model/fused.py `why_not` decides whether it runs on this
+  CPU): those decode steps' logits are within test_quant's bounds of the fp32 reference.
+- CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
+
+`dtype = float32` is the exact option: dense fp32 weights dequantized from the file and
+no fused step (its int8 activations round). `dtype = bfloat16` keeps its meaning.
+
+A block key is salted with the resolved dtype (store/keys.py `make_salt`), so a node's
+store never mixes KV of different dtypes; nodes of one P/D cluster must resolve to the
+same dtype (same CPU kind, or set `model.dtype` explicitly): a node warns when a member's
+model dtype differs from its own (cluster/node.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """A node's resolved numerics.
+
+    Attributes:
+        dtype: "float32" or "bfloat16": activations, norms and KV pages.
+        weight_format: "auto" (keep the GGUF's Q4_0/Q4_1/Q8_0 blocks), "dequantized" or
+            "int8" (model.weight_format, after `resolve`).
+        keep_quantized: load the GGUF's quantized blocks as quant.QuantizedWeight
+            (for the quantized linears or the fused decode step) instead of dequantized.
+        reason: why, in words (for the start-up log).
+    """
+
+    dtype: str
+    weight_format: str
+    keep_quantized: bool
+    reason: str
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of `dtype`."""
+        return DTYPES[self.dtype]
+
+
+def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numerics:
+    """The numerics of `model.dtype` / `model.weight_format` on this device and CPU.
+
+    Args:
+        dtype: model.dtype: "auto", "float32" or "bfloat16".
+        weight_format: model.weight_format: "auto", "dequantized" or "int8".
+        device_type: torch device type, "cpu" or "cuda".
+        isa: the CPU's ISA level (kernels/cpu_isa.py `isa_level()`: "portable", "avx2",
+            "avx512_vnni" or "avx512_bf16"); read only for dtype "auto" on the CPU.
+    Returns: the resolved Numerics (dtype never "auto").
+    Raises: ValueError for a dtype not in DTYPE_CHOICES.
+    """
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"model.dtype must be one of {', '.join(DTYPE_CHOICES)}, not {dtype!r}")
+    cpu = device_type == "cpu"
+    if dtype == "float32":
+        return Numerics("float32", "dequantized", False,
+                        "float32 requested: dense fp32 weights, the exact path")
+    if dtype == "bfloat16":
+        return Numerics("bfloat16", weight_format, cpu and weight_format != "dequantized",
+                        "bfloat16 requested")
+    if not cpu:
+        return Numerics("bfloat16", weight_format, False, f"auto on {device_type}: bfloat16")
+    if isa == "avx512_bf16":
+        return Numerics("bfloat16", weight_format, weight_format != "dequantized",
+                        "auto on a CPU with native bf16 (avx512_bf16): bfloat16")
+    return Numerics("float32", weight_format, weight_format != "dequantized",
+                    f"auto on a CPU without native bf16 ({isa}): float32 activations and KV, "
+                    f"dense fp32 linears, the file's blocks kept for the fused decode step")
