@@ -29,6 +29,7 @@ from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
 
 sys.path.insert(0, str(Path(__file__).parent))
 from api_server import run_server  # noqa: E402
+from cluster_harness import wait_until  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
@@ -72,17 +73,6 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 120.0
 def complete(url: str, prompt: str = PROMPT, timeout: float = 120.0) -> tuple[int, dict]:
     return http("POST", f"{url}/v1/completions",
                 {"prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout)
-
-
-def wait_until(cond, timeout_s: float, what: str, interval_s: float = 0.2):
-    """Polls cond() until truthy (returned) or timeout_s passes (AssertionError)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = cond()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"not within {timeout_s} s: {what}"
-        time.sleep(interval_s)
 
 
 def node_status(cluster: LocalCluster, nid: str) -> dict | None:
