@@ -45,12 +45,15 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from mooncaked.benchmarks.capacity_stats import (admission_figures, capacity_ratio_ci, met_slo,
+                                                  share_ci)
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
 from mooncaked.measures import percentile
 from mooncaked.replay.runner import ReplayConfig, RequestRecord, discover_server, replay
@@ -241,12 +244,50 @@ def _loop_stats(cl: LocalCluster) -> dict[str, Any]:
     return out
 
 
+def overrides(items: list[str]) -> dict[str, Any]:
+    """`--set KEY=VALUE` items -> settings: each value read as a TOML value (false, 3,
+    "x"), else taken as a string. Raises: ValueError for an item without '='."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE")
+        try:
+            out[key.strip()] = tomllib.loads(f"v = {value}")["v"]
+        except tomllib.TOMLDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+def _ledgers(cl: LocalCluster, side: str, records: list[RequestRecord]
+             ) -> dict[str, list[dict[str, Any]]]:
+    """Request id (the API's X-Request-Id) -> the admission decisions every check made for
+    it: the conductor's (on c0) and the decode or coupled nodes' (`admission.ledger`)."""
+    ids = {f"{r.request_id}-0": r.request_id for r in records if r.request_id}
+    out: dict[str, list[dict[str, Any]]] = {}
+    for nid in ["c0", *(["d0"] if side == "pd" else ["a0", "a1"])]:
+        try:
+            led = control_call(cl.control(nid), "admission.ledger", {"rids": sorted(ids)},
+                               timeout_s=10)
+        except (OSError, RuntimeError):
+            continue
+        for part in ("conductor", "node_check"):
+            for rid, d in ((led.get(part) or {}).get("decisions") or {}).items():
+                out.setdefault(ids[rid], []).append({**d, "check": f"{nid}:{part}"})
+    return out
+
+
 def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[TraceRequest],
-             rates: list[float], slo: dict[str, float], log: Any) -> list[dict[str, Any]]:
-    """Starts one side, replays the slice at every rate, stops it; one result per rate."""
+             rates: list[float], slo: dict[str, float], log: Any,
+             extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Starts one side, replays the slice at every rate, stops it; one result per rate.
+    `extra`: settings for every node (the coupled side's token budget)."""
     settings = {**_engine_settings(args), "conductor.ttft_slo_s": slo["ttft_slo_s"],
                 "conductor.tbt_slo_s": slo["tbt_slo_s"], "store.dram_bytes": args.kv_cache_bytes,
-                "cluster.stream_idle_timeout_s": max(15.0, 3 * slo["ttft_slo_s"])}
+                "cluster.stream_idle_timeout_s": max(15.0, 3 * slo["ttft_slo_s"]),
+                "conductor.admission": args.admission,
+                "conductor.node_admission": args.admission, **(extra or {}),
+                **overrides(args.overrides)}
     nodes = _nodes(side)
     cl = LocalCluster(work / side, nodes, settings=settings, log_level="warning")
     out = []
@@ -273,14 +314,24 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
                                max_output_tokens=args.max_output_tokens,
                                timeout_s=args.timeout, cache_salt=f"rate-{k}")
             records, wall = asyncio.run(replay(cfg, timed))
+            flags = [int(met_slo(r, slo["ttft_slo_s"], slo["tbt_slo_s"])) for r in records]
             res = {"rate": round(rate, 4), "side": side,
                    **summarize_rate(records, wall, slo["ttft_slo_s"], slo["tbt_slo_s"],
                                     _median_step(cl, side)),
+                   "share_within_slo_ci": share_ci(flags, seed=args.seed + k),
+                   "within_flags": flags,
+                   "admission": admission_figures(records, _ledgers(cl, side, records),
+                                                  slo["ttft_slo_s"], slo["tbt_slo_s"]),
                    "loop": _loop_stats(cl)}
             out.append(res)
-            log(f"{side:8s} rate {rate:.3f}/s: {res['share_within_slo']:.0%} within SLO, "
-                f"rejected {res['rejected']}, failed {res['failed']}, TBT p90 "
-                f"{res['tbt_p90_s']}, longest gap {res['longest_gap_s']}")
+            adm = res["admission"]
+            log(f"{side:8s} rate {rate:.3f}/s: {res['share_within_slo']:.0%} within SLO "
+                f"(90% CI {res['share_within_slo_ci']}), rejected {res['rejected']}, failed "
+                f"{res['failed']}, TBT p90 {res['tbt_p90_s']}, longest gap "
+                f"{res['longest_gap_s']}; admission: would reject {adm['would_reject']}, false "
+                f"rejections {adm['false_rejections']}, admitted misses "
+                f"{adm['admitted_misses']}, TTFT/step prediction error "
+                f"{adm['ttft_pred_mare']}/{adm['step_pred_mare']}")
             if args.records:
                 with args.records.open("ab") as f:
                     for r in records:
@@ -319,9 +370,13 @@ def parser() -> argparse.ArgumentParser:
     """The benchmark's options (shared by `mooncake bench capacity`)."""
     ap = argparse.ArgumentParser(prog="mooncake bench capacity",
                                  description=__doc__.split("\n")[0])
-    ap.add_argument("trace", type=Path, nargs="?", default=shared_trace_path())
+    ap.add_argument("trace", type=Path, nargs="?", default=None,
+                    help="one trace (default: the conversation trace; see --traces)")
+    ap.add_argument("--traces", type=Path, nargs="*", default=None,
+                    help="several traces, each swept and reported on its own (ratio, "
+                         "interval, plot); the first is the top-level result")
     ap.add_argument("--offset", type=int, default=0, help="first request of the slice")
-    ap.add_argument("--limit", type=int, default=10, help="requests in the slice")
+    ap.add_argument("--limit", type=int, default=60, help="requests in the slice (per rate)")
     ap.add_argument("--length-scale", type=float, default=32.0,
                     help="divide block, input and output lengths by this (as bench trace)")
     ap.add_argument("--max-output-tokens", type=int, default=32)
@@ -341,44 +396,75 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sides", nargs="*", choices=SIDES, default=list(SIDES))
+    ap.add_argument("--admission", choices=("shadow", "enforce"), default="shadow",
+                    help="conductor.admission and conductor.node_admission on both sides: "
+                         "shadow (predict and record, admit all: false rejections and misses "
+                         "are measured) or enforce (reject the predicted misses)")
+    ap.add_argument("--coupled-chunks", type=int, nargs="*", default=[128, 512],
+                    help="token budgets per step (engine.max_num_batched_tokens) tried on "
+                         "the coupled side; the one with the highest capacity is reported")
+    ap.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="KEY=VALUE", help="a setting for every node of both sides "
+                    "(e.g. conductor.refit_cost_model=false); repeatable")
     ap.add_argument("--out", type=Path, default=Path("capacity-out"),
-                    help="directory for capacity.json and capacity.png")
+                    help="directory for capacity.json and the plots")
     ap.add_argument("--records", type=Path, default=None,
                     help="append every request's record here (JSON lines)")
     ap.add_argument("--json", action="store_true")
     return ap
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Calibrates, runs both sides, returns the result object (see the module doc)."""
-    t_start = time.monotonic()
-    all_reqs = load_trace(args.trace, args.offset + args.limit)
+def _best_chunk(by_chunk: dict[int, list[dict[str, Any]]]) -> int:
+    """The coupled side's token budget with the highest capacity, then the highest mean
+    share within SLO over the rates (what a user tuning for the TBT SLO would pick)."""
+    def score(chunk: int) -> tuple[float, float]:
+        rs = by_chunk[chunk]
+        return (capacity(rs, "coupled") or 0.0,
+                statistics.fmean(r["share_within_slo"] or 0.0 for r in rs))
+    return max(by_chunk, key=score)
+
+
+def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> dict[str, Any]:
+    """Calibrates and runs both sides on one trace; returns its result object."""
+    all_reqs = load_trace(trace, args.offset + args.limit)
     requests = all_reqs[args.offset:args.offset + args.limit]
     if not requests:
-        raise ValueError("the slice is empty")
-    log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
+        raise ValueError(f"{trace}: the slice is empty")
     from mooncaked.replay.prompts import scale_length  # noqa: PLC0415
 
     median_in = int(statistics.median(scale_length(r.input_length, args.length_scale)
                                       for r in requests))
-    with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
-        work = Path(tmp)
-        if args.ttft_slo and args.tbt_slo:
-            cal: dict[str, Any] = {"unloaded_ttft_s": None, "unloaded_step_s": None}
-        else:
-            cal = calibrate(args, work, median_in)
-            log(f"unloaded: TTFT {cal['unloaded_ttft_s']:.3f} s ({median_in} tokens), decode "
-                f"step {cal['unloaded_step_s'] * 1e3:.1f} ms")
-        slo = {"ttft_slo_s": args.ttft_slo or args.ttft_mult * cal["unloaded_ttft_s"],
-               "tbt_slo_s": args.tbt_slo or args.tbt_mult * cal["unloaded_step_s"], **cal,
-               "median_prompt_tokens": median_in}
-        rates = args.rates or [round(f / (cal["unloaded_ttft_s"] or 1.0), 4)
-                               for f in args.rate_fractions]
-        log(f"SLOs: TTFT <= {slo['ttft_slo_s']:.3f} s, TBT <= {slo['tbt_slo_s']:.4f} s; "
-            f"rates {rates} req/s")
-        results = []
-        for side in args.sides:
-            results += run_side(side, args, work, requests, rates, slo, log)
+    if args.ttft_slo and args.tbt_slo:
+        cal: dict[str, Any] = {"unloaded_ttft_s": None, "unloaded_step_s": None}
+    else:
+        cal = calibrate(args, work, median_in)
+        log(f"{trace.name}: unloaded TTFT {cal['unloaded_ttft_s']:.3f} s ({median_in} tokens), "
+            f"decode step {cal['unloaded_step_s'] * 1e3:.1f} ms")
+    slo = {"ttft_slo_s": args.ttft_slo or args.ttft_mult * cal["unloaded_ttft_s"],
+           "tbt_slo_s": args.tbt_slo or args.tbt_mult * cal["unloaded_step_s"], **cal,
+           "median_prompt_tokens": median_in}
+    rates = args.rates or [round(f / (cal["unloaded_ttft_s"] or 1.0), 4)
+                           for f in args.rate_fractions]
+    log(f"SLOs: TTFT <= {slo['ttft_slo_s']:.3f} s, TBT <= {slo['tbt_slo_s']:.4f} s; "
+        f"rates {rates} req/s")
+    results: list[dict[str, Any]] = []
+    tuning: dict[str, Any] = {}
+    for side in args.sides:
+        if side == "pd":
+            results += run_side(side, args, work / trace.stem, requests, rates, slo, log)
+            continue
+        by_chunk = {}
+        for chunk in args.coupled_chunks or [None]:
+            extra = {"engine.max_num_batched_tokens": chunk} if chunk else {}
+            log(f"coupled: token budget {chunk or 'default'}")
+            by_chunk[chunk or 0] = run_side(side, args, work / f"{trace.stem}-{chunk}",
+                                            requests, rates, slo, log, extra)
+        best = _best_chunk(by_chunk)
+        results += by_chunk[best]
+        tuning = {"chosen_chunk_tokens": best or None,
+                  "capacity_by_chunk": {str(c): capacity(rs, "coupled")
+                                        for c, rs in by_chunk.items()},
+                  "results_by_chunk": {str(c): rs for c, rs in by_chunk.items() if c != best}}
     cap = {s: capacity(results, s) for s in args.sides}
     ratio = (cap["pd"] / cap["coupled"]) if cap.get("pd") and cap.get("coupled") else None
     both = [r["rate"] for r in results if r["side"] == "pd"
@@ -391,27 +477,66 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     upto = cap.get("pd") or 0
     stalls = sum(r["gaps_over_5x_step"] or 0 for r in results
                  if r["side"] == "pd" and r["rate"] <= upto)
+    pd_adm = [r for r in results if r["side"] == "pd" and r["rate"] <= (upto or min(rates))]
     # a side that still passes at the highest rate swept has at least that capacity
     censored = {s: cap.get(s) is not None and cap[s] >= max(rates) for s in args.sides}
-    out = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-           "slo": slo, "rates": rates, "results": results, "capacity": cap,
-           "capacity_at_least": censored,
-           "capacity_ratio": round(ratio, 3) if ratio else None,
-           # coupled met the SLOs at no rate swept: its capacity is below the lowest rate
-           "capacity_ratio_lower_bound": round(cap["pd"] / min(rates), 3)
-           if cap.get("pd") and "coupled" in cap and cap["coupled"] is None else None,
-           "targets": {"capacity_ratio_ge_1_2": bool(ratio and ratio >= 1.2),
-                       "pd_gaps_over_5x_step_up_to_capacity": stalls,
-                       "pd_tbt_p90_le_coupled_where_both_pass": tbt_ok,
-                       "nothing_hangs": all(r["completed"] + r["rejected"] + r["failed"]
-                                            == r["requests"] for r in results)},
-           "wall_s": round(time.monotonic() - t_start, 1)}
+    ci = capacity_ratio_ci({(r["side"], r["rate"]): r["within_flags"] for r in results},
+                           PASS_SHARE, seed=args.seed)
+    return {"trace": str(trace), "slo": slo, "rates": rates, "results": results,
+            "capacity": cap, "capacity_at_least": censored,
+            "capacity_ratio": round(ratio, 3) if ratio else None,
+            # coupled met the SLOs at no rate swept: its capacity is below the lowest rate
+            "capacity_ratio_lower_bound": round(cap["pd"] / min(rates), 3)
+            if cap.get("pd") and "coupled" in cap and cap["coupled"] is None else None,
+            "capacity_ratio_ci": ci, "coupled_tuning": tuning,
+            "targets": {"capacity_ratio_ge_1_2": bool(ratio and ratio >= 1.2),
+                        "capacity_ratio_ci_low_gt_1": bool(ci and ci[0] > 1.0),
+                        "pd_false_rejections_le_5pct_up_to_capacity": all(
+                            (r["admission"]["false_rejection_share"] or 0) <= 0.05
+                            for r in pd_adm),
+                        "pd_admitted_misses_le_5pct_up_to_capacity": all(
+                            (r["admission"]["admitted_miss_share"] or 0) <= 0.05
+                            for r in pd_adm),
+                        "pd_gaps_over_5x_step_up_to_capacity": stalls,
+                        "pd_tbt_p90_le_coupled_where_both_pass": tbt_ok,
+                        "nothing_hangs": all(r["completed"] + r["rejected"] + r["failed"]
+                                             == r["requests"] for r in results)}}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Runs every trace (see the module doc); the first trace's figures are the top level,
+    every trace's under "traces"."""
+    t_start = time.monotonic()
+    traces = list(args.traces or []) or [args.trace or shared_trace_path()]
+    if args.trace and args.traces:
+        traces = [args.trace, *traces]
+    log = (lambda m: None) if args.json else (lambda m: print(m, flush=True))
+    per: dict[str, dict[str, Any]] = {}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "capacity.json").write_bytes(orjson.dumps(out, option=orjson.OPT_INDENT_2))
+    with tempfile.TemporaryDirectory(prefix="bench-capacity-") as tmp:
+        for trace in traces:
+            res = run_trace(args, trace, Path(tmp), log)
+            per[trace.stem] = res
+            try:
+                write_plot(args.out / f"capacity-{trace.stem}.png", res["results"], res["slo"])
+            except ImportError:
+                log("matplotlib missing: no plot")
+            log(f"{trace.stem}: capacity {res['capacity']}, ratio {res['capacity_ratio']} "
+                f"(90% CI {res['capacity_ratio_ci']})")
+    first = per[traces[0].stem]
+    out = {"config": {k: (str(v) if isinstance(v, Path) else
+                          [str(x) for x in v] if isinstance(v, list) and v
+                          and isinstance(v[0], Path) else v) for k, v in vars(args).items()},
+           **{k: v for k, v in first.items() if k != "trace"},
+           "traces": {name: {k: v for k, v in r.items() if k not in ("results",)}
+                      for name, r in per.items()},
+           "wall_s": round(time.monotonic() - t_start, 1)}
+    (args.out / "capacity.json").write_bytes(orjson.dumps(
+        {**out, "traces": {n: r for n, r in per.items()}}, option=orjson.OPT_INDENT_2))
     try:
-        write_plot(args.out / "capacity.png", results, slo)
+        write_plot(args.out / "capacity.png", first["results"], first["slo"])
     except ImportError:
-        log("matplotlib missing: no plot")
+        pass
     return out
 
 
@@ -421,19 +546,29 @@ def render(out: dict[str, Any]) -> None:
     from rich.table import Table  # noqa: PLC0415
 
     cols = ("rate", "side", "share_within_slo", "rejected", "failed", "ttft_p50_s", "ttft_p90_s",
-            "ttft_p99_s", "tbt_p50_s", "tbt_p90_s", "tbt_p99_s", "output_tok_s",
-            "longest_gap_s", "median_step_s", "gaps_over_5x_step")
+            "tbt_p50_s", "tbt_p90_s", "output_tok_s", "longest_gap_s", "median_step_s",
+            "gaps_over_5x_step")
+    acols = ("would_reject", "false_rejections", "admitted_misses", "ttft_pred_mare",
+             "step_pred_mare")
     t = Table(title=f"effective request capacity: TTFT <= {out['slo']['ttft_slo_s']:.2f} s, "
                     f"TBT <= {out['slo']['tbt_slo_s']:.3f} s")
-    for c in cols:
+    for c in (*cols, "share_ci", *acols):
         t.add_column(c, justify="right")
+
+    def fmt(v: Any) -> str:
+        return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
     for r in sorted(out["results"], key=lambda r: (r["rate"], r["side"])):
-        t.add_row(*("-" if r.get(c) is None else f"{r[c]:.4g}" if isinstance(r[c], float)
-                    else str(r[c]) for c in cols))
-    Console(width=240).print(t)
+        t.add_row(*(fmt(r.get(c)) for c in cols), fmt(r.get("share_within_slo_ci")),
+                  *(fmt(r["admission"].get(c)) for c in acols))
+    Console(width=260).print(t)
     print(f"capacity (req/s at >= 90% within SLO): {out['capacity']} (a lower bound where "
-          f"{out['capacity_at_least']}); ratio pd/coupled "
-          f"{out['capacity_ratio']}; targets {out['targets']}; {out['wall_s']} s")
+          f"{out['capacity_at_least']}); ratio pd/coupled {out['capacity_ratio']} (90% CI "
+          f"{out['capacity_ratio_ci']}); coupled token budget "
+          f"{out['coupled_tuning'].get('chosen_chunk_tokens')}; targets {out['targets']}; "
+          f"{out['wall_s']} s")
+    for name, tr in out["traces"].items():
+        print(f"  {name}: capacity {tr['capacity']}, ratio {tr['capacity_ratio']} (90% CI "
+              f"{tr['capacity_ratio_ci']}, lower bound {tr['capacity_ratio_lower_bound']})")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,6 +16,13 @@ median round's, so load from other processes on a shared machine hits both alike
 Throughput counts completed payload bytes; latency is per transfer (submit to done).
 Targets (issue 4): ratio ours/baseline >= 0.8 for transfers of 1 MiB and more;
 p50 latency of 128 KiB transfers <= 2x the baseline's.
+
+With `link_rate` ("1gbit"; needs root) the peer and the receiver run in a host of their
+own (cluster/hosts.py: a network namespace on a private bridge, its link shaped with tc
+tbf) and this process reaches them over that link: the result adds the share of the
+shaped rate each point moved (target, issue 34: >= 0.9 for 1 MiB transfers in flight
+as a batch, i.e. at the best concurrency) and what
+the engine's bandwidth meter (transfer/bandwidth.py) measured on the path.
 """
 
 from __future__ import annotations
@@ -74,10 +81,10 @@ def _receiver_conn(conn: socket.socket, buf: memoryview) -> None:
         conn.close()
 
 
-def run_receiver() -> None:
+def run_receiver(host: str = "127.0.0.1") -> None:
     """Baseline receiver process: prints its port, serves until stdin closes."""
     buf = memoryview(bytearray(REGION_BYTES))
-    srv = socket.create_server(("127.0.0.1", 0), backlog=256)
+    srv = socket.create_server((host, 0), backlog=256)
     print(srv.getsockname()[1], flush=True)
 
     def accept() -> None:
@@ -107,12 +114,12 @@ def _median_round(rounds: list[dict]) -> dict:
     return {k: float(np.median([r[k] for r in rounds])) for k in ("gbps", "p50_ms", "p99_ms")}
 
 
-def baseline_point(port: int, size: int, conc: int, duration: float, op: str,
+def baseline_point(host: str, port: int, size: int, conc: int, duration: float, op: str,
                    src: memoryview) -> dict:
     """`conc` threads, one blocking connection each, moving `size`-byte messages."""
     socks = []
     for _ in range(conc):
-        s = socket.create_connection(("127.0.0.1", port))
+        s = socket.create_connection((host, port))
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         socks.append(s)
     lat: list[list[float]] = [[] for _ in range(conc)]
@@ -195,8 +202,33 @@ def _fmt_size(n: int) -> str:
 
 
 def run(sizes: list[int], concurrency: list[int], duration: float, op: str,
-        connections: int, slice_bytes: int, rounds: int = 5) -> dict:
-    """Runs the sweep; returns the JSON-ready result object."""
+        connections: int, slice_bytes: int, rounds: int = 5, link_rate: str | None = None
+        ) -> dict:
+    """Runs the sweep (over a host's shaped link with `link_rate`, else loopback); returns
+    the JSON-ready result object. Raises: HostsError with link_rate when not root."""
+    if link_rate:
+        from mooncaked.cluster.hosts import Hosts, parse_rate  # noqa: PLC0415
+        with Hosts(["peer"], link_rate=link_rate) as hosts:
+            out = _run(sizes, concurrency, duration, op, connections, slice_bytes, rounds,
+                       hosts.address("peer"), lambda cmd: hosts.command("peer", cmd))
+        rate_gbps = parse_rate(link_rate) / 1e9
+        for r in out["results"]:
+            r["ours_share_of_link"] = round(r["ours_gbps"] / rate_gbps, 3)
+        mib = [r["ours_share_of_link"] for r in out["results"] if r["bytes"] == MiB]
+        out["transport"] = f"tcp over a {link_rate} tbf-shaped veth (network namespace)"
+        out["link_rate"] = link_rate
+        # the target is for blocks moved as the engine moves them, a batch in flight: the
+        # best concurrency; one stream at a time also waits a round trip per block
+        out["summary"]["share_of_link_1MiB"] = {r["concurrency"]: r["ours_share_of_link"]
+                                                for r in out["results"] if r["bytes"] == MiB}
+        out["summary"]["target_share_1MiB_met"] = bool(mib) and max(mib) >= 0.9
+        return out
+    return _run(sizes, concurrency, duration, op, connections, slice_bytes, rounds,
+                "127.0.0.1", lambda cmd: cmd)
+
+
+def _run(sizes: list[int], concurrency: list[int], duration: float, op: str,
+         connections: int, slice_bytes: int, rounds: int, host: str, wrap) -> dict:
     from mooncaked.config import TransferSettings  # noqa: PLC0415
     from mooncaked.transfer import TransferEngine  # noqa: PLC0415
 
@@ -208,13 +240,15 @@ def run(sizes: list[int], concurrency: list[int], duration: float, op: str,
     src = memoryview(np.random.default_rng(0).integers(0, 256, max(sizes), dtype=np.uint8)
                      ).cast("B")
     py = sys.executable
-    peer = subprocess.Popen([py, "-m", "mooncaked.transfer.peer", "--node-id", "bench-peer",
-                             "--segment", f"bench/dram={REGION_BYTES}", "--backend", "tcp",
-                             "--connections", str(connections), "--slice-bytes",
-                             str(slice_bytes)],
+    peer = subprocess.Popen(wrap([py, "-m", "mooncaked.transfer.peer", "--node-id", "bench-peer",
+                                  "--segment", f"bench/dram={REGION_BYTES}", "--backend",
+                                  "tcp", "--host", host, "--connections", str(connections),
+                                  "--slice-bytes", str(slice_bytes)]),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    recv = subprocess.Popen([py, "-m", "mooncaked.benchmarks.transfer", "--receiver"],
+    recv = subprocess.Popen(wrap([py, "-m", "mooncaked.benchmarks.transfer", "--receiver",
+                                  "--host", host]),
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    measured = None
     results = []
     try:
         ready = json.loads(peer.stdout.readline())
@@ -234,7 +268,7 @@ def run(sizes: list[int], concurrency: list[int], duration: float, op: str,
                         for _ in range(rounds):
                             ours_r.append(runner.run(ours_point(engine, "bench/dram", size, conc,
                                                                 duration / rounds, op, src)))
-                            base_r.append(baseline_point(recv_port, size, conc,
+                            base_r.append(baseline_point(host, recv_port, size, conc,
                                                          duration / rounds, op, src))
                         ours, base = _median_round(ours_r), _median_round(base_r)
                         results.append({
@@ -248,6 +282,7 @@ def run(sizes: list[int], concurrency: list[int], duration: float, op: str,
                             "baseline_p99_ms": round(base["p99_ms"], 4),
                             "ours_transfers": sum(r["transfers"] for r in ours_r),
                             "baseline_transfers": sum(r["transfers"] for r in base_r)})
+                measured = engine.bandwidth.estimate("bench-peer")
             finally:
                 runner.run(engine.close())
     finally:
@@ -270,26 +305,27 @@ def run(sizes: list[int], concurrency: list[int], duration: float, op: str,
     return {"benchmark": "transfer", "op": op, "transport": "tcp loopback", "unit_gbps": "Gbit/s",
             "duration_s_per_point": duration, "rounds": rounds, "connections_per_peer": connections,
             "slice_size_bytes": slice_bytes, "cpus": os.cpu_count(), "results": results,
-            "summary": summary}
+            "measured_path": measured.to_json() if measured else None, "summary": summary}
 
 
 def main(json_out: bool = False, sizes: list[int] | None = None,
          concurrency: list[int] | None = None, duration: float = 0.5, op: str = "write",
          connections: int | None = None, slice_bytes: int | None = None,
-         rounds: int = 5) -> dict:
-    """Runs the benchmark and prints a table (or one JSON object with `json_out`)."""
+         rounds: int = 5, link_rate: str | None = None) -> dict:
+    """Runs the benchmark and prints a table (or one JSON object with `json_out`); over a
+    host's link shaped to `link_rate` when given (needs root)."""
     from mooncaked.config import TransferSettings  # noqa: PLC0415
 
     out = run(sizes or DEFAULT_SIZES, concurrency or DEFAULT_CONCURRENCY, duration, op,
               connections or TransferSettings.connections_per_peer,
-              slice_bytes or TransferSettings.slice_size_bytes, rounds)
+              slice_bytes or TransferSettings.slice_size_bytes, rounds, link_rate)
     if json_out:
         print(json.dumps(out))
         return out
     from rich.console import Console  # noqa: PLC0415
     from rich.table import Table  # noqa: PLC0415
 
-    table = Table(title=f"transfer engine vs plain sockets ({op}, TCP loopback, Gbit/s, ms)")
+    table = Table(title=f"transfer engine vs plain sockets ({op}, {out['transport']}, Gbit/s, ms)")
     for col in ("size", "conc", "ours Gb/s", "socket Gb/s", "ratio", "ours p50", "ours p99",
                 "socket p50", "p50 x"):
         table.add_column(col, justify="right")
@@ -307,11 +343,19 @@ def main(json_out: bool = False, sizes: list[int] | None = None,
                   f"{s['median_ratio_ge_1MiB']} -> {met[s['target_ratio_ge_1MiB_met']]}; "
                   f"128 KiB p50 <= 2x socket: worst {s['max_p50_ratio_128KiB']} -> "
                   f"{met[s['target_p50_128KiB_met']]}")
+    if link_rate:
+        m = out["measured_path"] or {}
+        console.print(f"{link_rate} link: 1 MiB transfers moved this share of the rate by "
+                      f"concurrency {s['share_of_link_1MiB']} (target >= 0.9) -> "
+                      f"{met[s['target_share_1MiB_met']]}; the engine measured the path at "
+                      f"{m.get('bytes_per_s', 0) * 8 / 1e9:.3f} Gbit/s over "
+                      f"{m.get('samples', 0)} samples")
     return out
 
 
 if __name__ == "__main__":
     if "--receiver" in sys.argv:
-        run_receiver()
+        run_receiver(sys.argv[sys.argv.index("--host") + 1] if "--host" in sys.argv
+                     else "127.0.0.1")
     else:
         main(json_out="--json" in sys.argv)

@@ -9,8 +9,9 @@ from .main import bench_app
 
 @bench_app.command("engine")
 def bench_engine(json_out: bool = typer.Option(False, "--json", help="Print one JSON object."),
-                 dtype: str = typer.Option("float32", help="Weight dtype on both sides: float32 or "
-                                                                "bfloat16."),
+                 dtype: str = typer.Option("auto", help="model.dtype of our side: auto (per CPU, "
+                                                             "model/numerics.py), float32 or bfloat16; "
+                                                             "transformers runs the resolved dtype."),
                  reps: int = typer.Option(3, min=1, help="Timed repetitions per case (medians)."),
                  threads: int = typer.Option(0, min=0, help="torch threads for both sides; 0 = torch's "
                                                             "default."),
@@ -19,8 +20,9 @@ def bench_engine(json_out: bool = typer.Option(False, "--json", help="Print one 
                                             "TTFT prompt): a smoke run, not a measurement.")
                  ) -> None:
     """Decode at batch 1, 32 concurrent requests, and TTFT cold/warm, ours vs transformers."""
-    if dtype not in ("float32", "bfloat16"):
-        raise typer.BadParameter(f"dtype must be float32 or bfloat16, not {dtype!r}", param_hint="--dtype")
+    if dtype not in ("auto", "float32", "bfloat16"):
+        raise typer.BadParameter(f"dtype must be auto, float32 or bfloat16, not {dtype!r}",
+                                 param_hint="--dtype")
     from mooncaked.benchmarks.engine import QUICK, main as run  # noqa: PLC0415
 
     run(json_out=json_out, dtype=dtype, reps=reps, threads=threads, **(QUICK if quick else {}))

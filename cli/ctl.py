@@ -122,6 +122,21 @@ def _bytes(n: float | None) -> str:
     return str(n)
 
 
+def _rate(bytes_per_s: float) -> str:
+    """bytes/s as a link rate: '943 Mbit/s', '1.2 Gbit/s'."""
+    bits = bytes_per_s * 8
+    return f"{bits / 1e9:.2f} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.0f} Mbit/s"
+
+
+def _link_rate(links: dict | None) -> str | None:
+    """A node's measured link rate: the median of its transfer engine's peer paths
+    (conductor status `links`, bytes/s), None before it moved enough bytes to know."""
+    if not links:
+        return None
+    rates = sorted(links.values())
+    return _rate(rates[len(rates) // 2])
+
+
 def _ms(s: dict | None, key: str) -> str | None:
     v = (s or {}).get(key)
     return None if v is None else f"{v * 1e3:.1f}"
@@ -195,18 +210,25 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
         _print_json(v)
         return
     rows = []
+    seen = (v["conductor"].get("nodes") or {}) if isinstance(v["conductor"], dict) else {}
     for nid, n in sorted(v["nodes"].items()):
         info, st = n["info"], n.get("status") or {}
         rows.append([("* " if nid == v["leader"] else "") + nid, info.get("role"), _health(n),
-                     info.get("version"), info.get("api"), info.get("pid"),
+                     info.get("version"), info.get("api"),
+                     _link_rate((seen.get(nid) or {}).get("links")), info.get("pid"),
                      f"{st['uptime_s']:.0f} s" if st.get("uptime_s") is not None else None,
                      (info.get("model") or {}).get("name")])
     _table(f"cluster ({v['backend']} backend), leader: {v['leader'] or 'none'}",
-           ["node", "role", "health", "version", "api", "pid", "uptime", "model"], rows)
+           ["node", "role", "health", "version", "api", "link", "pid", "uptime", "model"], rows)
     _kernel_table(v)
     _group_table(v)
     _stall_table(v)
-    c = v["conductor"]
+    _print_conductor(v["conductor"])
+
+
+def _print_conductor(c: dict) -> None:
+    """The conductor's part of `ctl status`: counters, cost model, calibration, admission,
+    rejections, prediction errors (c: conductor.status, or {"error": ...})."""
     if "error" in c:
         typer.echo(f"conductor: {c['error']}")
         return
@@ -221,16 +243,41 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
                f"{rejected}, indexed blocks {c['indexed_keys']}, hot-block copies "
                f"{rep.get('started', 0)} ({rep.get('blocks', 0)} blocks, "
                f"{rep.get('failed', 0)} failed)")
+    bw = c.get("transfer_bandwidth") or {}
+    if bw.get("used_bytes_per_s"):
+        src = (f"median of {bw['measured_paths']} measured paths" if bw["measured_paths"]
+               else "nothing measured yet")
+        typer.echo(f"transfer bandwidth in the cost model: {_rate(bw['used_bytes_per_s'])} "
+                   f"({src}; configured {_rate(bw['configured_bytes_per_s'])})")
     typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}] from "
                f"{(cm.get('meta') or {}).get('origin', '-')}, refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
+    scale, seen = cm.get("scale") or {}, cm.get("observed_steps") or {}
+    cal = cm.get("calibrated") or {}
+    if scale:
+        typer.echo("calibration: " + ", ".join(
+            f"{k} x{scale[k]:.3g} from {seen.get(k, 0)} steps"
+            f"{'' if cal.get(k) else ' (not calibrated yet: admission in shadow)'}"
+            for k in ("prefill", "decode")))
+    adm = c.get("admission") or {}
+    if adm:
+        typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "
+                   f"{adm['rejected']}, shadow-rejected {adm['shadow_rejected']}"
+                   + (f" {adm['shadow_rejected_by_reason']}" if adm["shadow_rejected"] else ""))
     if c["rejected"]:
         _table("rejections", ["reason", "count"],
                [[r, n] for r, n in sorted(c["rejected"].items(), key=lambda x: -x[1])])
     typer.echo(f"prediction error (median |rel|): TTFT "
                f"{'-' if med is None else f'{med:.1%}'} over {err.get('samples', 0)} requests, "
                f"decode step {'-' if dmed is None else f'{dmed:.1%}'} over "
-               f"{derr.get('samples', 0)} steps")
+               f"{derr.get('samples', 0)} steps, prefill step "
+               f"{_rel((c.get('prefill_step_prediction') or {}).get('median_abs_rel_error'))} "
+               f"over {(c.get('prefill_step_prediction') or {}).get('samples', 0)} steps")
+
+
+def _rel(x: float | None) -> str:
+    """A relative error as a percentage, '-' for none."""
+    return "-" if x is None else f"{x:.1%}"
 
 
 @ctl_app.command()

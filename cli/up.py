@@ -41,11 +41,18 @@ def up(
                                  "kept and their directory printed)."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="KEY=VALUE for every node "
                                              "(repeatable)."),
+    hosts: bool = typer.Option(False, "--hosts", help="Each node (and etcd) in a host of its "
+                               "own: a network namespace with its own address on a private "
+                               "bridge, binding and advertising it as on a real host "
+                               "(needs root)."),
+    link_rate: Optional[str] = typer.Option(None, help="With --hosts: shape every host's link "
+                                            "to this rate (tc tbf), e.g. 1gbit, 100mbit."),
     timeout: float = typer.Option(600.0, help="Seconds to wait for the cluster to be ready."),
     log_level: str = typer.Option("info", help="Log level of the nodes (their logs are files "
                                   "in the work directory)."),
 ) -> None:
     """Start a local cluster and serve until Ctrl-C / SIGTERM."""
+    from mooncaked.cluster.hosts import HostsError, parse_rate, require_root  # noqa: PLC0415
     from mooncaked.cluster.launcher import ClusterStartError, LocalCluster, cluster_specs  # noqa
 
     if backend not in ("local", "etcd"):
@@ -63,12 +70,28 @@ def up(
     except ValueError as e:
         typer.echo(f"mooncake up: {e}", err=True)
         raise typer.Exit(2) from None
+    if link_rate and not hosts:
+        typer.echo("mooncake up: --link-rate needs --hosts", err=True)
+        raise typer.Exit(2)
+    if link_rate:
+        try:
+            parse_rate(link_rate)
+        except ValueError as e:
+            typer.echo(f"mooncake up: {e}", err=True)
+            raise typer.Exit(2) from None
+    if hosts:
+        try:
+            require_root()
+        except HostsError as e:
+            typer.echo(f"mooncake up: {e}", err=True)
+            raise typer.Exit(2) from None
     own = workdir is None
     work = Path(tempfile.mkdtemp(prefix="mooncake-up-")) if own else workdir
     # die_with_parent: if `mooncake up` is killed (even kill -9), its nodes and etcd get
     # SIGTERM from the kernel and drain and exit on their own.
     cluster = LocalCluster(work, nodes, backend=backend, settings=extra, base_config=config,
-                           log_level=log_level, die_with_parent=True)
+                           log_level=log_level, die_with_parent=True, hosts=hosts,
+                           link_rate=link_rate)
 
     def _terminate(signum, frame):  # SIGTERM: the same clean stop as Ctrl-C
         raise KeyboardInterrupt
@@ -78,6 +101,10 @@ def up(
     try:
         typer.echo(f"starting {len(nodes)} nodes ({backend} backend); logs in {work}")
         cluster.start(timeout)
+        if cluster.hosts is not None:
+            typer.echo(f"hosts: one network namespace per node on bridge {cluster.hosts.bridge} "
+                       f"({cluster.hosts.subnet}, this host {cluster.hosts.gateway}), links "
+                       f"{link_rate or 'unshaped'}")
         ctl = cluster.write_ctl_config(also_default=True)
         typer.echo(f"ready: {cluster.api_url(front)}/v1  (OpenAI API, model "
                    f"{_model(cluster, front)})")
@@ -98,7 +125,7 @@ def up(
                     dead.add(nid)
                     typer.echo(f"node {nid} exited with {proc.returncode}; see "
                                f"{cluster.log_path(nid)}", err=True)
-    except ClusterStartError as e:
+    except (ClusterStartError, HostsError) as e:
         typer.echo(f"mooncake up: {e}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:

@@ -290,6 +290,19 @@ class ConductorSettings:
                                          "such a request too (the paper uses 0.1-0.3 on GPUs); "
                                          "inf (the default) never rejects.", min=0.001)
     min_retry_after_s: float = opt(1.0, "Smallest Retry-After of a rejection, seconds.", min=0.0)
+    admission: str = opt("enforce", "The conductor's TTFT/TBT admission: enforce (reject a "
+                                    "request predicted to miss an SLO) | shadow (predict, log "
+                                    "and count what it would reject, admit everything: "
+                                    "`ctl status` admission, metrics) | off (no check).",
+                         choices=("enforce", "shadow", "off"))
+    node_admission: str = opt("enforce", "The decode (or coupled) node's TBT check: enforce | "
+                                         "shadow | off, as admission.",
+                              choices=("enforce", "shadow", "off"))
+    admission_warmup: int = opt(8, "An enforcing check decides as shadow while its cost model is "
+                                   "the built-in default and has been calibrated from fewer "
+                                   "than this many served prefill steps (TTFT) or decode steps "
+                                   "(TBT): a new machine never rejects on a model from another "
+                                   "CPU; 0: enforce at once.", min=0)
     cost_model: str = opt("", "Cost model JSON written by `mooncaked profile`; empty means "
                               "<node.state_dir>/cost_model.json.")
     refit_cost_model: bool = opt(True, "Refit the prefill and decode-step models from the "

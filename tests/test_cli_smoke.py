@@ -31,6 +31,7 @@ import orjson
 import pytest
 
 from mooncaked.cluster.launcher import free_port
+from mooncaked.kernels import cpu_isa
 
 BIN = Path(sys.executable).parent
 REPO = Path(__file__).resolve().parent.parent
@@ -176,7 +177,12 @@ def check_ratio_row(row: dict, ours: str = "ours", base: str = "baseline") -> No
 def test_bench_engine_quick_json():
     res = json_out(run_cli(["mooncake", "bench", "engine", "--quick", "--reps", "1", "--json"],
                            420))
-    assert res["benchmark"] == "engine" and res["dtype"] == "float32"
+    # --dtype auto (the default) resolves per CPU (model/numerics.py), both sides run it
+    want_dtype = "bfloat16" if cpu_isa.has("avx512_bf16") else "float32"
+    assert res["benchmark"] == "engine" and (res["dtype"], res["requested_dtype"]) == (want_dtype, "auto")
+    assert (res["cpu"], res["isa"]) == (cpu_isa.cpu_name(), cpu_isa.isa_level())
+    assert res["decode_path"] == "per-op-torch" or res["decode_path"].startswith("fused-")
+    assert res["prefill_path"] in ("sdpa", "cpu_prefill-avx512_bf16")
     assert res["reps"] == 1 and res["statistic"] == "median"
     assert res["engine"]["kv_cache_bytes"] == 64 * 1024 * 1024
     assert positive(res["wall_s"]) and positive(res["torch_threads"])
@@ -200,6 +206,8 @@ def test_bench_engine_quick_json():
     assert rows["decode_batch1"]["unit"] == "tok/s" and rows["decode_batch1"]["decode_tokens"] == 8
     step = rows["decode_step_long_context"]
     assert (step["requests"], step["prompt_tokens_long"], step["prompt_tokens_short"]) == (4, 64, 16)
+    # each rep's prompts come from the prefix cache: 4 x (0 + 3) full blocks of 16
+    assert step["prefix_hit_tokens_per_rep"] == 4 * 3 * 16
     assert positive(rows["decode_batch1"]["ours_ttft_s"])
     c = rows["concurrent_4"]
     assert c["requests"] == 4 and c["output_tokens_each"] == 4

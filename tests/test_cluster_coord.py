@@ -231,6 +231,45 @@ def test_lost_lease_drops_leadership_and_reregisters(backend):
     run(main())
 
 
+def test_leader_cut_from_the_store_stands_down_before_another_can_lead(backend):
+    """A leader whose keep-alives stop getting through (each one blocks until op_timeout_s,
+    as on a partition: fault injected in its own _refresh) loses its leadership at its
+    lease's local deadline less guard_margin_s, before the store expires the lease and
+    lets another node win: no two leaders at once (issue 34)."""
+    settings, _ = backend
+
+    async def main():
+        async with make_coordinator(settings) as a, make_coordinator(settings) as b:
+            lead = await asyncio.wait_for(a.campaign("a"), 5)
+            cut = asyncio.Event()
+            refresh = a._refresh
+
+            async def unreachable(lease):
+                if cut.is_set():
+                    await asyncio.sleep(3600)      # _op's op_timeout_s ends it
+                return await refresh(lease)
+            a._refresh = unreachable
+            times: dict[str, float] = {}
+
+            async def lost():
+                await lead.wait_lost()
+                times["lost"] = time.monotonic()
+
+            async def won():
+                await b.campaign("b")
+                times["won"] = time.monotonic()
+            watchers = [asyncio.create_task(lost()), asyncio.create_task(won())]
+            await asyncio.sleep(HEARTBEAT * 2)      # b campaigns and waits for a's key
+            deadline = a._deadline
+            cut.set()
+            await asyncio.wait_for(asyncio.gather(*watchers), TTL * 3 + SLACK)
+            assert times["lost"] < times["won"], times
+            # it stood down by its own deadline, not after the blocked keep-alive returned
+            assert times["lost"] <= deadline + HEARTBEAT, (times, deadline)
+            assert not lead.held
+    run(main())
+
+
 def test_local_backend_survives_corrupt_state_and_bounds_lock_waits(tmp_path):
     settings = ClusterSettings(backend="local", state_dir=str(tmp_path / "c"), op_timeout_s=0.3,
                                lease_ttl_s=2, heartbeat_interval_s=0.5)

@@ -167,6 +167,12 @@ def test_decode_node_at_its_tbt_budget_refuses_with_429(clusters):
     assert "predicted TBT 1.200 s" in body["error"]["message"]
     after = control_call(pd.control("d1"), "node.status")["requests"]
     assert after["refused"] == before + 1
+    # the refusal is in d1's admission ledger with its prediction (admission.ledger RPC)
+    led = control_call(pd.control("d1"), "admission.ledger")
+    assert led["node"] == "d1" and led["conductor"] is None        # c1 leads
+    rejects = [d for d in led["node_check"]["decisions"].values() if d["verdict"] == "reject"]
+    assert led["node_check"]["mode"] == "enforce" and len(rejects) == led["node_check"]["rejected"]
+    assert abs(rejects[-1]["predicted_tbt_s"] - 1.2) < 1e-3 and rejects[-1]["reason"] == "tbt_slo"
     # leave d1 idle for the other tests: the long request is aborted with its stream
     deadline = time.monotonic() + 30
     while control_call(pd.control("d1"), "node.status")["requests"]["decode"]:

@@ -15,6 +15,7 @@ import time
 
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 from mooncaked.wire.messages import NodeReport, PlaceRequest
+from mooncaked.conductor.refit import CALIBRATE_EVERY
 from mooncaked.conductor.service import INFLIGHT_TTL_S, ConductorService
 from mooncaked.config import Settings
 
@@ -213,13 +214,19 @@ def test_decode_model_is_refit_from_reported_steps():
     truth = lambda b, c: 0.03 + 0.002 * b + 1e-5 * c          # noqa: E731 - this machine's law
     before = svc.cost.decode_step_s(8, 4000)
     steps = [[b, c, truth(b, c)] for b in (1, 2, 4, 8, 16, 32) for c in (500, 2000, 8000)] * 4
-    report(svc, "d1", "decode", decode_steps=steps[:40])
+    report(svc, "d1", "decode", decode_steps=steps[:CALIBRATE_EVERY])
     st = svc.status()
-    assert st["decode_step_prediction"]["samples"] == 40
+    assert st["decode_step_prediction"]["samples"] == CALIBRATE_EVERY
     # the loaded model (COST) is off: its median |predicted - measured| / measured
-    off = statistics.median(abs(COST.decode_step_s(b, c) - t) / t for b, c, t in steps[:40])
+    first = steps[:CALIBRATE_EVERY]
+    off = statistics.median(abs(COST.decode_step_s(b, c) - t) / t for b, c, t in first)
     assert abs(st["decode_step_prediction"]["median_abs_rel_error"] - off) < 1e-9
     assert off > 0.5
+    # ... so those 8 steps calibrated it: scaled by their median measured / predicted ratio
+    r = statistics.median(t / COST.decode_step_s(b, c) for b, c, t in first)
+    assert abs(svc.status()["cost_model"]["scale"]["decode"] - r) < 1e-12
+    assert abs(svc.cost.decode_step_s(8, 4000) - r * before) < 1e-12
+    report(svc, "d1", "decode", decode_steps=steps[CALIBRATE_EVERY:40])
     assert svc.decode_refits == 0                                      # 64 steps before a try
     report(svc, "d1", "decode", decode_steps=steps[40:])
     assert svc.decode_refits == 1
@@ -264,7 +271,11 @@ def test_decode_refit_never_accepts_a_negative_coefficient():
     # fit has a negative context term and would predict <= 0 for long contexts
     steps = [[b, c, 0.2 + 0.002 * b - 2e-5 * c] for b in (1, 2, 4, 8) for c in (500, 2000, 8000)]
     report(svc, "d1", "decode", decode_steps=steps * 6)
-    assert svc.decode_refits == 0 and svc.cost.decode is COST.decode
+    assert svc.decode_refits == 0
+    # only calibrated: COST's decode model scaled (same terms, proportional coefficients)
+    k = svc.status()["cost_model"]["scale"]["decode"]
+    assert svc.cost.decode.terms == COST.decode.terms and k > 0
+    assert all(abs(c - k * c0) < 1e-12 for c, c0 in zip(svc.cost.decode.coef, COST.decode.coef))
 
 
 def test_a_request_over_the_slo_even_when_idle_is_unattainable_not_overloaded():

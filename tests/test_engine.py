@@ -343,3 +343,18 @@ def test_schedule_returns_one_output_with_loads_and_preemptions():
     assert [(s.seq, s.num_new_tokens) for s in out.decodes] == [(a, 1)]
     assert out.preempted == (b,) and out.prefills == ()
     assert b.block_table == [] and b.num_computed_tokens == 0 and sch.waiting[0] is b
+
+
+def test_timed_steps_are_kept_by_kind(engine):
+    """The calibration's samples (conductor/refit.py): a step of prefill chunks only as
+    (new tokens, tokens cached before them, seconds), a step of decodes only as (batch,
+    context tokens, seconds)."""
+    engine.prefill_steps.clear()
+    engine.decode_steps.clear()
+    prompt = list(range(1000, 1100))                          # 100 tokens: one chunk
+    run(engine, [prompt], SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True),
+        salt="timed-steps")
+    assert [(n, c) for n, c, _ in engine.prefill_steps] == [(100, 0)]
+    # the prefill samples the first token; two decode steps make the other two
+    assert [(b, c) for b, c, _ in engine.decode_steps] == [(1, 101), (1, 102)]
+    assert all(s > 0 for *_, s in [*engine.prefill_steps, *engine.decode_steps])

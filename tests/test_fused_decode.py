@@ -15,6 +15,10 @@ itself: 0.67-1.14); AMD EPYC (AVX2), the first prompt: 0.95 (fp32 cache), 1.22 (
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -261,3 +265,29 @@ def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
     assert torch.equal(mixed[:1], alone)
     assert torch.equal(kv[:8], alone_kv[:8])  # a's pages: the same K/V
     assert kv[8:].abs().sum() > 0 and not torch.equal(mixed[1], mixed[0])  # b's chunk ran
+
+
+_COMPILE_VNNI = """
+from numba import types
+from mooncaked.kernels import cpu_gemv
+a2 = lambda dt: types.Array(dt, 2, "C")
+sig = (a2(types.uint8), a2(types.uint16), a2(types.uint16), a2(types.int8), a2(types.float32),
+       a2(types.float32), a2(types.float32), types.boolean)
+for f in (cpu_gemv._gemv_vnni, cpu_gemv._gemv_avx2):
+    f.compile(sig)
+    asm = "\\n".join(f.inspect_asm().values())
+    print(f.__name__, "vpdpbusd" in asm, "vpmaddubsw" in asm, "zmm" in asm)
+"""
+
+
+@pytest.mark.cpu_isa("avx2")
+def test_each_compiled_variant_has_its_own_instructions(tmp_path):
+    """Compiled (not run) for an AVX-512 VNNI target in a child process, so an x86 CPU
+    without AVX-512 still checks that variant's code: vpdpbusd in the VNNI GEMV only, and
+    the AVX2 GEMV with vpmaddubsw and no 512-bit register."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path), NUMBA_CPU_NAME="icelake-server",
+               NUMBA_CPU_FEATURES="+avx512f,+avx512bw,+avx512vl,+avx512dq,+avx512vnni,+avx2,+avx,+fma,+f16c")
+    out = subprocess.run([sys.executable, "-c", _COMPILE_VNNI], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split("\n")[:2] == ["_gemv_vnni True False True", "_gemv_avx2 False True False"], out.stdout

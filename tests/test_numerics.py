@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mooncaked.benchmarks.engine import skipped_cases
 from mooncaked.config import load_settings
 from mooncaked.engine.llm_engine import LLMEngine
 from mooncaked.engine.types import SamplingParams
@@ -129,3 +130,16 @@ def test_kernel_paths_report_the_models_decisions(engines):
     assert ref.model.fused is None and ref.kernel_paths.decode_path == "per-op-torch"
     assert set(auto.kernel_paths.to_json()) == {"cpu", "isa", "decode_path", "decode_why",
                                                 "prefill_path"}
+
+
+def test_bench_engine_skips_only_emulated_bf16_cases():
+    """`mooncake bench engine` stays bounded (issue 30): bf16 without native bf16 leaves out
+    the cases that prefill tens of thousands of tokens, with the reason; nothing else skips."""
+    for isa in cpu_isa.LEVELS:
+        assert skipped_cases("float32", "cpu", isa, 32) == {}
+    assert skipped_cases("bfloat16", "cpu", "avx512_bf16", 32) == {}
+    assert skipped_cases("bfloat16", "cuda", "avx2", 32) == {}
+    sk = skipped_cases("bfloat16", "cpu", "avx2", 32)
+    assert set(sk) == {"concurrent_32", "ttft_cold_other_lengths", "decode_step_long_context",
+                       "constrained"}
+    assert all("avx2" in why and "bf16" in why for why in sk.values())

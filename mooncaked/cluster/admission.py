@@ -12,6 +12,11 @@ Both sides predict the same way: `step_with_request_s(cost, batch, context, prom
 from the same timed decode steps (the node feeds it the steps it reports to the
 conductor). With one decode node the two models are identical; with several, the
 conductor's refit also sees the other nodes' steps.
+
+`conductor.node_admission` (enforce | shadow | off) sets what a predicted miss does
+(conductor/admission_ledger.py `decide`): with enforce, the built-in default model
+decides as shadow until `conductor.admission_warmup` timed steps calibrated it. Every
+decision is kept in an AdmissionLedger by request id (`admission.ledger` RPC).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+from mooncaked.conductor.admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from mooncaked.conductor.cost_model import CostModel, step_with_request_s
 from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.conductor.refit import CostModelRefitter
@@ -30,8 +36,10 @@ class DecodeAdmission:
     """The TBT check of one decode (or coupled) node (see the module doc).
 
     Args:
-        settings: conductor.tbt_slo_s, min_retry_after_s, cost_model, refit_cost_model.
+        settings: conductor.tbt_slo_s, min_retry_after_s, cost_model, refit_cost_model,
+            node_admission, admission_warmup.
         kv_bytes_per_token: of this node's engine (for the default cost model).
+    Attributes: refused (requests refused), ledger (every decision by request id).
     """
 
     def __init__(self, settings: Settings, kv_bytes_per_token: int):
@@ -39,7 +47,9 @@ class DecodeAdmission:
         self.retry_after_s = settings.conductor.min_retry_after_s
         self._settings, self._kvb = settings, kv_bytes_per_token
         self.model = CostModelRefitter(settings, None)
+        self.mode = settings.conductor.node_admission
         self.refused = 0
+        self.ledger = AdmissionLedger()
 
     def _cost(self) -> CostModel:
         if self.model.cost is None:
@@ -54,13 +64,21 @@ class DecodeAdmission:
         for b, c, s in steps:
             self.model.observe_step(b, c, s)
 
-    def check(self, batch: int, context_tokens: int, prompt_tokens: int) -> dict[str, Any] | None:
-        """None when the request may be admitted; else the refusal: {"error", "reason":
-        "tbt_slo", "predicted_tbt_s", "tbt_slo_s", "retry_after_s"}."""
-        if not math.isfinite(self.slo_s):
+    def check(self, batch: int, context_tokens: int, prompt_tokens: int, rid: str = ""
+              ) -> dict[str, Any] | None:
+        """None when the request may be admitted (also a shadow rejection, recorded under
+        `rid`); else the refusal: {"error", "reason": "tbt_slo", "predicted_tbt_s",
+        "tbt_slo_s", "retry_after_s"}."""
+        if not math.isfinite(self.slo_s) or self.mode == "off":
             return None
         tbt = step_with_request_s(self._cost(), batch, context_tokens, prompt_tokens)
-        if tbt <= self.slo_s:
+        calibrated = self.model.calibrated("decode")
+        over = tbt * self.model.tbt_factor() > self.slo_s     # the tail of its gaps, not the median
+        verdict = decide(self.mode, "tbt_slo" if over else None, calibrated)
+        if rid:
+            self.ledger.record(rid, Decision(verdict, "" if verdict == ADMIT else "tbt_slo",
+                                             math.nan, tbt, calibrated))
+        if verdict != REJECT:
             return None
         self.refused += 1
         return {"error": f"decode node at its TBT budget: predicted step time {tbt:.3f} s with "
@@ -68,6 +86,20 @@ class DecodeAdmission:
                          f"context tokens) exceeds the TBT SLO {self.slo_s:.3f} s",
                 "reason": "tbt_slo", "predicted_tbt_s": tbt, "tbt_slo_s": self.slo_s,
                 "retry_after_s": self.retry_after_s}
+
+    def ledger_view(self, rids: list[str] | None = None) -> dict[str, Any]:
+        """The mode, counts and decisions (for `rids`, or all it holds) of this check."""
+        return {**self.status(), "decisions": self.ledger.entries(rids)}
+
+    def status(self) -> dict[str, Any]:
+        """node.status "admission": mode, counts, and the model's step-prediction error."""
+        m = self.model.status()
+        return {"mode": self.mode, **self.ledger.status(),
+                "calibrated": self.model.calibrated("decode"),
+                "decode_step_prediction": m["decode_step_prediction"],
+                "cost_model": None if m["cost_model"] is None else {
+                    k: m["cost_model"][k] for k in ("name", "source", "scale", "observed_steps",
+                                                    "decode_refits")}}
 
 
 __all__ = ["DecodeAdmission"]

@@ -209,7 +209,7 @@ class DecodeWorker:
         """The TBT admission check (cluster/admission.py): a 429 with Retry-After and the
         reason when this node's predicted step time with the request breaks the SLO."""
         _, batch, context = self.load()
-        refusal = self.admission.check(batch, context, tokens)
+        refusal = self.admission.check(batch, context, tokens, rid)
         if refusal is None:
             return None
         log.info("decode_refused", request_id=rid, reason=refusal["reason"],

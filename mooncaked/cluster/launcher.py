@@ -4,7 +4,10 @@ tests and the cluster benchmark start.
 Each node is a separate process with its own role, node id and API port (free
 loopback ports taken from the OS), sharing one coordination backend: the `local`
 backend in a directory of the work dir, or a single-member etcd the launcher
-starts on loopback (`backend="etcd"`). `start()` returns once every node answers
+starts on loopback (`backend="etcd"`). With `hosts=True` each node (and etcd) runs in a
+host of its own instead (hosts.py: a network namespace with its own address on a private
+bridge, its link shaped to `link_rate`), binding and advertising that address with
+`host_settings` as a node on a real host does. `start()` returns once every node answers
 /health 200 (ready) and the elected conductor has heard from every node; `stop()` sends
 SIGTERM (graceful drain), then SIGKILL to stragglers. Synchronous (subprocess,
 urllib), so tests and CLIs use it without an event loop.
@@ -37,6 +40,8 @@ from mooncaked.pdeathsig import die_with_parent
 from mooncaked.wire.auth import auth_headers
 from mooncaked.wire.auth import write_token_file
 from mooncaked.coord.etcd_server import EtcdServer
+
+from .hosts import Hosts
 
 log = get_logger(__name__)
 
@@ -83,6 +88,13 @@ def cluster_specs(cache: int = 1, prefill: int = 1, decode: int = 1, coupled: in
     if not cache and model:
         model[0].port = port
     return nodes + model
+
+
+def host_settings(address: str) -> dict[str, Any]:
+    """The dotted settings of a node on a host whose cluster-network address is `address`:
+    the public API, the control plane and the transfer engine's data server listen there
+    and peers dial it (docs/cluster.md, multi-host)."""
+    return {"server.host": address, "cluster.rpc_host": address, "transfer.host": address}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -173,6 +185,9 @@ class LocalCluster:
         log_level: of the nodes.
         die_with_parent: the nodes and etcd get SIGTERM when the thread that started them
             ends (pdeathsig.py; `mooncake up` sets it, so that killing it leaves no orphans).
+        hosts: each node, and etcd, in a host of its own (hosts.Hosts; needs root), its
+            address from host_settings; the hosts are named after the nodes (and "etcd").
+        link_rate: with hosts, every host's link shaped to this tc rate ("1gbit").
     The cluster's token is <workdir>/token (created once, mode 0600); each node's control
     plane listens on its own loopback port (`control(node_id)`).
     """
@@ -180,7 +195,8 @@ class LocalCluster:
     def __init__(self, workdir: str | Path, nodes: list[NodeSpec], *, backend: str = "local",
                  settings: dict[str, Any] | None = None, base_config: str | Path | None = None,
                  log_level: str = "info", die_with_parent: bool = False,
-                 etcd_endpoint: str | None = None):
+                 etcd_endpoint: str | None = None, hosts: bool = False,
+                 link_rate: str | None = None):
         self.workdir = Path(workdir)
         self.nodes = {n.node_id: n for n in nodes}
         if len(self.nodes) != len(nodes):
@@ -196,16 +212,23 @@ class LocalCluster:
         self.etcd_endpoint = etcd_endpoint
         self.die_with_parent = die_with_parent
         self.token = ""
+        self.use_hosts = hosts
+        self.link_rate = link_rate
+        self.hosts: Hosts | None = None
 
     # ------------------------------------------------------------------ addresses
 
+    def address(self, node_id: str) -> str:
+        """The address a node binds and advertises: its host's, or 127.0.0.1 without hosts."""
+        return self.hosts.address(node_id) if self.hosts is not None else "127.0.0.1"
+
     def api_url(self, node_id: str) -> str:
-        """http://127.0.0.1:PORT of a node's API."""
-        return f"http://127.0.0.1:{self.ports[node_id]}"
+        """http://ADDRESS:PORT of a node's API (reachable from this process's namespace)."""
+        return f"http://{self.address(node_id)}:{self.ports[node_id]}"
 
     def control(self, node_id: str) -> str:
         """host:port of a node's control plane (its own port, apart from the API)."""
-        return f"127.0.0.1:{self.rpc_ports[node_id]}"
+        return f"{self.address(node_id)}:{self.rpc_ports[node_id]}"
 
     @property
     def token_path(self) -> Path:
@@ -260,14 +283,20 @@ class LocalCluster:
         return self
 
     def start_backend(self) -> None:
-        """Creates the work dir and, for the etcd backend without etcd_endpoint, starts
-        etcd (idempotent). Raises: CoordinationError when etcd cannot start."""
+        """Creates the work dir, the hosts (with `hosts`) and, for the etcd backend without
+        etcd_endpoint, starts etcd (idempotent, on a host of its own with `hosts`).
+        Raises: CoordinationError when etcd cannot start; HostsError."""
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.token = write_token_file(self.token_path)
+        if self.use_hosts and self.hosts is None:
+            names = (["etcd"] if self.backend == "etcd" and not self.etcd_endpoint else [])
+            self.hosts = Hosts(names + list(self.nodes), link_rate=self.link_rate).start()
         if self.backend == "etcd" and self.etcd is None and not self.etcd_endpoint:
-            self.etcd = EtcdServer(self.workdir / "etcd",
-                                   die_with_parent=self.die_with_parent).start()
+            where = ({"host": self.hosts.address("etcd"),
+                      "prefix": tuple(self.hosts.command("etcd", []))} if self.hosts else {})
+            self.etcd = EtcdServer(self.workdir / "etcd", die_with_parent=self.die_with_parent,
+                                   **where).start()
 
     def start_node(self, node_id: str) -> subprocess.Popen:
         """(Re)starts one node's process (same id, same port if it had one)."""
@@ -276,6 +305,7 @@ class LocalCluster:
         self.ports[node_id] = port
         rpc_port = self.rpc_ports.get(node_id) or free_port()
         data = _merge(self.base, {**self.coordination(), "cluster.rpc_port": rpc_port,
+                                  **host_settings(self.address(node_id)),
                                   **self.settings, **spec.settings,
                                   "node.state_dir": str(self.workdir / "state" / node_id),
                                   "log.level": self.log_level})
@@ -285,7 +315,9 @@ class LocalCluster:
         cfg = self.workdir / f"{node_id}.toml"
         write_toml(cfg, data)
         cmd = [*_daemon_cmd(), "serve", "--config", str(cfg), "--role", spec.role,
-               "--node-id", node_id, "--host", "127.0.0.1", "--port", str(port)]
+               "--node-id", node_id, "--host", self.address(node_id), "--port", str(port)]
+        if self.hosts is not None:
+            cmd = self.hosts.command(node_id, cmd)
         with self.log_path(node_id).open("ab") as out:
             proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
                                     stdin=subprocess.DEVNULL, start_new_session=True,
@@ -412,6 +444,9 @@ class LocalCluster:
         if self.etcd is not None:
             self.etcd.stop()
             self.etcd = None
+        if self.hosts is not None:
+            self.hosts.stop()
+            self.hosts = None
 
     def __enter__(self) -> "LocalCluster":
         return self.start()
@@ -421,7 +456,7 @@ class LocalCluster:
 
 
 __all__ = ["ClusterStartError", "LocalCluster", "NodeSpec", "cluster_specs", "control_call",
-           "free_port", "write_toml"]
+           "free_port", "host_settings", "write_toml"]
 
 
 def default_ctl_config_path() -> Path:

@@ -47,6 +47,7 @@ from mooncaked import failpoints
 from mooncaked.stall_metrics import node_metrics
 from mooncaked.config import Settings
 from mooncaked.conductor.service import ConductorService
+from mooncaked.kernels.cpu_isa import cpu_name
 from mooncaked.log import get_logger
 
 from mooncaked.wire.auth import authorized, load_token
@@ -167,6 +168,7 @@ class ClusterNode:
                 "max_model_len": e.max_model_len, "block_bytes": g.block_bytes,
                 "max_logprobs": e.max_logprobs,
                 "kv_capacity_tokens": g.num_blocks * g.block_size,
+                "cpu": cpu_name(),            # the calibrated cost model's key
                 "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim],
                 "kernels": e.kernels()}
 
@@ -297,7 +299,8 @@ class ClusterNode:
                         ("node.undrain", self._h_undrain),
                         ("node.kv_reserve", self._h_kv_reserve),
                         ("conductor.place", self._h_place), ("conductor.report", self._h_report),
-                        ("conductor.status", self._h_conductor_status)):
+                        ("conductor.status", self._h_conductor_status),
+                        ("admission.ledger", self._h_admission_ledger)):
             self.control.add_handler(name, h)
         if failpoints.enabled():       # test processes only (MOONCAKED_FAILPOINTS set)
             failpoints.load_from_env()
@@ -458,7 +461,11 @@ class ClusterNode:
                           tuple(self.activity.arrived), decode,
                           self.store.events.seq if self.store is not None else -1,
                           tuple(events), tuple(self.activity.done), steps,
-                          self.prefill.queued() if self.prefill is not None else ())
+                          self.prefill.queued() if self.prefill is not None else (),
+                          tuple(self.engine.take_prefill_steps())     # calibration
+                          if self.engine is not None and self.role != "decode" else (),
+                          {peer: e.bytes_per_s
+                           for peer, e in self.transfer.bandwidth.estimates().items()})
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""
@@ -497,6 +504,18 @@ class ClusterNode:
     async def _h_conductor_status(self, payload: Any) -> dict:
         return self._leader().status()
 
+    async def _h_admission_ledger(self, payload: Any) -> dict:
+        """`admission.ledger` {"rids": [...] | absent}: this node's admission decisions by
+        request id (conductor/admission_ledger.py): "conductor" when it leads, "node" for
+        its decode or coupled TBT check; each null where it has none."""
+        rids = payload.get("rids") if isinstance(payload, dict) else None
+        if rids is not None and not (isinstance(rids, list)
+                                     and all(isinstance(r, str) for r in rids)):
+            raise ValueError("admission.ledger: rids must be a list of strings")
+        return {"node": self.node_id,
+                "conductor": self.conductor.admissions(rids) if self.conductor else None,
+                "node_check": self.decode.admission.ledger_view(rids) if self.decode else None}
+
     # ------------------------------------------------------------------ node handlers
 
     async def _h_status(self, payload: Any) -> dict:
@@ -514,6 +533,7 @@ class ClusterNode:
                              "staged": len(self.prefill.stages) if self.prefill else 0,
                              "receiving": len(self.decode.buffers) if self.decode else 0,
                              "refused": self.decode.admission.refused if self.decode else 0},
+                "admission": self.decode.admission.status() if self.decode else None,
                 "kv_transfer": self.kv_transfer.as_dict(),
                 "cpp": self.prefill.status() if hasattr(self.prefill, "status") else None,
                 "stalls": node_metrics().summary()}

@@ -11,6 +11,14 @@ the node exports (issue 19: "every series is labelled with node and role").
   mooncaked_conductor_predicted_ttft_seconds_total / _observed_ttft_seconds_total
                                                   sums over those (divide by the count
                                                   for the means; the ratio is the bias)
+  mooncaked_admission_decisions_total{check,verdict}  admission verdicts (admit, reject,
+                                                  shadow) of the conductor's check and of
+                                                  this node's TBT check (check=conductor|node)
+  mooncaked_cost_model_scale{check,part}          calibration scale of the prefill / decode
+                                                  model (conductor/refit.py)
+  mooncaked_cost_model_abs_rel_error{check,kind}  median |predicted - measured| / measured
+                                                  of recent TTFT, prefill-step and
+                                                  decode-step predictions
   mooncaked_store_blocks{tier} / _bytes{tier} / _capacity_bytes{tier}
   mooncaked_store_hits_total{tier}, _misses_total, _evictions_total{tier},
   mooncaked_store_corrupt_blocks_total, _io_errors_total
@@ -60,6 +68,7 @@ class NodeCollector(Collector):
                      "coordination session alive, conductor elected).",
                      int(node_health(n)[0] == 200))
         yield from self._conductor()
+        yield from self._admission()
         yield from self._store()
         yield from self._transfer()
 
@@ -84,6 +93,39 @@ class NodeCollector(Collector):
         yield CounterMetricFamily(PREFIX + "conductor_observed_ttft_seconds",
                                   "Sum of their observed prefill times, seconds.",
                                   value=m.observed_ttft_sum_s)
+
+    def _admission(self):
+        """Verdicts, calibration scales and prediction errors of the conductor's check (on
+        the leader) and this node's TBT check (decode and coupled nodes)."""
+        checks = []
+        if self.node.conductor is not None:
+            checks.append(("conductor", self.node.conductor.admission, self.node.conductor.model))
+        if self.node.decode is not None:
+            checks.append(("node", self.node.decode.admission.ledger,
+                           self.node.decode.admission.model))
+        if not checks:
+            return
+        dec = CounterMetricFamily(PREFIX + "admission_decisions", "Admission verdicts.",
+                                  labels=["check", "verdict"])
+        scale = GaugeMetricFamily(PREFIX + "cost_model_scale", "Calibration scale of the "
+                                  "cost model's part (1: as loaded or last refitted).",
+                                  labels=["check", "part"])
+        err = GaugeMetricFamily(PREFIX + "cost_model_abs_rel_error", "Median absolute "
+                                "relative error of recent predictions.",
+                                labels=["check", "kind"])
+        for name, ledger, model in checks:
+            for verdict, count in sorted(ledger.counts.items()):
+                dec.add_metric([name, verdict], count)
+            for part, k in sorted(model.scale.items()):
+                scale.add_metric([name, part], k)
+            st = model.status()
+            for kind in ("ttft_prediction", "prefill_step_prediction", "decode_step_prediction"):
+                e = st[kind]["median_abs_rel_error"]
+                if e is not None:
+                    err.add_metric([name, kind.removesuffix("_prediction")], e)
+        yield dec
+        yield scale
+        yield err
 
     def _store(self):
         store = self.node.store

@@ -18,8 +18,10 @@ hardware and saves them with `CostModel.save`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -221,6 +223,18 @@ class CostModel:
             raise ValueError(f"{path}: not JSON: {e}") from e
         except ValueError as e:
             raise ValueError(f"{path}: {e}") from e
+
+
+def with_measured_bandwidth(model: CostModel, rates: Sequence[float]) -> CostModel:
+    """`model` with its transfer bandwidth replaced by the median of the measured path
+    rates (bytes/s, as the nodes' transfer engines report them: transfer/bandwidth.py);
+    its latency stays. `model` itself when nothing was measured. The conductor predicts
+    fetch-or-recompute with it, so a slow network recomputes what a fast one fetches."""
+    rates = [r for r in rates if r > 0]
+    if not rates:
+        return model
+    return dataclasses.replace(model, transfer=dataclasses.replace(
+        model.transfer, bandwidth_bytes_per_s=statistics.median(rates)))
 
 
 @dataclass(frozen=True)

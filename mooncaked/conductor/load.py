@@ -4,6 +4,7 @@ reports does not all land on the same node)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from mooncaked.wire.messages import NodeReport
@@ -32,19 +33,40 @@ class InflightDecode:
     The decode node only learns of a request when its prefill is done, so the entry must
     outlive the prefill: `expires_at` = placement + predicted TTFT + INFLIGHT_TTL_S (see
     `inflight_decode`). A fixed TTL from placement let a long prefill's request vanish
-    from decode placement, and a second request land on the same node meanwhile."""
+    from decode placement, and a second request land on the same node meanwhile.
+
+    `starts_at` .. `ends_at`: when it is predicted to decode there (placement + predicted
+    TTFT, then its output tokens at the predicted step time, + INFLIGHT_TTL_S): a new
+    request's TBT and KV room count it only when their decodes overlap
+    (`decoding_during`). Counting every placement still in a prefill queue as decoding
+    now made a queue of prefills look like a full decode batch (issue 33: 9 of 11
+    predicted misses were such `decode_full`s, with 1 request decoding)."""
 
     tokens: int
     placed_at: float
     expires_at: float
+    starts_at: float = 0.0
+    ends_at: float = math.inf
 
 
-def inflight_decode(tokens: int, now: float, predicted_ttft_s: float) -> InflightDecode:
+def inflight_decode(tokens: int, now: float, predicted_ttft_s: float,
+                    decode_s: float = math.inf) -> InflightDecode:
     """The in-flight entry of a decode placement made at monotonic `now` (seconds) for a
-    request that will hold `tokens` KV tokens and whose first token is predicted
-    `predicted_ttft_s` seconds later (NaN or negative counts as 0)."""
+    request that will hold `tokens` KV tokens, whose first token is predicted
+    `predicted_ttft_s` seconds later (NaN or negative counts as 0) and whose decode is
+    predicted to take `decode_s` seconds (NaN: unknown, inf)."""
     ttft = predicted_ttft_s if predicted_ttft_s == predicted_ttft_s and predicted_ttft_s > 0 else 0.0
-    return InflightDecode(tokens, now, now + ttft + INFLIGHT_TTL_S)
+    dec = decode_s if decode_s == decode_s and decode_s >= 0 else math.inf
+    return InflightDecode(tokens, now, now + ttft + INFLIGHT_TTL_S, now + ttft,
+                          now + ttft + dec + INFLIGHT_TTL_S)
+
+
+def decoding_during(v: NodeView, start: float, end: float) -> tuple[int, int]:
+    """(requests, KV tokens) of the decode placements in flight to node v that are
+    predicted to decode at some time within [start, end] (monotonic seconds): those a
+    request decoding on v over that window shares steps and KV with."""
+    xs = [x for x in v.inflight_decode.values() if x.starts_at <= end and x.ends_at >= start]
+    return len(xs), sum(x.tokens for x in xs)
 
 
 @dataclass
@@ -69,6 +91,7 @@ class NodeView:
     inflight_prefill: dict[str, InflightPrefill] = field(default_factory=dict)
     inflight_decode: dict[str, InflightDecode] = field(default_factory=dict)
     placed: int = 0                          # requests placed here (prefill or decode)
+    links: dict[str, float] = field(default_factory=dict)   # peer -> measured bytes/s
 
 
 def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
@@ -76,6 +99,7 @@ def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
     counts itself or that never reached it in time: a prefill placement within
     INFLIGHT_TTL_S, a decode placement by its `expires_at`."""
     v.reported_at = now
+    v.links = dict(r.links)
     v.draining = r.draining or bool(v.info.get("draining", False))
     v.prefill_pending = dict(r.pending)
     v.prefill_waiting = set(r.waiting) & v.prefill_pending.keys()
@@ -118,5 +142,5 @@ def queued_work(v: NodeView, cost: CostModel) -> list[float]:
 
 
 __all__ = ["INFLIGHT_TTL_S", "InflightDecode", "InflightPrefill", "NodeView", "apply_load",
-           "inflight_decode",
+           "decoding_during", "inflight_decode",
            "queue_s", "queued_work"]

@@ -2,11 +2,23 @@
 report, and refitted from what they measure (Mooncake paper, section 5: the cost
 model drives placement, so it must track the hardware).
 
-`CostModelRefitter` holds the model. Finished prefills that ran alone on their node
-refit the prefill polynomial; timed decode steps refit the decode-step model; a refit
-replaces the model only when it predicts the recent samples 20% better (and, for
-decode, has no negative coefficient). `conductor.refit_cost_model = false` keeps the
-loaded model fixed; predictions are still scored.
+`CostModelRefitter` holds the model. It calibrates fast, then refits:
+
+- calibration: every timed engine step (a prefill node's prefill steps: new and
+  cached tokens of the step's chunks; a decode node's decode steps) is set against
+  the model's prediction; after each `CALIBRATE_EVERY` steps of a kind whose median
+  ratio observed / predicted is off by more than `CALIBRATE_TOLERANCE`, that
+  polynomial is scaled by the ratio. A model from another CPU (or the built-in
+  default) is right within a few seconds of serving, before any refit could run;
+- refit: finished prefills that ran alone on their node and the prefill steps refit
+  the prefill polynomial; timed decode steps refit the decode-step model; a refit
+  replaces the model only when it predicts the recent samples 20% better (and, for
+  decode, has no negative coefficient).
+
+`conductor.refit_cost_model = false` keeps the loaded model fixed (no calibration
+either); predictions are still scored. `calibrated(kind)` says whether admission may
+enforce on the model (conductor/admission_ledger.py): a model that did not come from
+the built-in default, or one calibrated from `conductor.admission_warmup` steps.
 """
 
 from __future__ import annotations
@@ -26,6 +38,15 @@ log = get_logger(__name__)
 
 REFIT_MIN_SAMPLES = 16      # prefill samples (run alone on their node) before a refit is tried
 ERROR_WINDOW = 200          # prediction errors kept for `status()`
+CALIBRATE_EVERY = 8         # timed steps of a kind between two calibrations
+CALIBRATE_TOLERANCE = 0.15  # a median observed/predicted ratio within 1 +- this is left alone
+TAIL_MIN_STEPS = 20         # timed decode steps before the TBT tail factor departs from 1
+
+
+def scaled(m: PolyModel, factor: float) -> PolyModel:
+    """`m` with every coefficient multiplied by `factor` (> 0): the same shape, predicting
+    `factor` times the time."""
+    return PolyModel(m.terms, tuple(c * factor for c in m.coef))
 
 
 def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = False
@@ -75,6 +96,14 @@ class CostModelRefitter:
         self.decode_refits = 0
         self.refits = 0
         self._predicted: dict[str, tuple[float, float]] = {}      # rid -> (ttft_s, monotonic)
+        self.prefill_step_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        # calibration: observed/predicted ratios since the last one, steps seen, and the
+        # product of the scales applied since the model was loaded or last refitted
+        self._ratios: dict[str, list[float]] = {"prefill": [], "decode": []}
+        self.observed = {"prefill": 0, "decode": 0}
+        self.scale = {"prefill": 1.0, "decode": 1.0}
+        self.calibrations = 0
+        self._step_ratios: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / predicted
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
         self.predicted_ttft_sum_s = 0.0
@@ -117,15 +146,85 @@ class CostModelRefitter:
             self.cost = dataclasses.replace(self.cost, prefill=model,
                                             meta={**self.cost.meta, "refit": info})
             self.refits += 1
+            self._refitted("prefill")
             log.info("cost_model_refit", part="prefill", **info)
 
+    def calibrated(self, kind: str) -> bool:
+        """Whether admission may enforce on the `kind` ("prefill" for TTFT, "decode" for
+        TBT) predictions: the model is not the built-in default (a profile, an operator's
+        file), or `conductor.admission_warmup` timed steps of that kind calibrated it."""
+        if self.cost is not None and self.cost.meta.get("source") != "default":
+            return True
+        return self.observed[kind] >= self.settings.conductor.admission_warmup
+
+    def tbt_factor(self) -> float:
+        """The paper's TBT (the mean of a request's longest 10% gaps) over the step time
+        the model predicts: the mean of the largest 10% of recent measured/predicted step
+        ratios over their median (>= 1; 1 before TAIL_MIN_STEPS steps, or with
+        conductor.refit_cost_model false). Admission compares predicted step x this with
+        the TBT SLO: the median step can meet it while the tail a request sees does not."""
+        r = sorted(self._step_ratios)
+        if len(r) < TAIL_MIN_STEPS or not self.settings.conductor.refit_cost_model:
+            return 1.0
+        top = r[-max(1, len(r) // 10):]
+        return max(1.0, statistics.fmean(top) / statistics.median(r))
+
+    def _calibrate(self, kind: str, predicted_s: float, seconds: float) -> None:
+        """One timed step of `kind`: after CALIBRATE_EVERY of them, scales that polynomial by
+        their median observed/predicted ratio when it is off by more than the tolerance."""
+        self.observed[kind] += 1
+        if self.cost is None or predicted_s <= 0 or not self.settings.conductor.refit_cost_model:
+            return
+        ratios = self._ratios[kind]
+        ratios.append(seconds / predicted_s)
+        if len(ratios) < CALIBRATE_EVERY:
+            return
+        r = statistics.median(ratios)
+        ratios.clear()
+        if abs(r - 1.0) <= CALIBRATE_TOLERANCE:
+            return
+        self.scale[kind] *= r
+        self.calibrations += 1
+        info = {"prefill_scale": round(self.scale["prefill"], 4),
+                "decode_scale": round(self.scale["decode"], 4), "steps": dict(self.observed)}
+        model = self.cost.prefill if kind == "prefill" else self.cost.decode
+        self.cost = dataclasses.replace(self.cost, **{kind: scaled(model, r)},
+                                        meta={**self.cost.meta, "calibration": info})
+        log.info("cost_model_calibrated", part=kind, ratio=round(r, 4), **info)
+
+    def _refitted(self, kind: str) -> None:
+        """A refit replaced the `kind` polynomial: its calibration starts over from it (the
+        scale is relative to the last fitted model)."""
+        self.scale[kind] = 1.0
+        self._ratios[kind].clear()
+
+    def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """Folds one timed prefill step in (the new tokens of its chunks, the tokens cached
+        before them, seconds): prediction error, calibration, and a refit sample."""
+        if seconds <= 0 or new_tokens < 1 or self.cost is None:
+            return
+        pred = self.cost.prefill_s(new_tokens, cached_tokens)
+        if pred > 0:
+            self.prefill_step_errors.append((pred - seconds) / seconds)
+        self._calibrate("prefill", pred, seconds)
+        if self.settings.conductor.refit_cost_model:
+            self.samples.append((int(new_tokens), int(cached_tokens), float(seconds)))
+            self._new_samples += 1
+            if self._new_samples >= REFIT_MIN_SAMPLES:
+                self._new_samples = 0
+                self._maybe_refit()
+
     def observe_step(self, batch: int, context_tokens: int, seconds: float) -> None:
-        """Folds one timed decode step in: prediction error, and a refit now and then."""
+        """Folds one timed decode step in: prediction error, calibration, and a refit now
+        and then."""
         if seconds <= 0 or batch < 1:
             return
         if self.cost is not None:
             pred = self.cost.decode_step_s(batch, context_tokens)
             self.decode_errors.append((pred - seconds) / seconds)
+            if pred > 0:
+                self._step_ratios.append(seconds / pred)
+            self._calibrate("decode", pred, seconds)
         if not self.settings.conductor.refit_cost_model:
             return
         self.decode_samples.append((int(batch), int(context_tokens), float(seconds)))
@@ -149,6 +248,7 @@ class CostModelRefitter:
             self.cost = dataclasses.replace(self.cost, decode=model,
                                             meta={**self.cost.meta, "decode_refit": info})
             self.decode_refits += 1
+            self._refitted("decode")
             log.info("cost_model_refit", part="decode", **info)
 
     def status(self) -> dict:
@@ -157,8 +257,13 @@ class CostModelRefitter:
         return {"cost_model": None if cost is None else {
                     "name": cost.name, "source": cost.meta.get("source", ""),
                     "refits": self.refits, "decode_refits": self.decode_refits,
+                    "calibrations": self.calibrations, "scale": dict(self.scale),
+                    "tbt_factor": round(self.tbt_factor(), 4),
+                    "observed_steps": dict(self.observed),
+                    "calibrated": {k: self.calibrated(k) for k in ("prefill", "decode")},
                     "meta": cost.meta},
                 "ttft_prediction": _error_summary(list(self.errors)),
+                "prefill_step_prediction": _error_summary(list(self.prefill_step_errors)),
                 "decode_step_prediction": _error_summary(list(self.decode_errors))}
 
 
@@ -170,4 +275,5 @@ def _error_summary(errs: list[float]) -> dict:
             "median_abs_rel_error": statistics.median(abs(e) for e in errs) if errs else None}
 
 
-__all__ = ["CostModelRefitter", "REFIT_MIN_SAMPLES"]
+__all__ = ["CALIBRATE_EVERY", "CALIBRATE_TOLERANCE", "CostModelRefitter", "REFIT_MIN_SAMPLES",
+           "TAIL_MIN_STEPS", "scaled"]

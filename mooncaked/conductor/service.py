@@ -39,17 +39,19 @@ from typing import Any
 
 from mooncaked.wire.messages import (FetchPlan, NodeRef, NodeReport, PlaceRejected, PlaceReply,
                                      PlaceRequest, StoreEventMsg, unhex_keys)
-from mooncaked.config import Settings
+from mooncaked.config import Settings, state_dir
 from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
 from mooncaked.store.types import Inventory
 
-from . import cost_store
+from . import calibration_cache, cost_store
+from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from .attainable import longest_attainable, unattainable
 from .cost_model import CostModel, step_with_request_s
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
-from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, inflight_decode,
+from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
+                   inflight_decode,
                    queue_s, queued_work)
 from .refit import CostModelRefitter
 from .replication import HotBlockReplicator
@@ -57,6 +59,8 @@ from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Reje
                      place)
 
 log = get_logger(__name__)
+
+CALIBRATION_SAVE_S = 30.0      # the calibrated model is written at most this often
 
 
 class ConductorService:
@@ -88,10 +92,13 @@ class ConductorService:
         self._started_mono = time.monotonic()
         self.placed = 0
         self.rejected: dict[str, int] = {}
+        self.admission = AdmissionLedger()   # verdicts by request id (conductor.admission)
         self.cpp_learner = GroupLearner()    # CPP groups: per-stage chunk times and overhead
         self._pulls: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
         self._cost_task: asyncio.Task | None = None
+        self._saved_at = -math.inf           # the calibrated model's last save (monotonic)
+        self._saved_version = 0
 
     # the parts tests and `ctl` read
     @property
@@ -207,8 +214,41 @@ class ConductorService:
             self.model.observe_prefill(d)
             if self.settings.conductor.refit_cost_model:   # false: predictions stay fixed
                 self.cpp_learner.observe(d.rid, d.seconds, d.cached, d.stages)
+        if self.model.cost is None and (r.decode_steps or r.prefill_steps):
+            self._cost()      # a model node reports steps: its record has the model's KV size
         for step in r.decode_steps:
             self.model.observe_step(*step)
+        for step in r.prefill_steps:
+            self.model.observe_prefill_step(*step)
+        self._save_calibration(time.monotonic())
+
+    def _machine_key(self) -> dict | None:
+        """calibration_cache.machine_key of the first model node that published one."""
+        for v in self.nodes.values():
+            key = calibration_cache.machine_key(v.info.get("model") or {},
+                                                self.settings.model.num_threads)
+            if key is not None:
+                return key
+        return None
+
+    def _save_calibration(self, now: float) -> None:
+        """Keeps a calibrated built-in default (or a cached calibration, refined) under the
+        state dir for the next start on this hardware (calibration_cache.py): once both
+        parts are calibrated, at most every CALIBRATION_SAVE_S, when it changed."""
+        m, cost = self.model, self.model.cost
+        if cost is None or cost.meta.get("source") not in ("default", calibration_cache.SOURCE):
+            return
+        version = m.calibrations + m.refits + m.decode_refits
+        if (version == self._saved_version or now - self._saved_at < CALIBRATION_SAVE_S
+                or min(m.observed.values()) < max(1, self.settings.conductor.admission_warmup)):
+            return
+        key = self._machine_key()
+        if key is None:
+            return
+        self._saved_at, self._saved_version = now, version
+        path = calibration_cache.save(state_dir(self.settings), key, cost)
+        if path is not None:
+            log.info("calibrated_cost_model_saved", path=str(path), **m.scale)
 
     def _apply_events(self, v: NodeView, events: Sequence[StoreEventMsg], store_seq: int
                       ) -> None:
@@ -246,6 +286,13 @@ class ConductorService:
                     kvb = int(m["block_bytes"]) // int(m["block_size"])
                     break
             self.model.cost = cost_store.load_cost_model(self.settings, kvb)
+            key = self._machine_key()
+            if self.model.cost.meta.get("source") == "default" and key is not None:
+                cached = calibration_cache.load(state_dir(self.settings), key)
+                if cached is not None:          # this hardware's calibration, not a guess
+                    log.info("cost_model_loaded", origin=cached.meta["origin"],
+                             name=cached.name)
+                    self.model.cost = cached
             self.model.cost.meta.setdefault(
                 "origin", f"file {cost_store.cost_model_path(self.settings)}"
                 if self.model.cost.meta.get("source") != "default" else "built-in default")
@@ -309,10 +356,14 @@ class ConductorService:
                       if drained else f"no {role} node has joined or reported")
             return dataclasses.replace(self._reject(Rejection(reason, retry)), detail=detail)
         bs = self._block_size(pre[0] if pre else dec[0])
+        checks = cs.admission != "off"
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,
-                           ttft_slo_s=math.inf if decode_only else cs.ttft_slo_s,
-                           tbt_slo_s=cs.tbt_slo_s, min_retry_after_s=retry,
+                           ttft_slo_s=math.inf if decode_only or not checks else cs.ttft_slo_s,
+                           # predicted step x tbt_factor (the tail of the gaps) vs the SLO
+                           tbt_slo_s=cs.tbt_slo_s / self.model.tbt_factor() if checks
+                           else math.inf,
+                           min_retry_after_s=retry,
                            fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
                            # the order the prefill nodes run (cluster/prefill_queue.py); no
                            # elastic pipelines: live CPP groups are fixed (issue 14)
@@ -325,6 +376,7 @@ class ConductorService:
                            spf_bound_rule=cs.prefill_bound_rule,
                            pipeline_stages=1)
         queued: list = []
+        queue: list[float] = []
         if decode_only:
             # The prefill already ran: only the decode side is chosen (the prefill side is a
             # placeholder with no queue, fully cached).
@@ -335,10 +387,16 @@ class ConductorService:
                         self.index.match(keys, [v.node_id for v in pre]))
             if cfg.prefill_order == "spf":    # the wait under the order the nodes run
                 queued = [QueuedWork.of(queued_work(v, cost)) for v in pre]
+        # The request decodes from its first token (at the soonest after the shortest prefill
+        # queue) for max_new steps: the placements in flight to a decode node count in its
+        # batch and KV only when they decode then too (load.decoding_during).
+        start = now + (min(queue) if queue else 0.0)
         dbatch, dctx, dfree = [], [], []
         for v in dec:
-            infl = sum(x.tokens for x in v.inflight_decode.values())
-            dbatch.append(v.decode_batch + len(v.inflight_decode))
+            end = start + (0.0 if decode_only else cost.prefill_s(n, 0)) + max_new * \
+                cost.decode_step_s(v.decode_batch + 1, v.decode_context_tokens + n)
+            k, infl = decoding_during(v, start, end)
+            dbatch.append(v.decode_batch + k)
             dctx.append(v.decode_context_tokens + infl)
             free = v.free_kv_tokens if v.reported_at else \
                 int((v.info.get("model") or {}).get("kv_capacity_tokens", 0))   # not reported yet
@@ -356,8 +414,8 @@ class ConductorService:
         preq = PlacementRequest(keys, n, max_new)
         stage_prefix = {g.name: self._stage_prefix(g, keys) for g in groups}
 
-        def run(r: PlacementRequest, s: Snapshot, queue=queue_s, c: PolicyConfig = cfg
-                ) -> Placement | Rejection | None:
+        def placement(c: PolicyConfig, r: PlacementRequest = preq, s: Snapshot = snap,
+                      queue=queue_s) -> Placement | Rejection | None:
             out = place(r, s, cost, c, self.rng) if pre or decode_only else None
             if groups and not decode_only:
                 out = place_with_groups(out, groups, r, s, cost, c, self.rng,
@@ -365,18 +423,27 @@ class ConductorService:
                                         stage_prefix)
             return out
 
-        result = run(preq, snap)
-        for g in groups:
-            if isinstance(result, Placement) and result.prefill == g.head.node_id:
-                self.cpp_learner.predicted(rid, g.name, *group_chunk_prediction(cost, g, n))
-        if isinstance(result, Rejection) and result.reason == "ttft_slo":
-            # Over the SLO even with every queue empty: retrying later cannot help.
-            def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection | None:
-                return run(r, s, lambda v, c: 0.0, dataclasses.replace(cfg, tbt_slo_s=math.inf))
-            if unattainable(idle, preq, snap):
-                return self._unattainable(result, longest_attainable(idle, preq, snap, bs))
-        if isinstance(result, Rejection):
-            return self._reject(result)
+        result = placement(cfg)
+        miss = result if isinstance(result, Rejection) else None
+        if miss is not None:
+            if self._verdict(rid, miss, decode_only) == REJECT:
+                if miss.reason == "ttft_slo":
+                    # Over the SLO even with every queue empty: retrying cannot help.
+                    def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection | None:
+                        return placement(dataclasses.replace(cfg, tbt_slo_s=math.inf), r, s,
+                                         lambda v, c: 0.0)
+                    if unattainable(idle, preq, snap):
+                        return self._unattainable(miss, longest_attainable(idle, preq, snap, bs))
+                return self._reject(miss)
+            # shadow (or a model not calibrated yet): the placement without the SLO checks
+            result = placement(dataclasses.replace(cfg, ttft_slo_s=math.inf,
+                                                   tbt_slo_s=math.inf))
+        elif not decode_only:
+            self._record(rid, ADMIT, "", result)
+        if groups and not decode_only:
+            for g in groups:
+                if isinstance(result, Placement) and result.prefill == g.head.node_id:
+                    self.cpp_learner.predicted(rid, g.name, *group_chunk_prediction(cost, g, n))
         if not decode_only and keys and self.settings.conductor.hot_block_hits > 0:
             self.replicator.note_request(keys, now, self.nodes,
                                          self._eligible("cache", set(), now), cost, bs)
@@ -409,23 +476,62 @@ class ConductorService:
         snap = Snapshot(ids, [queue_s(v, cost) for v in nodes], self.index.match(keys, ids))
         preq = PlacementRequest(keys, n, max_new)
         result = place(preq, snap, cost, cfg, self.rng)
-        if isinstance(result, Rejection) and result.reason == "ttft_slo":
-            def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection:
-                return place(r, s, cost, cfg, self.rng)
-            if unattainable(idle, preq, snap):
-                return self._unattainable(result, longest_attainable(idle, preq, snap,
-                                                                     cfg.block_size))
         if isinstance(result, Rejection):
-            return self._reject(result)
+            if cs.admission == "off" or self._verdict(req.rid, result, False) == REJECT:
+                if result.reason == "ttft_slo":       # retrying cannot help when idle too
+                    def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection:
+                        return place(r, s, cost, cfg, self.rng)
+                    if unattainable(idle, preq, snap):
+                        return self._unattainable(result, longest_attainable(
+                            idle, preq, snap, cfg.block_size))
+                return self._reject(result)   # off: the TTFT SLO is inf, nothing is rejected
+            result = place(preq, snap, cost, dataclasses.replace(cfg, ttft_slo_s=math.inf),
+                           self.rng)
+            miss = True
+        else:
+            miss = False
         v = self.nodes[result.prefill]
-        infl = sum(x.tokens for x in v.inflight_decode.values())
-        tbt = step_with_request_s(cost, v.decode_batch + len(v.inflight_decode),
-                                  v.decode_context_tokens + infl, n)
-        if tbt > cs.tbt_slo_s:
-            return self._reject(Rejection("tbt_slo", cs.min_retry_after_s,
-                                          result.predicted_ttft_s, tbt))
+        start = now + result.predicted_ttft_s
+        k, infl = decoding_during(v, start, start + max_new * cost.decode_step_s(
+            v.decode_batch + 1, v.decode_context_tokens + n))
+        tbt = step_with_request_s(cost, v.decode_batch + k, v.decode_context_tokens + infl, n)
         result = dataclasses.replace(result, decode=result.prefill, predicted_tbt_s=tbt)
+        if tbt * self.model.tbt_factor() > cs.tbt_slo_s and cs.admission != "off" and not miss:
+            over = Rejection("tbt_slo", cs.min_retry_after_s, result.predicted_ttft_s, tbt)
+            if self._verdict(req.rid, over, False) == REJECT:
+                return self._reject(over)
+        elif not miss:
+            self._record(req.rid, ADMIT, "", result)
         return self._accept(req.rid, result, n, max_new, False, now)
+
+    def _verdict(self, rid: str, miss: Rejection, decode_only: bool) -> str:
+        """What `conductor.admission` makes of a predicted miss (admission_ledger.decide):
+        REJECT, or SHADOW (recorded; the request is placed without the SLO checks). A
+        TTFT miss needs a calibrated prefill model, a TBT or KV-room miss a calibrated
+        decode model (`CostModelRefitter.calibrated`)."""
+        kind = "prefill" if miss.reason == "ttft_slo" else "decode"
+        calibrated = self.model.calibrated(kind)
+        verdict = decide(self.settings.conductor.admission, miss.reason, calibrated)
+        if verdict != REJECT:
+            log.info("placement_shadow_rejected", request_id=rid, reason=miss.reason,
+                     calibrated=calibrated, predicted_ttft_s=miss.predicted_ttft_s,
+                     predicted_tbt_s=miss.predicted_tbt_s)
+        if not decode_only:
+            self.admission.record(rid, Decision(verdict, miss.reason, miss.predicted_ttft_s,
+                                                miss.predicted_tbt_s, calibrated))
+        return verdict
+
+    def _record(self, rid: str, verdict: str, reason: str, p: Any) -> None:
+        """Records an admitted placement's predictions (seconds) under rid."""
+        if isinstance(p, Placement):
+            self.admission.record(rid, Decision(verdict, reason, p.predicted_ttft_s,
+                                                p.predicted_tbt_s, True))
+
+    def admissions(self, rids: list[str] | None = None) -> dict[str, Any]:
+        """`conductor.admissions`: the ledger's decisions for `rids` (all it holds when
+        None) and its counts (admission_ledger.AdmissionLedger)."""
+        return {"mode": self.settings.conductor.admission, **self.admission.status(),
+                "decisions": self.admission.entries(rids)}
 
     def _block_size(self, v: NodeView) -> int:
         m = v.info.get("model") or {}
@@ -453,7 +559,8 @@ class ConductorService:
             pv.inflight_prefill[rid] = InflightPrefill(n - p.prefix_tokens, p.prefix_tokens, now)
             pv.placed += 1
             self.model.predicted(rid, p.predicted_ttft_s, now)
-        dv.inflight_decode[rid] = inflight_decode(n + max_new, now, p.predicted_ttft_s)
+        dv.inflight_decode[rid] = inflight_decode(n + max_new, now, p.predicted_ttft_s,
+                                                  max_new * p.predicted_tbt_s)
         dv.placed += 1
         self.placed += 1
         fetch = None
@@ -487,6 +594,9 @@ class ConductorService:
         return {
             "leader": self.node_id, "since": self.started_at, "placed": self.placed,
             "rejected": dict(self.rejected), "indexed_keys": len(self.index), "nodes": nodes,
+            "admission": {"mode": self.settings.conductor.admission,
+                          "warmup_steps": self.settings.conductor.admission_warmup,
+                          **self.admission.status()},
             "policy": self.settings.conductor.policy,
             "cpp_groups": {"complete": {g.name: [v.node_id for v in g.stages] for g in split_groups(
                                [v for v in self.nodes.values() if v.role == "prefill"])[1]},

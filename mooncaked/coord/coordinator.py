@@ -80,6 +80,9 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         # (the campaign was cancelled while it ran); resign() deletes it if it won
         self._unconfirmed: dict[str, bytes] = {}
         self._heartbeat: asyncio.Task | None = None
+        self._guard: asyncio.Task | None = None
+        # a leader stands down this long before its lease could end without a keep-alive
+        self.guard_margin_s = self.ttl_s / 4
         self._session_lock = asyncio.Lock()
         self._closed = False
 
@@ -209,6 +212,7 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         await self._op(self._open(), "connect")
         await self._new_session()
         self._heartbeat = asyncio.create_task(self._heartbeat_loop(), name="coord-heartbeat")
+        self._guard = asyncio.create_task(self._guard_loop(), name="coord-lease-guard")
         log.info("coord_started", backend=self.backend, where=self._describe(),
                  session=self._session_id, lease_ttl_s=self.ttl_s)
         return self
@@ -219,10 +223,11 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
         if self._closed:
             return
         self._closed = True
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._heartbeat
+        for task in (self._heartbeat, self._guard):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         for lead in list(self._leading.values()):
             lead.lost.set()
         self._leading.clear()
@@ -262,6 +267,27 @@ class Coordinator(MembershipMixin, ElectionMixin, abc.ABC):
             log.warning("coord_leadership_lost", election=name, node=lead.node_id, reason=why)
             lead.lost.set()
         self._leading.clear()
+
+    async def _guard_loop(self) -> None:
+        """A leader whose keep-alives fail stands down at its lease's local deadline less
+        guard_margin_s, on a timer of its own: the failing keep-alive call itself may block
+        for op_timeout_s past the moment the store expires the lease and lets another node
+        lead, so the heartbeat alone would notice too late (two conductors placing at once,
+        issue 34). The deadline counts from when the last successful keep-alive was *sent*,
+        so it comes no later than the store's expiry. The session is abandoned with it (its
+        leader key expires in the store; the heartbeat opens a new session)."""
+        tick = self.settings.heartbeat_interval_s / 2
+        while True:
+            left = self._deadline - self.guard_margin_s - time.monotonic()
+            if left > 0 or not self._leading or self._lease is None:
+                await asyncio.sleep(min(max(left, 0.0), tick) or tick)
+                continue
+            log.warning("coord_lease_expiring", session=self._session_id,
+                        lease_left_s=round(self._deadline - time.monotonic(), 3),
+                        meaning="no keep-alive reached the store: standing down as leader "
+                                "before another node can be elected")
+            self._drop_leaderships("lease expiring without a keep-alive")
+            self._lease = None
 
     async def _heartbeat_loop(self) -> None:
         while True:

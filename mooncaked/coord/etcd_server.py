@@ -50,13 +50,18 @@ class EtcdServer:
         data_dir: etcd's data directory (created; reuse it to keep the data).
         client_port, peer_port: 0 picks free ports.
         binary: etcd binary; None finds it on PATH.
+        host: the address it listens on and advertises.
+        prefix: a command prefix that runs it elsewhere, e.g. inside a network namespace
+            (hosts.Hosts.command: `ip netns exec NS`); its ports are then picked on
+            loopback (a fresh namespace has every port free).
     Use: `with EtcdServer(tmp) as etcd: settings.etcd_endpoints = [etcd.endpoint]`.
     Raises (start): CoordinationError if etcd is missing, exits, or is not healthy in time.
     """
 
     def __init__(self, data_dir: str | Path, client_port: int = 0, peer_port: int = 0,
                  binary: str | None = None, host: str = "127.0.0.1",
-                 die_with_parent: bool = False):
+                 die_with_parent: bool = False, prefix: tuple[str, ...] = ()):
+        self.prefix = tuple(prefix)
         self.data_dir = Path(data_dir)
         self.die_with_parent = die_with_parent   # pdeathsig.py: ends with its starter
         self.host = host
@@ -85,7 +90,8 @@ class EtcdServer:
         fixed = bool(self.client_port and self.peer_port)
         for attempt in range(1 if fixed else 3):   # a picked port may be taken meanwhile
             if not fixed:
-                self.client_port, self.peer_port = free_port(self.host), free_port(self.host)
+                pick = "127.0.0.1" if self.prefix else self.host
+                self.client_port, self.peer_port = free_port(pick), free_port(pick)
             if self._try_start(timeout_s):
                 return self
             log.warning("etcd_start_retry", attempt=attempt + 1, log=str(self.log_path))
@@ -98,7 +104,7 @@ class EtcdServer:
         client, peer = self.endpoint, f"http://{self.host}:{self.peer_port}"
         # ETCD_* variables would override flags; start from a clean environment.
         env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
-        cmd = [self.binary, "--name", "mooncaked", "--data-dir", str(self.data_dir),
+        cmd = [*self.prefix, self.binary, "--name", "mooncaked", "--data-dir", str(self.data_dir),
                "--listen-client-urls", client, "--advertise-client-urls", client,
                "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
                "--initial-cluster", f"mooncaked={peer}", "--logger", "zap",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -232,8 +233,19 @@ class AsyncLLM:
         """The timed decode steps since the last call, newest `limit` of them: (batch size,
         context tokens, seconds) each. Safe from the event loop (a deque the step thread
         appends to)."""
-        log_ = self.engine.decode_steps
-        steps = []
-        while log_:
-            steps.append(log_.popleft())
-        return steps[-limit:]
+        return _take(self.engine.decode_steps, limit)
+
+    def take_prefill_steps(self, limit: int = 64) -> list[tuple[int, int, float]]:
+        """The timed steps of prefill chunks only (no decodes) since the last call, newest
+        `limit` of them: (new tokens, tokens cached before them, seconds) each; the
+        conductor calibrates its prefill model from them. Safe from the event loop."""
+        return _take(self.engine.prefill_steps, limit)
+
+
+def _take(log_: deque, limit: int) -> list[tuple[int, int, float]]:
+    """Pops everything from the deque `log_` (another thread appends); returns the newest
+    `limit` entries."""
+    steps = []
+    while log_:
+        steps.append(log_.popleft())
+    return steps[-limit:]

@@ -24,7 +24,8 @@ class KernelPaths:
         cpu: the CPU's model name (kernels/cpu_isa.py `cpu_name`), or the CUDA device's name.
         isa: the ISA level the CPU kernels use ("portable", "avx2", "avx512_vnni",
             "avx512_bf16"; MOONCAKED_CPU_ISA caps it).
-        decode_path: "fused-<isa>" (the fused decode step, kernels/cpu_fused_decode.py, for
+        decode_path: "fused-avx2" / "fused-avx512_vnni" (the fused decode step on that
+            cpu_gemv variant, kernels/cpu_fused_decode.py, for
             steps of up to model.fused_decode_max_batch sequences), "per-op-torch" (the
             model's layers op by op: torch matmuls, cpu_ops' attention) or "per-op-triton".
         decode_why: why the fused step is off (model/fused.py `why_not`), None when on.
@@ -42,11 +43,6 @@ class KernelPaths:
         return asdict(self)
 
 
-def _fused_variant(isa: str) -> str:
-    # cpu_gemv's int8 dot products: VNNI on AVX-512 (bf16 CPUs have it too), else AVX2.
-    return "avx512_vnni" if cpu_isa.LEVELS.index(isa) >= cpu_isa.LEVELS.index("avx512_vnni") else isa
-
-
 def kernel_paths(model: LlamaModel) -> KernelPaths:
     """The variants `model` runs on this machine (see KernelPaths)."""
     isa = cpu_isa.isa_level()
@@ -56,7 +52,7 @@ def kernel_paths(model: LlamaModel) -> KernelPaths:
     else:
         cpu = cpu_isa.cpu_name()
     if model.fused is not None:
-        decode = f"fused-{_fused_variant(isa)}"
+        decode = f"fused-{model.fused.isa}"   # the GEMV variant the step was built for
     else:
         decode = "per-op-triton" if ops == "triton_ops" else "per-op-torch"
     if ops == "triton_ops":

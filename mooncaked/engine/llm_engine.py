@@ -114,6 +114,8 @@ class LLMEngine:
         # Recent pure-decode steps as (batch size, context tokens, seconds), for the
         # conductor's decode cost model (a cluster's decode node reports and drains them).
         self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
+        # (new tokens, tokens cached before them, seconds) of steps of prefill chunks only
+        self.prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
         # Export the full blocks of every finished request (to offload them into the store).
         self.offload_finished = False
         self.kernel_paths = kernel_paths(self.model)
@@ -334,6 +336,9 @@ class LLMEngine:
         st = self.last_step
         if st.num_prefill_tokens == 0 and st.num_decode_seqs:
             self.decode_steps.append((st.num_decode_seqs, st.context_tokens, st.seconds))
+        elif st.num_prefill_tokens and not st.num_decode_seqs:
+            self.prefill_steps.append((st.num_prefill_tokens, st.context_tokens
+                                       - st.num_prefill_tokens, st.seconds))
         for i, s in enumerate(batch):
             seq = s.seq
             seq.num_computed_tokens += s.num_new_tokens

@@ -84,6 +84,8 @@ class RequestRecord:
     prompt_tokens_details.cached_tokens, None when the server does not report it.
     status: HTTP status (None if no response). rejected: HTTP 429. error: why it failed,
     None on success. retry_after: the 429's Retry-After header, recorded, not honoured.
+    request_id: the server's X-Request-Id header, when it sends one (mooncaked does: its
+    admission ledger is keyed by it, `bench capacity`).
     """
 
     index: int
@@ -104,6 +106,7 @@ class RequestRecord:
     cached_tokens: int | None = None
     output_tokens: int | None = None
     finish_reason: str | None = None
+    request_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
@@ -215,6 +218,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: ReplayConfig, payloa
         async with session.post(url, json=payload, headers=_headers(cfg.api_key),
                                 timeout=aiohttp.ClientTimeout(total=cfg.timeout_s)) as resp:
             rec.status = resp.status
+            rec.request_id = resp.headers.get("X-Request-Id")
             if resp.status != 200:
                 body = (await resp.read())[:300].decode("utf-8", "replace")
                 if resp.status == 429:

@@ -36,6 +36,7 @@ from typing import Any, Awaitable, Callable
 from mooncaked.config import TransferSettings
 from mooncaked.log import get_logger
 
+from .bandwidth import BandwidthMeter
 from .batch import (Batch, TransferError, TransferOp, TransferRequest, TransferState,
                     TransferStatus, UnknownSegmentError, _Entry)
 from .local import copy_local
@@ -65,7 +66,8 @@ class TransferEngine:
         sysfs_root: where to look for RDMA NICs' NUMA nodes (tests point it elsewhere).
 
     Attributes: `backend` ("rdma" or "tcp", after `start`), `rdma_unavailable_reason`
-    (why RDMA is not used, "" otherwise), `bytes_moved` (bytes of completed requests).
+    (why RDMA is not used, "" otherwise), `bytes_moved` (bytes of completed requests),
+    `bandwidth` (bandwidth.BandwidthMeter: what each peer path delivered, per peer node id).
     """
 
     def __init__(self, settings: TransferSettings | None = None, *, node_id: str = "",
@@ -90,6 +92,7 @@ class TransferEngine:
         self._started = False
         self._closed = False
         self.bytes_moved = 0
+        self.bandwidth = BandwidthMeter()
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -397,6 +400,9 @@ class TransferEngine:
         read = req.op is TransferOp.READ
         timeout = self.settings.request_timeout_s
         t0 = time.monotonic()
+        peer = None if isinstance(target, LocalSegment) else target.node
+        if peer is not None:
+            self.bandwidth.begin(peer, t0)
         try:
             async with asyncio.timeout(timeout):
                 if isinstance(target, LocalSegment):
@@ -422,6 +428,9 @@ class TransferEngine:
             log.error("transfer_internal_error", exc_info=True, segment=req.segment)
             batch.finish(entry, TransferState.FAILED, f"internal error: {e!r}")
         finally:
+            if peer is not None:
+                self.bandwidth.end(peer, time.monotonic(),
+                                   view.nbytes if entry.state is TransferState.DONE else 0)
             self._pool.trim()
             if entry.state is TransferState.FAILED:
                 log.warning("transfer_failed", segment=req.segment, op=req.op.value,

@@ -605,7 +605,10 @@ class NodeReport:
     rid -> (new, cached) tokens, decode load), requests that arrived, store events after
     `store_seq`, finished prefills and timed decode steps ((batch, context tokens,
     seconds)); `waiting`: the pending prefills not computing yet (fetching, or held back
-    by the node's spf queue)."""
+    by the node's spf queue); `prefill_steps`: timed steps of prefill chunks only ((new
+    tokens, tokens cached before them, seconds): the conductor calibrates from them);
+    `links`: what its transfer engine measured on each peer path, peer node id -> bytes/s
+    (transfer/bandwidth.py)."""
 
     node: str
     role: str = ""
@@ -618,15 +621,19 @@ class NodeReport:
     done: tuple[PrefillDone, ...] = ()
     decode_steps: tuple[tuple[int, int, float], ...] = ()
     waiting: tuple[str, ...] = ()
+    prefill_steps: tuple[tuple[int, int, float], ...] = ()
+    links: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
+                "links": dict(self.links),
                 "pending": {rid: list(v) for rid, v in self.pending.items()},
                 "waiting": list(self.waiting),
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
                 "store_seq": self.store_seq, "events": [e.to_json() for e in self.events],
                 "done": [x.to_json() for x in self.done],
-                "decode_steps": [list(s) for s in self.decode_steps]}
+                "decode_steps": [list(s) for s in self.decode_steps],
+                "prefill_steps": [list(s) for s in self.prefill_steps]}
 
     @classmethod
     def from_json(cls, d: Any) -> NodeReport:
@@ -635,6 +642,9 @@ class NodeReport:
                        for rid, (a, b) in _get(d, "pending", dict, {}).items()}
             steps = tuple((int(b), int(c), float(s)) for b, c, s in
                           _get(d, "decode_steps", list, []))
+            psteps = tuple((int(n), int(c), float(s)) for n, c, s in
+                           _get(d, "prefill_steps", list, []))
+            links = {str(p): float(r) for p, r in _get(d, "links", dict, {}).items()}
         except (TypeError, ValueError) as e:
             raise MessageError(f"report: {e}") from None
         return cls(_get(d, "node", str), _get(d, "role", str, ""),
@@ -644,7 +654,7 @@ class NodeReport:
                    _get(d, "store_seq", int, -1),
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
                    tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
-                   tuple(str(r) for r in _get(d, "waiting", list, [])))
+                   tuple(str(r) for r in _get(d, "waiting", list, [])), psteps, links)
 
 
 __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",

@@ -1,0 +1,153 @@
+"""`bench capacity`'s figures beyond the share within SLO (issue 33): admission against
+what happened, and bootstrap confidence intervals. Pure functions over the replay's
+records and the nodes' admission ledgers (conductor/admission_ledger.py); no I/O.
+
+Admission, per rate, from a run whose checks were in shadow mode (or enforcing: then a
+rejected request cannot tell whether it would have met the SLOs):
+
+- would_reject: requests a check rejected or would have rejected (shadow);
+- false_rejections: of those, the ones that ran and met both SLOs;
+- admitted_misses: requests every check admitted that missed an SLO (or failed);
+- ttft_pred_mare: median |predicted - observed| / observed TTFT (the conductor's
+  prediction at placement against the client's TTFT);
+- step_pred_mare: the same for the decode step time (the prediction of the step with
+  the request admitted against the request's median inter-token gap).
+
+Intervals: a share within SLO is resampled per request (`share_ci`); `capacity_ratio`
+by resampling every (rate, side)'s requests together and recomputing both capacities
+(`capacity_ratio_ci`), percentile intervals.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from mooncaked.replay.runner import RequestRecord
+
+LEVEL = 0.9                 # two-sided confidence level of the intervals
+BOOTSTRAP = 2000            # resamples
+
+
+def met_slo(r: RequestRecord, ttft_slo: float, tbt_slo: float) -> bool:
+    """Whether a request completed within both SLOs (a rejected or failed one did not)."""
+    return bool(r.ok and r.ttft_s is not None and r.ttft_s <= ttft_slo
+                and (r.tbt_s is None or r.tbt_s <= tbt_slo))
+
+
+def _median_gap(r: RequestRecord) -> float | None:
+    gaps = [b - a for a, b in itertools.pairwise(r.token_times_s)]
+    return statistics.median(gaps) if gaps else None
+
+
+def _mare(pairs: list[tuple[float, float]]) -> float | None:
+    errs = [abs(p - o) / o for p, o in pairs if o > 0]
+    return round(statistics.median(errs), 4) if errs else None
+
+
+def admission_figures(records: Sequence[RequestRecord],
+                      decisions: Mapping[str, Sequence[Mapping[str, Any]]],
+                      ttft_slo: float, tbt_slo: float) -> dict[str, Any]:
+    """The admission figures of one rate (see the module doc).
+
+    Args:
+        records: the replay's records; `request_id` joins them to the decisions.
+        decisions: request id -> the ledger entries every check made for it (conductor,
+            node), each {"verdict": admit|reject|shadow, "predicted_ttft_s",
+            "predicted_tbt_s", ...} (None predictions allowed).
+        ttft_slo, tbt_slo: seconds.
+    """
+    would, false_rej, misses, known = 0, 0, 0, 0
+    ttft_pairs, step_pairs = [], []
+    for r in records:
+        ds = decisions.get(r.request_id or "", ())
+        if not ds and not r.rejected:
+            continue
+        known += 1
+        rejecting = r.rejected or any(d.get("verdict") in ("reject", "shadow") for d in ds)
+        ok = met_slo(r, ttft_slo, tbt_slo)
+        if rejecting:
+            would += 1
+            false_rej += ok
+        elif not ok:
+            misses += 1
+        ttft = next((d["predicted_ttft_s"] for d in ds if d.get("predicted_ttft_s")), None)
+        if ttft is not None and r.ttft_s:
+            ttft_pairs.append((ttft, r.ttft_s))
+        step = next((d["predicted_tbt_s"] for d in ds if d.get("predicted_tbt_s")), None)
+        gap = _median_gap(r) if r.ok else None
+        if step is not None and gap:
+            step_pairs.append((step, gap))
+    n = len(records)
+    return {"with_decision": known, "would_reject": would, "false_rejections": false_rej,
+            "false_rejection_share": round(false_rej / n, 4) if n else None,
+            "admitted_misses": misses,
+            "admitted_miss_share": round(misses / n, 4) if n else None,
+            "ttft_pred_mare": _mare(ttft_pairs), "ttft_pred_pairs": len(ttft_pairs),
+            "step_pred_mare": _mare(step_pairs), "step_pred_pairs": len(step_pairs)}
+
+
+def _interval(xs: list[float], level: float = LEVEL) -> list[float]:
+    xs = sorted(xs)
+    lo = xs[int((1 - level) / 2 * (len(xs) - 1))]
+    hi = xs[int((1 + level) / 2 * (len(xs) - 1))]
+    return [round(lo, 4), round(hi, 4)]
+
+
+def share_ci(flags: Sequence[int], seed: int = 0, n: int = BOOTSTRAP) -> list[float] | None:
+    """Bootstrap percentile interval (LEVEL) of the share of 1s in `flags` (a request
+    within SLO: 1, else 0); None for no requests."""
+    if not flags:
+        return None
+    rng = random.Random(seed)
+    k = len(flags)
+    return _interval([sum(rng.choices(flags, k=k)) / k for _ in range(n)])
+
+
+def capacity_of(shares: Mapping[float, float], pass_share: float) -> float | None:
+    """The highest rate whose share is >= pass_share (None when none is)."""
+    ok = [rate for rate, s in shares.items() if s >= pass_share]
+    return max(ok) if ok else None
+
+
+def ratio_of(pd: float | None, coupled: float | None, rates: Sequence[float]) -> float:
+    """pd capacity / coupled capacity; a side below every rate counts as 0 (pd) or, for
+    coupled, as the lowest rate (a lower bound on the ratio, as the benchmark reports)."""
+    if not pd:
+        return 0.0
+    return pd / (coupled if coupled else min(rates))
+
+
+def capacity_ratio_ci(flags: Mapping[tuple[str, float], Sequence[int]], pass_share: float,
+                      seed: int = 0, n: int = BOOTSTRAP,
+                      ratio: Callable[..., float] = ratio_of) -> list[float] | None:
+    """Bootstrap percentile interval (LEVEL) of pd capacity / coupled capacity.
+
+    Args:
+        flags: (side, rate) -> per-request within-SLO flags, for sides "pd" and "coupled".
+        pass_share: a rate passes when its share within SLO reaches this.
+    Returns: [low, high], or None without both sides."""
+    sides = {s for s, _ in flags}
+    if not {"pd", "coupled"} <= sides:
+        return None
+    rates = sorted({r for _, r in flags})
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        cap = {}
+        for side in ("pd", "coupled"):
+            shares = {}
+            for rate in rates:
+                f = flags.get((side, rate))
+                if f:
+                    shares[rate] = sum(rng.choices(f, k=len(f))) / len(f)
+            cap[side] = capacity_of(shares, pass_share)
+        out.append(ratio(cap["pd"], cap["coupled"], rates))
+    return _interval(out)
+
+
+__all__ = ["BOOTSTRAP", "LEVEL", "admission_figures", "capacity_of", "capacity_ratio_ci",
+           "met_slo", "ratio_of", "share_ci"]

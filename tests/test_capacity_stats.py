@@ -1,0 +1,93 @@
+"""`bench capacity`'s admission figures and bootstrap intervals (benchmarks/capacity_stats.py,
+issue 33) on constructed records and ledgers, and its helpers that need no cluster."""
+
+from __future__ import annotations
+
+import pytest
+
+from mooncaked.benchmarks.capacity import _best_chunk, overrides
+from mooncaked.benchmarks.capacity_stats import (admission_figures, capacity_of,
+                                                 capacity_ratio_ci, met_slo, ratio_of, share_ci)
+from mooncaked.replay.runner import RequestRecord
+
+
+def rec(rid: str, ttft: float | None, tbt: float | None, gaps: tuple[float, ...] = (0.1, 0.1),
+        ok: bool = True, rejected: bool = False) -> RequestRecord:
+    times = [ttft or 0.0]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestRecord(index=0, scheduled_s=0.0, sent_prompt_tokens=100, max_tokens=3,
+                         ok=ok, rejected=rejected, ttft_s=ttft, tbt_s=tbt,
+                         token_times_s=times if ok else [], request_id=rid)
+
+
+def test_met_slo():
+    assert met_slo(rec("a", 1.0, 0.2), 2.0, 0.3)
+    assert not met_slo(rec("a", 3.0, 0.2), 2.0, 0.3)
+    assert not met_slo(rec("a", 1.0, 0.4), 2.0, 0.3)
+    assert not met_slo(rec("a", None, None, ok=False, rejected=True), 2.0, 0.3)
+
+
+def test_admission_figures_count_false_rejections_and_misses():
+    records = [rec("a", 1.0, 0.2),              # admitted, met: fine
+               rec("b", 1.5, 0.25),             # shadow-rejected but met: false rejection
+               rec("c", 5.0, 0.2),              # shadow-rejected and missed: right call
+               rec("d", 4.0, 0.2),              # admitted and missed (TTFT): a miss
+               rec("e", 1.0, 0.2, gaps=(0.2, 0.2)),   # the node's check shadow-rejected it
+               rec("f", None, None, ok=False, rejected=True)]    # rejected for real
+    decisions = {
+        "a": [{"verdict": "admit", "predicted_ttft_s": 2.0, "predicted_tbt_s": 0.1}],
+        "b": [{"verdict": "shadow", "predicted_ttft_s": 3.0, "predicted_tbt_s": 0.1}],
+        "c": [{"verdict": "shadow", "predicted_ttft_s": 5.0, "predicted_tbt_s": 0.15}],
+        "d": [{"verdict": "admit", "predicted_ttft_s": 1.0, "predicted_tbt_s": 0.1}],
+        "e": [{"verdict": "admit", "predicted_ttft_s": 1.0, "predicted_tbt_s": 0.1},
+              {"verdict": "shadow", "predicted_ttft_s": None, "predicted_tbt_s": 0.5}]}
+    f = admission_figures(records, decisions, ttft_slo=2.0, tbt_slo=0.3)
+    assert f["with_decision"] == 6
+    assert f["would_reject"] == 4                   # b, c, e (shadow) and f (rejected)
+    assert f["false_rejections"] == 2               # b and e met both SLOs
+    assert f["admitted_misses"] == 1                # d
+    assert f["false_rejection_share"] == pytest.approx(2 / 6, abs=1e-4)
+    # TTFT errors |p - o| / o: a 1.0, b 1.0, c 0.0, d 0.75, e 0.0 -> median 0.75
+    assert f["ttft_pred_mare"] == 0.75 and f["ttft_pred_pairs"] == 5
+    # step: the first decision with a prediction against the median gap: a 0, b 0, c 0.5,
+    # d 0, e |0.1 - 0.2| / 0.2 = 0.5 -> median 0
+    assert f["step_pred_mare"] == 0.0 and f["step_pred_pairs"] == 5
+
+
+def test_share_ci_brackets_the_share_and_narrows_with_more_requests():
+    few = share_ci([1] * 8 + [0] * 2)
+    many = share_ci([1] * 80 + [0] * 20)
+    assert few[0] <= 0.8 <= few[1] and many[0] <= 0.8 <= many[1]
+    assert many[1] - many[0] < few[1] - few[0]
+    assert share_ci([1] * 10) == [1.0, 1.0] and share_ci([]) is None
+
+
+def test_capacity_ratio_ci():
+    assert capacity_of({0.1: 1.0, 0.2: 0.95, 0.4: 0.5}, 0.9) == 0.2
+    assert capacity_of({0.1: 0.5}, 0.9) is None
+    assert ratio_of(0.4, 0.2, [0.1, 0.2, 0.4]) == 2.0
+    assert ratio_of(0.4, None, [0.1, 0.2, 0.4]) == 4.0        # coupled below every rate
+    assert ratio_of(None, 0.2, [0.1]) == 0.0
+    # pd passes everywhere (60 of 60), coupled only at 0.1: the ratio is 4 in every resample
+    flags = {("pd", r): [1] * 60 for r in (0.1, 0.2, 0.4)}
+    flags |= {("coupled", 0.1): [1] * 60, ("coupled", 0.2): [0] * 60,
+              ("coupled", 0.4): [0] * 60}
+    assert capacity_ratio_ci(flags, 0.9, n=200) == [4.0, 4.0]
+    # coupled at 0.2 is at 90% exactly: about half the resamples pass it -> ratio 2 or 4
+    flags[("coupled", 0.2)] = [1] * 54 + [0] * 6
+    lo, hi = capacity_ratio_ci(flags, 0.9, n=400)
+    assert (lo, hi) == (2.0, 4.0)
+    assert capacity_ratio_ci({("pd", 0.1): [1]}, 0.9) is None
+
+
+def test_best_chunk_and_overrides():
+    by = {128: [{"side": "coupled", "rate": 0.1, "share_within_slo": 1.0},
+                {"side": "coupled", "rate": 0.2, "share_within_slo": 0.95}],
+          512: [{"side": "coupled", "rate": 0.1, "share_within_slo": 1.0},
+                {"side": "coupled", "rate": 0.2, "share_within_slo": 0.5}]}
+    assert _best_chunk(by) == 128
+    assert overrides(["conductor.refit_cost_model=false", "x.y=2", "z=abc"]) == {
+        "conductor.refit_cost_model": False, "x.y": 2, "z": "abc"}
+    with pytest.raises(ValueError, match="KEY=VALUE"):
+        overrides(["nope"])
