@@ -27,9 +27,7 @@ import pytest
 from mooncaked.coord.etcd_server import etcd_binary
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
 
-sys.path.insert(0, str(Path(__file__).parent))
-from api_server import run_server  # noqa: E402
-from cluster_harness import wait_until  # noqa: E402
+from cluster_harness import run_server, wait_until
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
