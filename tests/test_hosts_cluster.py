@@ -117,7 +117,7 @@ def env(tmp_path_factory):
         cl.start_backend()
         made = {h.netns for h in cl.hosts.hosts.values()}
         cl.start_node("cache0")
-        cl.wait_ready(120, nodes=["cache0"])        # first to campaign: it leads
+        cl.wait_ready(READY_TIMEOUT_S, nodes=["cache0"])   # first to campaign: it leads
         cl.start_node("prefill0")
         cl.start_node("decode0")
         (tmp / "ref").mkdir()
