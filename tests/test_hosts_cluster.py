@@ -27,9 +27,7 @@ import pytest
 from mooncaked.coord.etcd_server import etcd_binary
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
 
-sys.path.insert(0, str(Path(__file__).parent))
-from api_server import run_server  # noqa: E402
-from cluster_harness import wait_until  # noqa: E402
+from cluster_harness import run_server, wait_until
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),
@@ -119,7 +117,7 @@ def env(tmp_path_factory):
         cl.start_backend()
         made = {h.netns for h in cl.hosts.hosts.values()}
         cl.start_node("cache0")
-        cl.wait_ready(120, nodes=["cache0"])        # first to campaign: it leads
+        cl.wait_ready(READY_TIMEOUT_S, nodes=["cache0"])   # first to campaign: it leads
         cl.start_node("prefill0")
         cl.start_node("decode0")
         (tmp / "ref").mkdir()
