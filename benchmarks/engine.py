@@ -37,14 +37,23 @@ Cases (issue 2):
   6. decode_step_long_context (issue 15): the median decode step of `step_batch` (32)
      requests whose prompts are `step_long` (1,000) tokens, against the same batch with
      `step_short` (100) token prompts, ours on both sides (the step's attention must cost
-     what the KV it reads costs). Target: long / short <= 2.0.
+     what the KV it reads costs). Target: long / short <= 2.0. It runs after the other
+     cases; each length's prompts are prefilled once and come from the prefix cache in
+     every rep (only the decode steps are timed).
+
+`--dtype auto` (the default) runs what model.dtype = auto resolves to on this CPU, on both
+sides; the object says which (`dtype`, `requested_dtype`) and which CPU and kernel variants
+ours ran (`cpu`, `isa`, `decode_path`, `prefill_path`). bf16 on a CPU without native bf16
+skips the cases that cannot end in bounded time there (`skipped_cases`; the object's
+`skipped` lists them with the reason).
 
 Baselines live in small `_<name>_load` / `_<name>_decode` helpers and each case adds rows
 through `row(...)`: a new case or baseline is one more block of the same shape.
 
 Ratios: throughput rows are ours / baseline (higher is better); TTFT rows are
 ours / baseline too (lower is better); each row says so in `ratio_means`.
-Every rep of ours uses a fresh `cache_salt`, so no rep reuses another's blocks.
+Every rep of ours uses a fresh `cache_salt`, so no rep reuses another's blocks (case 6
+aside, as said).
 """
 
 from __future__ import annotations
