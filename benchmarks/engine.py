@@ -420,10 +420,9 @@ def run(dtype: str = "auto", reps: int = 3, decode_tokens: int = 64, concurrent:
                 c6["short" if n == step_short else "long"].append(
                     _decode_step_s(engine, step_prompts[n], step_tokens, step_salts[n], ids))
         step_hits = (engine.stats().prefix_hit_tokens_total - hits1) // reps
+        # (a rep whose prompts were evicted, with many reps in small KV pages, prefills them
+        # again: slower, the timed steps the same; prefix_hit_tokens_per_rep shows it)
         assert hits1 == hits0, "the first pass of case 6 hit the prefix cache"
-        bs = settings.engine.block_size
-        want_hits = step_batch * ((step_short - 1) // bs + (step_long - 1) // bs) * bs
-        assert step_hits >= want_hits, f"case 6 reps hit {step_hits} prompt tokens, want {want_hits}"
 
     med = statistics.median
 
