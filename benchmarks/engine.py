@@ -37,14 +37,23 @@ Cases (issue 2):
   6. decode_step_long_context (issue 15): the median decode step of `step_batch` (32)
      requests whose prompts are `step_long` (1,000) tokens, against the same batch with
      `step_short` (100) token prompts, ours on both sides (the step's attention must cost
-     what the KV it reads costs). Target: long / short <= 2.0.
+     what the KV it reads costs). Target: long / short <= 2.0. It runs after the other
+     cases; each length's prompts are prefilled once and come from the prefix cache in
+     every rep (only the decode steps are timed).
+
+`--dtype auto` (the default) runs what model.dtype = auto resolves to on this CPU, on both
+sides; the object says which (`dtype`, `requested_dtype`) and which CPU and kernel variants
+ours ran (`cpu`, `isa`, `decode_path`, `prefill_path`). bf16 on a CPU without native bf16
+skips the cases that cannot end in bounded time there (`skipped_cases`; the object's
+`skipped` lists them with the reason).
 
 Baselines live in small `_<name>_load` / `_<name>_decode` helpers and each case adds rows
 through `row(...)`: a new case or baseline is one more block of the same shape.
 
 Ratios: throughput rows are ours / baseline (higher is better); TTFT rows are
 ours / baseline too (lower is better); each row says so in `ratio_means`.
-Every rep of ours uses a fresh `cache_salt`, so no rep reuses another's blocks.
+Every rep of ours uses a fresh `cache_salt`, so no rep reuses another's blocks (case 6
+aside, as said).
 """
 
 from __future__ import annotations
@@ -411,10 +420,9 @@ def run(dtype: str = "auto", reps: int = 3, decode_tokens: int = 64, concurrent:
                 c6["short" if n == step_short else "long"].append(
                     _decode_step_s(engine, step_prompts[n], step_tokens, step_salts[n], ids))
         step_hits = (engine.stats().prefix_hit_tokens_total - hits1) // reps
+        # (a rep whose prompts were evicted, with many reps in small KV pages, prefills them
+        # again: slower, the timed steps the same; prefix_hit_tokens_per_rep shows it)
         assert hits1 == hits0, "the first pass of case 6 hit the prefix cache"
-        bs = settings.engine.block_size
-        want_hits = step_batch * ((step_short - 1) // bs + (step_long - 1) // bs) * bs
-        assert step_hits >= want_hits, f"case 6 reps hit {step_hits} prompt tokens, want {want_hits}"
 
     med = statistics.median
 

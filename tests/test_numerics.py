@@ -2,11 +2,13 @@
 
 The resolution is a pure function, checked for every CPU level here whatever this machine
 is; the engine tests run the real bundled model: `auto` against the exact `float32` path
-on this CPU. Accuracy stated by model/numerics.py: where auto resolves to float32, the
-prefill is the float32 engine's bit for bit (same dense fp32 linears), and decode steps
-the fused step takes (int8 activations over the GGUF blocks) keep greedy tokens equal
-where the fp32 reference's top-2 gap exceeds CLEAR_MARGIN (test_quant's margin); where it
-resolves to bfloat16 (AVX512-BF16), the first token's logprob is within BF16_LOGPROB_ATOL.
+on this CPU. Accuracy stated by model/numerics.py: where auto resolves to float32 the
+prefill's layers are the float32 engine's (same dense fp32 linears); the logits of steps
+the fused step serves (decodes, and the LM head of a step's last rows, with int8
+activations over the GGUF blocks) keep greedy tokens equal where the fp32 reference's
+top-2 gap exceeds CLEAR_MARGIN (test_quant's margin), and the first token's logprob within
+LOGPROB_ATOL (measured 0.076 on the AMD EPYC, fused-avx2); likewise where it resolves to
+bfloat16 (AVX512-BF16). With the fused step off, auto on fp32 is the float32 engine exactly.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from mooncaked.model.numerics import DTYPE_CHOICES, resolve
 from mooncaked.store.keys import make_salt
 
 CLEAR_MARGIN = 1.0        # nats; where the fp32 reference's top-2 gap exceeds it, greedy agrees
-BF16_LOGPROB_ATOL = 0.5   # first token's logprob, bf16 (auto on AVX512-BF16) vs fp32
+LOGPROB_ATOL = 0.5        # first token's logprob vs fp32: bf16, or the fused step's LM head
 NEW_TOKENS = 24
 
 
@@ -105,10 +107,10 @@ def test_auto_matches_the_fp32_reference(engines, bundled_model):
     want, want_lp = _greedy(ref, prompt, "ref")
     got, got_lp = _greedy(auto, prompt, "auto")
     assert len(got) == len(want) == NEW_TOKENS
-    if auto.numerics.dtype == "float32":   # same dense fp32 prefill: the first token bit for bit
+    if auto.numerics.dtype == "float32" and auto.model.fused is None:   # the exact path itself
         assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=1e-5)
-    else:
-        assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=BF16_LOGPROB_ATOL)
+    else:   # the fused step's LM head (int8 activations) or bf16 (measured 0.076 on AVX2 fused)
+        assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=LOGPROB_ATOL)
     if auto.model.fused is None and auto.numerics.dtype == "float32":
         assert got == want   # every step on the exact path
     for i, (g, w, lp) in enumerate(zip(got, want, want_lp)):

@@ -12,11 +12,13 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
   test_quant's bounds of the fp32 reference.
 - any other CPU (AVX2 only, AVX-512 without bf16, ARM): float32 activations and KV.
   torch's bf16 matmuls and int4 kernels run emulated without native bf16 (20-70x
-  slower), so the linears are dense fp32, dequantized from the file: prefill and every
-  step the fused decode step does not take are exactly `dtype = float32`. The GGUF's
-  blocks are kept beside them for the fused decode step (int8 activations against the
-  Q4/Q8 blocks, as llama.cpp; model/fused.py `why_not` decides whether it runs on this
-  CPU): those decode steps' logits are within test_quant's bounds of the fp32 reference.
+  slower), so the linears are dense fp32, dequantized from the file: the prefill's layers
+  and every decode step the fused step does not take are exactly `dtype = float32`. The
+  GGUF's blocks are kept beside them for the fused decode step (int8 activations against
+  the Q4/Q8 blocks, as llama.cpp; model/fused.py `why_not` decides whether it runs on
+  this CPU), which also runs the LM head of steps with few rows (a prefill's last token
+  included): greedy tokens equal the fp32 reference's where its top-2 gap exceeds 1 nat,
+  the first token's logprob within 0.5 (measured 0.076 on an AMD EPYC, fused-avx2).
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
 
 `dtype = float32` is the exact option: dense fp32 weights dequantized from the file and
