@@ -1,6 +1,5 @@
 """End to end: a disaggregated cluster of real `mooncaked serve` processes on loopback
-(local coordination backend), against a single-process `--role all` reference (the run's
-default server, conftest).
+(local coordination backend), against a single-process `--role all` reference.
 
 One module-scoped cluster: c1 (cache role, API front end, started first so it is the
 first conductor), p1 (prefill), d1 and d2 (decode). The tests run in any order (pytest-randomly
@@ -34,6 +33,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 import uuid
 from pathlib import Path
 
@@ -47,7 +47,7 @@ from cluster_harness import CONSTRAINED_LOGPROBS, logprob_values
 from cluster_harness import metrics as api_metrics
 from cluster_harness import stream as sse_stream
 
-from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 
 BIN = Path(sys.executable).parent
@@ -77,10 +77,17 @@ TEST_COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.3, 0.002)),
                       meta={"source": "test"})
 
 
+def _health(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="module")
-def env(tmp_path_factory, default_server):
-    """(cluster, reference URL): the cluster and the run's default `--role all` server
-    (conftest; shared: the reference requests carry fresh cache salts), both ready."""
+def env(tmp_path_factory):
+    """(cluster, reference URL): the cluster and a `--role all` process, both ready."""
     tmp = tmp_path_factory.mktemp("cluster")
     cost = tmp / "cost_model.json"
     TEST_COST.save(cost)
@@ -105,6 +112,13 @@ def env(tmp_path_factory, default_server):
     p1 = NodeSpec("prefill", "p1", env={"MOONCAKED_FAILPOINTS": ""})
     cluster = LocalCluster(tmp / "c", [c1, p1, NodeSpec("decode", "d1"),
                                        NodeSpec("decode", "d2")], settings=settings)
+    ref_port = free_port()
+    ref_log = (tmp / "ref.log").open("wb")
+    ref = subprocess.Popen([str(BIN / "mooncaked"), "serve", "--role", "all", "--port",
+                            str(ref_port), "--set", f"engine.kv_cache_bytes={KV_CACHE_BYTES}"],
+                           stdout=ref_log, stderr=subprocess.STDOUT, cwd=tmp,
+                           start_new_session=True)
+    ref_url = f"http://127.0.0.1:{ref_port}"
     try:
         cluster.start_backend()
         cluster.start_node("c1")                       # first: it wins the first election
@@ -112,11 +126,24 @@ def env(tmp_path_factory, default_server):
         for nid in ("p1", "d1", "d2"):
             cluster.start_node(nid)
         cluster.wait_ready(READY_TIMEOUT_S)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while not _health(ref_url):
+            assert ref.poll() is None, (tmp / "ref.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "reference server not ready"
+            time.sleep(0.2)   # poll interval; readiness is /health
         cluster.notify = notify
-        yield cluster, default_server.url
+        yield cluster, ref_url
     finally:
         notify.close()
         cluster.stop()
+        if ref.poll() is None:
+            ref.send_signal(signal.SIGTERM)
+            try:
+                ref.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(ref.pid, signal.SIGKILL)
+                ref.wait(10)
+        ref_log.close()
 
 
 async def _post(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict, dict]:
