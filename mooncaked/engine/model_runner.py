@@ -167,7 +167,9 @@ class ModelRunner:
         rows_at = [ends[i] for i in want]
         if rows_at != list(range(hidden.shape[0])):  # else every token samples (decodes)
             hidden = hidden[upload(torch.tensor(rows_at), dev)]
-        logits = self.model.logits(hidden)
+        # decodes come first in a batch (sched.decodes), so their rows lead `want` too
+        num_decodes = len(sched.decodes)
+        logits = self.model.logits(hidden, sum(1 for i in want if i < num_decodes))
         rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens)
                 for i in want]
         if logits.device.type != "cpu" and (masks is not None or needs_host_sampling(rows)):

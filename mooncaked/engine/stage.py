@@ -317,7 +317,7 @@ class StageEngine:
         hidden = self.model.forward(x, pos, meta, self.kv_cache)
         seq.num_tokens, seq.ran = end, True
         if want_logits:
-            return self.model.logits(hidden[-1:])[0]
+            return self.model.logits(hidden[-1:], num_decode_rows=0)[0]
         return hidden
 
     def read_kv(self, request_id: str) -> torch.Tensor:

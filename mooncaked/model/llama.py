@@ -254,17 +254,40 @@ class LlamaModel:
         return h
 
     @torch.inference_mode()
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, num_decode_rows: int | None = None) -> torch.Tensor:
         """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab].
 
-        With the fused step built, up to fused_decode_max_batch rows (every decode step it
-        runs, and the first token of prefills) take its head: fp32 norm and logits over the
-        file's own Q8_0/Q4 head. The per-op head rounds logits to bf16 (steps of 1/8 at a
-        logit of 20), which made near ties exact, and which of two tied tokens won then
-        depended on the path: a cached prefix (a 1-token int4 step) answered a chat
-        prompt differently from a cold prefill of the same prompt."""
-        if self.fused is not None and (hidden.dtype == torch.float32 and self.dtype != torch.float32
-                                       or hidden.shape[0] <= self.fused_decode_max_batch):
+        num_decode_rows: how many leading rows are decode tokens (the runner puts decodes
+        first; the rest are prefills' last tokens), or None when unknown.
+
+        With the fused step built, the rows it decoded take its head: fp32 norm and logits
+        over the file's own Q8_0/Q4 head with int8 activations (as llama.cpp), the same
+        whatever shares the step. Prefill rows:
+        - bf16 models: up to fused_decode_max_batch rows take the fused head too. The
+          per-op head rounds logits to bf16 (steps of 1/8 at a logit of 20), which made
+          near ties exact, and which of two tied tokens won then depended on the path: a
+          cached prefix (a 1-token int4 step) answered a chat prompt differently from a
+          cold prefill of the same prompt.
+        - fp32 models (`dtype = auto` on CPUs without native bf16): the dense fp32 head,
+          so a prompt's first token is exactly `dtype = float32`'s. The fused head's int8
+          activations flipped the bundled model's near tie on the quickstart's question
+          ('The' vs 'L', 0.04 apart), and the answer that followed was nonsense."""
+        if self.fused is None:
+            return self._dense_logits(hidden)
+        if self.dtype == torch.float32 and num_decode_rows is not None:
+            nd = num_decode_rows if 0 < num_decode_rows <= self.fused_decode_max_batch else 0
+            if nd == 0:
+                return self._dense_logits(hidden)
+            head = fused.logits(self, hidden[:nd].float())
+            if nd == hidden.shape[0]:
+                return head
+            return torch.cat([head, self._dense_logits(hidden[nd:])])
+        if (hidden.dtype == torch.float32 and self.dtype != torch.float32
+                or hidden.shape[0] <= self.fused_decode_max_batch):
             # (fp32 rows come from a step the fused decode took part in: its head for all)
             return fused.logits(self, hidden.float())
+        return self._dense_logits(hidden)
+
+    def _dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The per-op final norm and LM head in the model's dtype: fp32 [N, vocab]."""
         return self.lm_head(self._rms_norm(hidden, self.norm)).float()

@@ -16,9 +16,9 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
   and every decode step the fused step does not take are exactly `dtype = float32`. The
   GGUF's blocks are kept beside them for the fused decode step (int8 activations against
   the Q4/Q8 blocks, as llama.cpp; model/fused.py `why_not` decides whether it runs on
-  this CPU), which also runs the LM head of steps with few rows (a prefill's last token
-  included): greedy tokens equal the fp32 reference's where its top-2 gap exceeds 1 nat,
-  the first token's logprob within 0.5 (measured 0.076 on an AMD EPYC, fused-avx2).
+  this CPU) and its LM head for the decode rows: greedy tokens equal the fp32
+  reference's where its top-2 gap exceeds 1 nat. A prefill's last row takes the dense
+  fp32 head, so a prompt's first token is exactly `dtype = float32`'s (LlamaModel.logits).
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
 
 `dtype = float32` is the exact option: dense fp32 weights dequantized from the file and
