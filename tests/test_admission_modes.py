@@ -134,9 +134,10 @@ def test_default_model_does_not_reject_until_calibrated():
     r = place(svc, "y", n=600)               # 1.22 s now (x's prefill was reported done)
     assert r["ok"] and abs(r["predicted_ttft_s"] - 3.65 / 3) < 1e-9
     assert svc.admissions(["y"])["decisions"]["y"]["verdict"] == "admit"
-    # a request the calibrated model predicts to miss is rejected for real
+    # a request the calibrated model predicts to miss even on this idle cluster is rejected
+    # for real, as one no wait can help (HTTP 400 slo_unattainable, not a 429)
     r = place(svc, "z", n=6000)
-    assert not r["ok"] and r["reason"] == "ttft_slo"
+    assert not r["ok"] and r["reason"] == "ttft_slo_unattainable"
 
 
 def test_calibration_leaves_a_model_within_tolerance_alone():

@@ -178,7 +178,7 @@ def test_nodes_bind_and_advertise_their_hosts_addresses_and_measure_their_links(
         st = cluster.status() or {}
         links = {n: v.get("links") for n, v in (st.get("nodes") or {}).items() if v.get("links")}
         return (links, st["transfer_bandwidth"]) if links else None
-    links, bw = wait_until(measured, 10, "a measured link in the conductor's status")
+    links, bw = wait_until(measured, 60, "a measured link in the conductor's status")
     rates = [r for paths in links.values() for r in paths.values()]
     # a 1gbit link moves 125 MB/s; loopback would read several GB/s (the tbf burst lets a
     # short push run ahead of the rate, hence the slack)

@@ -10,15 +10,13 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
   Q4_0/Q4_1/Q8_0 blocks kept (the fused decode step; bf16 prefill attention). This is
   what measured fastest there (docs/benchmarks.md, issues 15 and 19). Logits within
   test_quant's bounds of the fp32 reference.
-- any other CPU (AVX2 only, AVX-512 without bf16, ARM): float32 activations and KV.
-  torch's bf16 matmuls and int4 kernels run emulated without native bf16 (20-70x
-  slower), so the linears are dense fp32, dequantized from the file: the prefill's layers
-  and every decode step the fused step does not take are exactly `dtype = float32`. The
-  GGUF's blocks are kept beside them for the fused decode step (int8 activations against
-  the Q4/Q8 blocks, as llama.cpp; model/fused.py `why_not` decides whether it runs on
-  this CPU) and its LM head for the decode rows: greedy tokens equal the fp32
-  reference's where its top-2 gap exceeds 1 nat. A prefill's last row takes the dense
-  fp32 head, so a prompt's first token is exactly `dtype = float32`'s (LlamaModel.logits).
+- any other CPU (AVX2 only, AVX-512 without bf16, ARM): float32, the exact dense path
+  (as `dtype = float32`). torch's bf16 matmuls and int4 kernels run emulated without
+  native bf16 (20-70x slower). The fused decode step runs on AVX2 too (kernels/cpu_gemv.py,
+  8.4x transformers at batch 1, docs/benchmarks.md) but is not chosen here yet: its int8
+  activations make a token's numerics depend on the batch size and on the path (a P/D
+  decode node, a resumed request), which this project's tests of batch invariance and
+  P/D = one process catch. `dtype = bfloat16` keeps the blocks and takes it.
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
 
 `dtype = float32` is the exact option: dense fp32 weights dequantized from the file and
@@ -90,6 +88,10 @@ def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numer
     if isa == "avx512_bf16":
         return Numerics("bfloat16", weight_format, weight_format != "dequantized",
                         "auto on a CPU with native bf16 (avx512_bf16): bfloat16")
-    return Numerics("float32", weight_format, weight_format != "dequantized",
-                    f"auto on a CPU without native bf16 ({isa}): float32 activations and KV, "
-                    f"dense fp32 linears, the file's blocks kept for the fused decode step")
+    # Not yet the fused AVX2 decode step (kernels/cpu_gemv.py's avx2 variant): its int8
+    # activations give a token numerics that depend on the batch size (fused up to
+    # fused_decode_max_batch rows, dense beyond) and on the path (a P/D decode node, a
+    # resumed request), and 14 tests of batch invariance and P/D = one process failed with
+    # it on by default (AMD EPYC, 2026-12-03). Until those paths agree it stays off here.
+    return Numerics("float32", "dequantized", False,
+                    f"auto on a CPU without native bf16 ({isa}): float32, the exact dense path")
