@@ -196,7 +196,10 @@ def test_nodes_bind_and_advertise_their_hosts_addresses_and_measure_their_links(
                           "-c", str(cluster.write_ctl_config())],
                          capture_output=True, text=True, timeout=60,
                          env={**os.environ, "COLUMNS": "200"})
-    assert out.returncode == 0 and "Mbit/s" in out.stdout and "measured paths" in out.stdout
+    # the rate as ctl prints it: Mbit/s below 1 Gbit/s, Gbit/s above (the tbf burst can let
+    # a short push read above the link's 1 Gbit/s, within the 2.5x slack asserted above)
+    assert out.returncode == 0 and "measured paths" in out.stdout, out.stdout
+    assert "Mbit/s" in out.stdout or "Gbit/s" in out.stdout, out.stdout
 
 
 def test_api_node_cut_from_the_conductor_waits_placement_wait_then_503(env):

@@ -47,7 +47,7 @@ from mooncaked.store.types import Inventory
 from . import calibration_cache, cost_store
 from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from .attainable import longest_attainable, unattainable
-from .cost_model import CostModel, step_with_request_s
+from .cost_model import CostModel, step_with_request_s, with_measured_bandwidth
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
@@ -298,6 +298,10 @@ class ConductorService:
                 if self.model.cost.meta.get("source") != "default" else "built-in default")
         return self.model.cost
 
+    def link_rates(self) -> list[float]:
+        """Every peer path's measured bandwidth (bytes/s) the nodes reported."""
+        return [r for v in self.nodes.values() for r in v.links.values()]
+
     def not_ready(self) -> str | None:
         """Why a request sent now would not be placed, or None when it would: this
         conductor has a live report from a prefill node (or a complete CPP group) and one
@@ -335,7 +339,7 @@ class ConductorService:
         exclude = set(req.exclude)
         decode_only = req.decode_only
         now = time.monotonic()
-        cost = self._cost()
+        cost = with_measured_bandwidth(self._cost(), self.link_rates())
         cs = self.settings.conductor
         pre = self._eligible("prefill", exclude, now)
         pre, groups = split_groups(pre)      # CPP stages are placed as groups (cpp_place.py)
@@ -590,7 +594,8 @@ class ConductorService:
                 "queue_s": round(queue_s(v, cost), 4) if cost is not None else None,
                 "decode_batch": v.decode_batch, "decode_context_tokens": v.decode_context_tokens,
                 "free_kv_tokens": v.free_kv_tokens, "indexed_blocks": self.index.blocks_on(nid),
-                "store_seq": v.store_seq, "placed": v.placed}
+                "store_seq": v.store_seq, "placed": v.placed,
+                "links": {p: round(r) for p, r in sorted(v.links.items())}}
         return {
             "leader": self.node_id, "since": self.started_at, "placed": self.placed,
             "rejected": dict(self.rejected), "indexed_keys": len(self.index), "nodes": nodes,
@@ -598,6 +603,11 @@ class ConductorService:
                           "warmup_steps": self.settings.conductor.admission_warmup,
                           **self.admission.status()},
             "policy": self.settings.conductor.policy,
+            "transfer_bandwidth": {
+                "configured_bytes_per_s": cost.transfer.bandwidth_bytes_per_s if cost else None,
+                "used_bytes_per_s": (with_measured_bandwidth(cost, self.link_rates())
+                                     .transfer.bandwidth_bytes_per_s if cost else None),
+                "measured_paths": len(self.link_rates())},
             "cpp_groups": {"complete": {g.name: [v.node_id for v in g.stages] for g in split_groups(
                                [v for v in self.nodes.values() if v.role == "prefill"])[1]},
                            "learned": self.cpp_learner.status()},
