@@ -1,5 +1,6 @@
 """Shared fixtures (the bundled model's path, the shared trace, the run's one etcd and one
-default server: tests/cluster_harness.py) and the suite's CI rule.
+default server, one each per pytest-xdist worker: tests/cluster_harness.py) and the
+suite's CI rule.
 
 The CI rule: when the environment variable CI is set (to anything but "", "0", "false" or
 "no"; `.ci/run` runs under CI=true), a test that skips FAILS instead, whatever skipped it:
@@ -157,8 +158,8 @@ def shared_trace() -> Path:
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory):
-    """The run's one `mooncaked serve --role all` with default settings (a free loopback
-    port; cluster_harness.Server: url, proc, log). The API and replay modules share it, so
+    """The run's one `mooncaked serve --role all` with default settings, one per
+    pytest-xdist worker (a free loopback port; cluster_harness.Server: url, proc, log). The API and replay modules share it, so
     a test leaves it as it found it: it never stops it or changes its settings, and a test
     that asserts on prefix hits or counters uses its own cache_salt or prompts and compares
     counters before and after. Stopped at the end of the run (SIGTERM, then SIGKILL)."""
@@ -168,8 +169,8 @@ def default_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory):
-    """The run's one etcd (single member, free loopback ports; `.endpoint` is its client
-    URL). Tests sharing it keep to a key prefix of their own (cluster_harness.etcd_prefix).
+    """The run's one etcd, one per pytest-xdist worker (single member, free loopback
+    ports; `.endpoint` is its client URL). Tests sharing it keep to a key prefix of their own (cluster_harness.etcd_prefix).
     Tests that stop, pause or restart etcd, or need TLS, start their own. Skips (fails
     under CI) when etcd is not installed."""
     if cluster_harness.etcd_binary() is None:
