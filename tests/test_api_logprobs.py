@@ -202,3 +202,48 @@ def test_echo_and_prompt_logprobs_score_the_prompt(server):
     assert [x["choices"][0]["logprobs"] for x in chunks if x["choices"][0]["logprobs"]] == [lp]
     assert chat_status == 200 and chat["prompt_logprobs"][0] is None
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+# lm-evaluation-harness on the served model and on transformers, the same weights (fp32):
+# each item's loglikelihood (a sum over the answer's tokens) differs by float rounding only,
+# 4.1e-5 at most measured here (AMD EPYC, torch 2.13, transformers 5.24), bound 1e-3; so
+# the accuracies are equal unless two answers of an item are within twice that.
+LM_EVAL_LL_ATOL = 1e-3
+
+
+def test_lm_eval_harness_scores_the_server_as_transformers(server, bundled_model, tmp_path):
+    """The real lm-evaluation-harness (issue 32): its `local-completions` model against the
+    server (echo + logprobs: prompt logprobs) and its `hf` model on the same GGUF weights,
+    on a multiple-choice task of 32 items from local files (tests/lm_eval_tasks, no hub),
+    offline. Same accuracy, and every item's every answer scored the same within
+    LM_EVAL_LL_ATOL (lm-eval's log_samples)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    root = Path(__file__).parent.parent
+    tok = tmp_path / "tokenizer"                    # lm-eval loads it by path: no hub
+    transformers.AutoTokenizer.from_pretrained(
+        str(bundled_model.parent), gguf_file=bundled_model.name).save_pretrained(tok)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    api = (f"base_url={server.url}/v1/completions,model=SmolLM2-135M-Instruct.Q4_1,"
+           f"tokenizer={tok},tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
+    hf = f"pretrained={bundled_model.parent},gguf_file={bundled_model.name},dtype=float32"
+    r = subprocess.run([sys.executable, str(root / "tests/lm_eval_tasks/run_mc_facts.py"),
+                        "local-completions", api, "hf", hf], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours, theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(ours["items"]) == len(theirs["items"]) == 32
+    worst = 0.0
+    for a, b in zip(ours["items"], theirs["items"]):
+        assert a["doc_id"] == b["doc_id"] and len(a["loglikelihoods"]) == 4
+        worst = max(worst, *(abs(x - y) for x, y in zip(a["loglikelihoods"], b["loglikelihoods"])))
+    assert worst < LM_EVAL_LL_ATOL, worst
+    assert ours["acc"] == theirs["acc"] and ours["acc_norm"] == theirs["acc_norm"]
+    assert 0.5 <= ours["acc"] < 1.0          # the model knows some and misses some
