@@ -637,7 +637,8 @@ class NodeReport:
     by the node's spf queue); `prefill_steps`: timed steps of prefill chunks only ((new
     tokens, tokens cached before them, seconds): the conductor calibrates from them);
     `links`: what its transfer engine measured on each peer path, peer node id -> bytes/s
-    (transfer/bandwidth.py)."""
+    (transfer/bandwidth.py); `stalled`: why the node cannot take a request now ("" when
+    it can: a CPP stage whose slots are all held without progress, or hung)."""
 
     node: str
     role: str = ""
@@ -652,10 +653,11 @@ class NodeReport:
     waiting: tuple[str, ...] = ()
     prefill_steps: tuple[tuple[int, int, float], ...] = ()
     links: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    stalled: str = ""
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
-                "links": dict(self.links),
+                "links": dict(self.links), "stalled": self.stalled,
                 "pending": {rid: list(v) for rid, v in self.pending.items()},
                 "waiting": list(self.waiting),
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
@@ -683,7 +685,8 @@ class NodeReport:
                    _get(d, "store_seq", int, -1),
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
                    tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
-                   tuple(str(r) for r in _get(d, "waiting", list, [])), psteps, links)
+                   tuple(str(r) for r in _get(d, "waiting", list, [])), psteps, links,
+                   _get(d, "stalled", str, ""))
 
 
 __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",

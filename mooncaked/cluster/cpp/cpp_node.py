@@ -164,12 +164,18 @@ class CppStageWorker:
         on stage 0 for one of the pipeline's RECEIVE_SLOTS."""
         return tuple(sorted(self._waiting))
 
+    def stalled(self) -> str | None:
+        """Why this stage cannot take a request now (StageServer.stalled), or None; the
+        node reports it (NodeReport.stalled) and the conductor places no request on its
+        group meanwhile."""
+        return self.server.stalled()
+
     def status(self) -> dict:
         """This stage's layers, weights, pages and the requests it holds (node.status)."""
         e, srv = self.engine, self.server
         return {**self.info(), "requests": sorted(srv.reqs), "stage_pages": sorted(e.seqs),
                 "free_blocks": e.num_free_blocks(), "free_slots": len(srv.free_slots),
-                "next": srv.next_addr,
+                "next": srv.next_addr, "stalled": self.stalled(),
                 "prefix": self.prefix.status() if self.prefix is not None else None}
 
     async def handle(self, payload: Any) -> dict:
