@@ -64,13 +64,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.cpu_isa(LEVEL), LEVEL one "
                                     f"of {cpu_isa.LEVELS}")
         level = mark.args[0]
+        # counted from the setup report (pytest_runtest_logreport), which also reaches the
+        # controller of a pytest-xdist run
+        item.user_properties.append(("cpu_isa", (level, cpu_isa.has(level))))
         if not cpu_isa.has(level):
-            _ISA_SKIPPED[level] = _ISA_SKIPPED.get(level, 0) + 1
             reason = (f"needs ISA level {level}; this CPU runs {cpu_isa.isa_level()} "
                       f"({cpu_isa.cpu_name()})")
             item.stash[_HARDWARE_SKIP] = reason
             pytest.skip(reason)
-        _ISA_TESTED[level] = _ISA_TESTED.get(level, 0) + 1
     for name in ("gpu", "rdma_devices"):
         for mark in item.iter_markers(name):
             if not mark.args or "reason" not in mark.kwargs:
@@ -79,6 +80,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             if mark.args[0]:
                 item.stash[_HARDWARE_SKIP] = mark.kwargs["reason"]
                 pytest.skip(mark.kwargs["reason"])
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Counts the tests of each ISA level that ran and that this CPU could not run."""
+    if report.when != "setup":
+        return
+    for key, value in report.user_properties:
+        if key == "cpu_isa":
+            level, runs = value
+            counts = _ISA_TESTED if runs else _ISA_SKIPPED
+            counts[level] = counts.get(level, 0) + 1
 
 
 @pytest.hookimpl(wrapper=True)
