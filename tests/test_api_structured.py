@@ -278,7 +278,7 @@ def test_auto_tool_calls_parse_the_hermes_format_and_stream_whole():
 def test_length_bounded_strings_parse_strictly_and_validate(server):
     """Issue 32, fault 3: tab-separated rows into a string with maxLength gave a raw tab
     (`{"row": "3\\tbob\\t33"}`, which a strict parser refuses). Now every answer, greedy
-    and sampled, parses with orjson and validates with jsonschema, on both endpoints."""
+    and sampled, parses with orjson and validates with jsonschema."""
     import orjson
 
     schema = {"type": "object", "properties": {"row": {"type": "string", "maxLength": 60}},
