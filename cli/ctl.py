@@ -109,6 +109,8 @@ def _table(title: str, columns: list[str], rows: list[list[Any]]) -> None:
 def _health(n: dict) -> str:
     if "error" in n:
         return "[red]unreachable[/red]"
+    if ((n["status"].get("cpp") or {}).get("stalled")):     # a CPP stage that takes nothing now
+        return "[red]stalled[/red]"
     return "[yellow]draining[/yellow]" if n["status"].get("draining") else "[green]ok[/green]"
 
 

@@ -133,3 +133,117 @@ def test_constrained_output_logprobs_are_numbers(server, case):
     chunks = [e for e in events if e != "[DONE]" and e["choices"] and e["choices"][0]["logprobs"]]
     streamed = [v for c in chunks for v in logprob_values({"choices": c["choices"]})]
     assert streamed == vals
+
+
+def test_echo_and_prompt_logprobs_score_the_prompt(server):
+    """Prompt logprobs on one process (issue 32): echo with logprobs and max_tokens 0
+    (what lm-evaluation-harness's local-completions sends for a loglikelihood) answers the
+    prompt's tokens, the first with a null logprob as OpenAI does; the scores are those of
+    generation (the logprob of ' Paris' after the question equals what a 1-token greedy
+    completion of the question reports); vLLM's prompt_logprobs ranks each token; a
+    cached prefix is recomputed (no prefix hit, the same values); streamed the same."""
+    url = f"{server.url}/v1/completions"
+    text = "The capital of France is Paris"
+    echo = {"prompt": text, "max_tokens": 0, "echo": True, "logprobs": 2, "temperature": 0,
+            "cache_salt": "echo-lp"}
+    scored = {"prompt": text, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3,
+              "cache_salt": "echo-lp"}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            out = [await post(s, url, b) for b in (
+                echo, scored, scored,
+                {"prompt": text.removesuffix(" Paris"), "max_tokens": 1, "temperature": 0,
+                 "logprobs": 0, "cache_salt": "echo-lp"},
+                {"prompt": text, "prompt_logprobs": -1},
+                {"prompt": text, "max_tokens": 0})]
+            events = await stream(s, url, {**echo, "stream": True})
+            chat = await post(s, f"{server.url}/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                "prompt_logprobs": 0})
+            return out, events, chat
+    out, events, (chat_status, chat) = asyncio.run(go())
+    (s1, e), (s2, p), (s3, again), (s4, gen), (s5, bad), (s6, zero) = out
+    assert (s1, s2, s3, s4) == (200, 200, 200, 200), out
+    c = e["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == text and c["finish_reason"] == "length"
+    assert e["usage"]["completion_tokens"] == 0 and e["usage"]["prompt_tokens"] == len(lp["tokens"]) == 6
+    assert "".join(lp["tokens"]) == text
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [text.index(t, o) for t, o in zip(lp["tokens"], lp["text_offset"])]
+    assert lp["text_offset"][0] == 0 and all(v < 0 for v in lp["token_logprobs"][1:])
+    for tok, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert top[tok] == v and 2 <= len(top) <= 3
+    # the score of ' Paris' is the logprob generation gives it after the question
+    g = gen["choices"][0]["logprobs"]
+    assert g["tokens"] == [" Paris"]
+    assert abs(g["token_logprobs"][0] - lp["token_logprobs"][-1]) < 1e-4
+    # vLLM's prompt_logprobs: None first, then {token id: {logprob, rank, decoded_token}}
+    pl = p["choices"][0]["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == 6
+    for entry, tok, v in zip(pl[1:], lp["tokens"][1:], lp["token_logprobs"][1:]):
+        mine = [x for x in entry.values() if x["decoded_token"] == tok]
+        assert mine and mine[0]["logprob"] == v and mine[0]["rank"] >= 1
+        # the top 3 ranked 1..3, and the prompt token beside them when it is not among them
+        in_top = mine[0]["rank"] <= 3
+        ranks = sorted(x["rank"] for x in entry.values() if in_top or x is not mine[0])
+        assert ranks == [1, 2, 3] and len(entry) == (3 if in_top else 4)
+        best = max(x["logprob"] for x in entry.values())
+        assert (mine[0]["rank"] == 1) == (mine[0]["logprob"] == best)
+    assert p["choices"][0]["text"] and p["usage"]["completion_tokens"] == 2
+    # the repeat finds the prompt cached, recomputes it and answers the same values
+    assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert again["choices"][0]["prompt_logprobs"] == pl
+    assert s5 == 400 and bad["error"]["param"] == "prompt_logprobs"
+    assert s6 == 400 and zero["error"]["param"] == "max_tokens"
+    chunks = [x for x in events if x != "[DONE]"]
+    assert "".join(x["choices"][0]["text"] for x in chunks) == text
+    assert [x["choices"][0]["logprobs"] for x in chunks if x["choices"][0]["logprobs"]] == [lp]
+    assert chat_status == 200 and chat["prompt_logprobs"][0] is None
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"]
+
+
+# lm-evaluation-harness on the served model and on transformers, the same weights (fp32):
+# each item's loglikelihood (a sum over the answer's tokens) differs by float rounding only,
+# 4.1e-5 at most measured here (AMD EPYC, torch 2.13, transformers 5.24), bound 1e-3; so
+# the accuracies are equal unless two answers of an item are within twice that.
+LM_EVAL_LL_ATOL = 1e-3
+
+
+def test_lm_eval_harness_scores_the_server_as_transformers(server, bundled_model, tmp_path):
+    """The real lm-evaluation-harness (issue 32): its `local-completions` model against the
+    server (echo + logprobs: prompt logprobs) and its `hf` model on the same GGUF weights,
+    on a multiple-choice task of 32 items from local files (tests/lm_eval_tasks, no hub),
+    offline. Same accuracy, and every item's every answer scored the same within
+    LM_EVAL_LL_ATOL (lm-eval's log_samples)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import transformers
+
+    root = Path(__file__).parent.parent
+    tok = tmp_path / "tokenizer"                    # lm-eval loads it by path: no hub
+    transformers.AutoTokenizer.from_pretrained(
+        str(bundled_model.parent), gguf_file=bundled_model.name).save_pretrained(tok)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
+    api = (f"base_url={server.url}/v1/completions,model=SmolLM2-135M-Instruct.Q4_1,"
+           f"tokenizer={tok},tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
+    hf = f"pretrained={bundled_model.parent},gguf_file={bundled_model.name},dtype=float32"
+    r = subprocess.run([sys.executable, str(root / "tests/lm_eval_tasks/run_mc_facts.py"),
+                        "local-completions", api, "hf", hf], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ours, theirs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert len(ours["items"]) == len(theirs["items"]) == 32
+    worst = 0.0
+    for a, b in zip(ours["items"], theirs["items"]):
+        assert a["doc_id"] == b["doc_id"] and len(a["loglikelihoods"]) == 4
+        worst = max(worst, *(abs(x - y) for x, y in zip(a["loglikelihoods"], b["loglikelihoods"])))
+    assert worst < LM_EVAL_LL_ATOL, worst
+    assert ours["acc"] == theirs["acc"] and ours["acc_norm"] == theirs["acc_norm"]
+    assert 0.5 <= ours["acc"] < 1.0          # the model knows some and misses some

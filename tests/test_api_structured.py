@@ -273,3 +273,30 @@ def test_auto_tool_calls_parse_the_hermes_format_and_stream_whole():
     delta, reason = st.delta(text[30:], "stop")
     assert reason == "tool_calls" and [c["index"] for c in delta["tool_calls"]] == [0, 1]
     assert delta["content"] == "Let me check."
+
+
+def test_length_bounded_strings_parse_strictly_and_validate(server):
+    """Issue 32, fault 3: tab-separated rows into a string with maxLength gave a raw tab
+    (`{"row": "3\\tbob\\t33"}`, which a strict parser refuses). Now every answer, greedy
+    and sampled, parses with orjson and validates with jsonschema."""
+    import orjson
+
+    schema = {"type": "object", "properties": {"row": {"type": "string", "maxLength": 60}},
+              "required": ["row"]}
+    rows = "id\tname\tage\n1\tann\t31\n2\tbo\t25\n3\tbob\t33\n"
+    fmt = {"type": "json_schema", "json_schema": {"name": "row", "schema": schema}}
+    bodies = [{"prompt": f"{rows}Copy the last row, tabs included, as JSON:", "max_tokens": 40,
+               "response_format": fmt, "temperature": t, "seed": seed}
+              for t, seed in ((0, None), (1.0, 1), (1.0, 2), (1.0, 3))]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await asyncio.gather(*(post(s, f"{server.url}/v1/completions", b)
+                                          for b in bodies))
+    for status, body in asyncio.run(go()):
+        assert status == 200, body
+        text = body["choices"][0]["text"]
+        if body["choices"][0]["finish_reason"] == "stop":
+            jsonschema.validate(orjson.loads(text), schema)
+        else:                                     # cut by max_tokens: no control character
+            assert not any(ord(ch) < 0x20 for ch in text), text

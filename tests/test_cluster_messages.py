@@ -187,3 +187,18 @@ def test_a_full_decode_receive_buffer_is_a_429_naming_it():
                    detail="decode node d1: receive buffers full (1 + 2 bytes > engine.kv_cache_bytes)")
     assert (e.status, e.code, e.headers["Retry-After"]) == (429, "overloaded", "1")
     assert "(decode_receive_buffers_full); decode node d1: receive buffers full" in str(e)
+
+
+def test_prompt_logprobs_cross_the_wire_with_their_ranks():
+    """The prefill node's prompt logprobs (issue 32) ride on the first OutputDelta: null
+    for the first prompt token, each other with its rank; a bad rank names the field."""
+    lps = (None, TokenLogprob(9, -1.5, [(3, -0.5)], 2), TokenLogprob(4, -math.inf, [], 7))
+    d = wire(OutputDelta((5,), "a", None, prompt_logprobs=lps))
+    assert d["prompt_logprobs"] == [None, [9, -1.5, [[3, -0.5]], 2], [4, "-Infinity", [], 7]]
+    back = OutputDelta.from_json(d)
+    assert back.prompt_logprobs == lps and back.to_output("r").prompt_logprobs == list(lps)
+    assert wire(OutputDelta((5,), "a"))["prompt_logprobs"] is None
+    for bad in (-1, "2", True):
+        d["prompt_logprobs"][1][3] = bad
+        with pytest.raises(MessageError, match="field 'prompt_logprobs'"):
+            OutputDelta.from_json(d)

@@ -394,3 +394,57 @@ def test_constrained_logprobs_through_the_group_are_numbers(cluster):
     assert prefilled_on(cluster, out) == "g0s0"
     vals = logprob_values(out)
     assert -9999.0 in vals and out["choices"][0]["text"] in ("yes", "no"), out
+
+
+def test_a_wedged_group_is_stalled_in_ctl_and_the_conductor_and_not_placed_on(cluster):
+    """Issue 32: a group whose stage cannot take requests (here every receive slot of g0s1
+    reserved and held by a caller that sends nothing: leaked slots) shows as stalled in the
+    conductor's view and in `mooncake ctl status`, and a long prompt, the group's by cost,
+    goes to prefill0 meanwhile; once the slots are freed the group serves again. (Stage 1
+    gives such held requests up after HELD_IDLE_FACTOR idle timeouts, 12 s here: the
+    checks run inside that window.)"""
+    s1 = cluster.control("g0s1")
+    rids = [f"wedge-{uuid.uuid4().hex}" for _ in range(4)]          # RECEIVE_SLOTS
+
+    def stalled() -> dict:
+        return ((cluster.status() or {}).get("cpp_groups") or {}).get("stalled") or {}
+    for rid in rids:
+        control_call(s1, "cpp.reserve", {"request_id": rid, "num_tokens": 64})
+    holds = [threading.Thread(target=lambda r=rid: _quietly(control_call, s1, "cpp.hold",
+                                                            {"request_id": r}, timeout_s=30),
+                              daemon=True) for rid in rids]
+    for t in holds:
+        t.start()
+    try:
+        why = wait_until(lambda: stalled().get("g0"), HELD_S, "the conductor to see g0 stalled")
+        assert list(why) == ["g0s1"] and "no free receive slot (4 held)" in why["g0s1"], why
+        out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "-c",
+                              str(cluster.write_ctl_config())], capture_output=True, text=True,
+                             timeout=120, check=False)
+        rows = [line for line in out.stdout.splitlines() if "g0s1" in line and " g0 " in line]
+        assert len(rows) == 1 and "stalled" in rows[0], out.stdout
+        s, body = complete(cluster, LONG, 2, cache_salt=uuid.uuid4().hex)
+        assert s == 200, body
+        assert prefilled_on(cluster, body) == "prefill0"
+        assert stalled().get("g0"), "the window closed before the checks ended"
+    finally:
+        for rid in rids:
+            _quietly(control_call, s1, "cpp.release", {"request_id": rid})
+    wait_until(lambda: not stalled(), WAIT_S, "g0 to take requests again")
+    s, body = complete(cluster, LONG, 2, cache_salt=uuid.uuid4().hex)
+    assert s == 200 and prefilled_on(cluster, body) == "g0s0", body
+
+
+def test_prompt_logprobs_on_a_group_are_a_400(cluster):
+    """A CPP group's last stage samples one row: prompt logprobs are refused with a 400
+    naming prompt_logprobs, and the group keeps serving."""
+    s, out = complete(cluster, LONG, 0, echo=True, logprobs=1, cache_salt=uuid.uuid4().hex)
+    assert s == 400 and out["error"]["param"] == "prompt_logprobs", out
+
+
+def _quietly(fn, *args, **kw):
+    """fn(*args, **kw), its errors ignored (a hold ends with its release)."""
+    try:
+        return fn(*args, **kw)
+    except (OSError, RuntimeError):
+        return None

@@ -43,7 +43,7 @@ import aiohttp
 import jsonschema
 import orjson
 import pytest
-from cluster_harness import wait_until
+from cluster_harness import stream, wait_until
 from cluster_harness import node_status as status
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
@@ -690,3 +690,53 @@ def test_structured_outputs_equal_one_process(env, tokenizer):
     assert texts([hit]) == want[:1]
     d = delta(before, counters(cluster))
     assert sum(d[n]["placed"] for n in PREFILL) == 9, d                # every choice went P/D
+
+
+def test_prompt_logprobs_equal_one_process(env, tokenizer):
+    """Prompt logprobs through P/D (issue 32): the prefill node scores the prompt from the
+    same prefill logits and sends them back with the first token. Echo with logprobs and
+    max_tokens 0 (lm-evaluation-harness's loglikelihood request), vLLM's prompt_logprobs
+    (streamed too), and a repeat whose prefix is cached everywhere: every value equals
+    the single process's bit for bit (fp32, same chunks), with no prefix hit."""
+    cluster, ref = env
+    prompt = prompt_ids(tokenizer, "prompt-logprobs", 2 * CHUNK + 9)    # three chunks
+    echo = {"model": MODEL, "prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2,
+            "temperature": 0.0}
+    scored = {"model": MODEL, "prompt": prompt, "max_tokens": 3, "temperature": 0.0,
+              "prompt_logprobs": 1}
+
+    def fields(out: dict) -> list:
+        c = out["choices"][0]
+        return [c["text"], c["logprobs"], c.get("prompt_logprobs"), out["usage"]["completion_tokens"]]
+
+    def run(url: str) -> list[dict]:
+        got = [asyncio.run(_post(url, b)) for b in (echo, scored, scored)]   # 3rd: prefix cached
+        assert all(code == 200 for code, _ in got), got
+        return [b for _, b in got]
+
+    want = run(ref)
+    lp = want[0]["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None
+    assert all(isinstance(v, float) for v in lp["token_logprobs"][1:])
+    assert want[0]["usage"]["completion_tokens"] == 0
+    pl = want[1]["choices"][0]["prompt_logprobs"]
+    assert len(pl) == len(prompt) and pl[0] is None
+    assert all(str(t) in e for t, e in zip(prompt[1:], pl[1:]))   # the prompt token is listed
+    assert fields(want[1]) == fields(want[2])                      # a prefix hit changes nothing
+    before = counters(cluster)
+    got = run(cluster.api_url("d1"))
+    assert [fields(g) for g in got] == [fields(w) for w in want]
+    assert all(g["usage"]["prompt_tokens_details"]["cached_tokens"] == 0 for g in got)
+    d = delta(before, counters(cluster))
+    assert sum(d[n]["placed"] for n in PREFILL) == 3, d            # all went through P/D
+    # streamed: the prompt logprobs come in the first chunk, the same values
+    async def streamed() -> list:
+        async with aiohttp.ClientSession() as s:
+            return await stream(s, f"{cluster.api_url('d1')}/v1/completions",
+                                {**scored, "stream": True})
+    events = [e for e in asyncio.run(streamed()) if e != "[DONE]"]
+    first = [e for e in events if e["choices"] and "prompt_logprobs" in e["choices"][0]]
+    assert len(first) == 1 and first[0]["choices"][0]["prompt_logprobs"] == pl
+    assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) \
+        == want[1]["choices"][0]["text"]
+

@@ -61,3 +61,28 @@ def test_a_pattern_the_grammar_enforces_is_kept_and_holds():
     g = grammar(spec_for_json_schema(schema))
     accepts = xgr.testing._is_grammar_accept_string
     assert accepts(g, '{"k": "aa"}') and not accepts(g, '{"k": "ab"}')
+
+
+def test_length_bounded_strings_are_json_strings_with_escapes():
+    """Issue 32, fault 3 (xgrammar #800): a string with minLength/maxLength and no pattern
+    took raw control characters (a tab: invalid JSON) and no escapes. Checked offline with
+    xgrammar's own matcher: escapes are allowed and count as one character, raw control
+    characters are not, and the bounds hold, nested in arrays too."""
+    import xgrammar as xgr
+
+    from mooncaked.engine.structured import grammar, spec_for_json_schema
+
+    schema = {"type": "object", "properties": {
+        "k": {"type": "string", "minLength": 1, "maxLength": 3},
+        "n": {"type": "array", "items": {"type": "string", "maxLength": 2}}},
+        "required": ["k", "n"]}
+    g = grammar(spec_for_json_schema(schema))
+    accepts = xgr.testing._is_grammar_accept_string
+    for text in ('{"k": "abc", "n": []}', '{"k": "a\\tb", "n": ["\\n"]}',
+                 '{"k": "\\u00e9\\"x", "n": ["a\\\\", "\\/"]}', '{"k": "é€😀", "n": [""]}'):
+        assert accepts(g, text), text
+        assert json.loads(text)        # and they are JSON
+    for text in ('{"k": "a\tb", "n": []}', '{"k": "x", "n": ["\n"]}', '{"k": "\x01", "n": []}',
+                 '{"k": "abcd", "n": []}', '{"k": "", "n": []}', '{"k": "x", "n": ["abc"]}',
+                 '{"k": "\\x", "n": []}'):
+        assert not accepts(g, text), text

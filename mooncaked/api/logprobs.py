@@ -92,3 +92,52 @@ def completion_logprobs(lps: list[TokenLogprob], tok: ApiTokenizer, offset: Text
         out["text_offset"].append(offset.chars)
         offset.advance(raw)
     return out
+
+
+def echo_logprobs(prompt_ids: list[int], scored: list[TokenLogprob | None], top_n: int,
+                  tok: ApiTokenizer, offset: TextOffset, as_ids: bool = False) -> dict:
+    """The prompt's part of an echoed completion's logprobs (OpenAI's legacy `echo` with
+    `logprobs`): one entry per prompt token, the first (nothing before it) with
+    token_logprobs and top_logprobs null as OpenAI answers it; each other one with its
+    logprob and its top `top_n` alternatives (and itself), as completion_logprobs.
+
+    Args: prompt_ids: the prompt's token ids; scored: RequestOutput.prompt_logprobs
+        (len(prompt_ids) entries, None first); offset: the choice's, from 0.
+    Returns: {tokens, token_logprobs, top_logprobs, text_offset}; the output's entries
+        (completion_logprobs with the same `offset`) follow them.
+    """
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token_id, lp in zip(prompt_ids, scored):
+        if lp is None:
+            text, raw = token_string(tok, token_id, as_ids)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            out["text_offset"].append(offset.chars)
+            offset.advance(raw)
+            continue
+        one = completion_logprobs([TokenLogprob(lp.token_id, lp.logprob, lp.top[:top_n])],
+                                  tok, offset, as_ids)
+        for key, values in one.items():
+            out[key] += values
+    return out
+
+
+def prompt_logprobs_field(scored: list[TokenLogprob | None], tok: ApiTokenizer,
+                          as_ids: bool = False) -> list[dict | None]:
+    """vLLM's `prompt_logprobs` response field: None for the first prompt token, then per
+    token {token id (a JSON key string): {"logprob", "rank", "decoded_token"}}: the prompt
+    token itself with its rank, and its top alternatives ranked 1, 2, ... (vLLM's
+    Logprob; every logprob at least LOGPROB_FLOOR)."""
+    field_: list[dict | None] = []
+    for lp in scored:
+        if lp is None:
+            field_.append(None)
+            continue
+        entry = {lp.token_id: {"logprob": clamp_logprob(lp.logprob), "rank": lp.rank,
+                               "decoded_token": token_string(tok, lp.token_id, as_ids)[0]}}
+        for r, (t, v) in enumerate(lp.top, start=1):
+            entry.setdefault(t, {"logprob": clamp_logprob(v), "rank": r,
+                                 "decoded_token": token_string(tok, t, as_ids)[0]})
+        field_.append({str(t): v for t, v in entry.items()})
+    return field_

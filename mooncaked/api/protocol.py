@@ -10,8 +10,12 @@ structured_outputs and guided_*, tools and tool_choice).
 
 What is supported: prompts as a string, a list of token ids, or a batch (a list
 of strings or of token-id lists); n >= 1 (each choice is its own engine
-request); echo without logprobs. What gets a 400 "not supported": echo with
-logprobs, suffix, logit_bias, best_of other than n, non-text content parts, the
+request); echo, with logprobs too (the prompt's tokens scored as OpenAI's legacy
+completions did: the first token's logprob null), and `max_tokens: 0` with echo (only
+the prompt scored, what lm-evaluation-harness's loglikelihood requests send; the engine
+runs one token that is not answered, as vLLM does); vLLM's `prompt_logprobs: k` (k in
+[0, max_logprobs]; vLLM's -1, the whole vocabulary, is a 400). What gets a 400 "not
+supported": suffix, logit_bias, best_of other than n, non-text content parts, the
 deprecated functions / function_call, tool_choice "auto" on a template without a tool format.
 """
 
@@ -66,6 +70,8 @@ class GenerationRequest:
     extra: dict = field(default_factory=dict)
     tokens_as_ids: bool = False    # vLLM's return_tokens_as_token_ids: logprob tokens "token_id:N"
     tools: Any = None              # api/structured.py ToolPlan of a chat request with tools
+    prompt_logprobs: int | None = None   # vLLM's prompt_logprobs asked (the response field)
+    echo_only: bool = False        # max_tokens 0 with echo: the prompt alone is answered
 
 
 # ---------------------------------------------------------------------------- typed getters
@@ -286,15 +292,17 @@ def parse_completion(body: dict, engine: EngineInfo) -> GenerationRequest:
     _reject_unsupported(body, "completion")
     prompts = _prompts(body.get("prompt", _MISSING), engine)
     max_tokens = _int(body, "max_tokens", 16)
-    params = _sampling(body, "max_tokens", max_tokens)
+    echo = _bool(body, "echo", False)
+    echo_only = echo and max_tokens == 0     # one token is run and not answered (as vLLM)
+    params = _sampling(body, "max_tokens", 1 if echo_only else max_tokens)
     params.structured, _ = parse_constraint(body)
     logprobs = _int(body, "logprobs", None)
-    echo = _bool(body, "echo", False)
-    if echo and logprobs is not None:
-        raise ApiError(400, "'echo' together with 'logprobs' (prompt logprobs) is not supported",
-                       param="echo", code="unsupported")
+    prompt_logprobs = _int(body, "prompt_logprobs", None)
+    # echo with logprobs scores the prompt too (vLLM: prompt_logprobs = logprobs)
+    params.prompt_logprobs = (max(prompt_logprobs or 0, logprobs)
+                              if echo and logprobs is not None else prompt_logprobs)
     req = _common(body, "completion", engine, prompts, params, logprobs, "max_tokens")
-    req.echo = echo
+    req.echo, req.echo_only, req.prompt_logprobs = echo, echo_only, prompt_logprobs
     return req
 
 
@@ -354,8 +362,9 @@ def parse_chat(body: dict, engine: EngineInfo) -> GenerationRequest:
             messages, add_generation_prompt=True, tools=plan.tools if plan else None))
     except InvalidRequest as e:
         raise ApiError(400, str(e), param=e.param or "messages") from None
+    params.prompt_logprobs = _int(body, "prompt_logprobs", None)
     req = _common(body, "chat", engine, [Prompt(ids, "")], params, logprobs, key)
-    req.tools = plan
+    req.tools, req.prompt_logprobs = plan, params.prompt_logprobs
     return req
 
 

@@ -35,7 +35,8 @@ from mooncaked.log import get_logger
 from . import sse
 from .engine_client import EngineClient
 from .health import health_status, livez_status
-from .logprobs import TextOffset, chat_logprobs, completion_logprobs
+from .logprobs import (TextOffset, chat_logprobs, completion_logprobs, echo_logprobs,
+                       prompt_logprobs_field)
 from .metrics import ApiMetrics
 from mooncaked.stall_metrics import attach as attach_node_metrics, node_metrics
 from .errors import ApiError, error_body
@@ -75,6 +76,7 @@ class _Choice:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None   # with the first output
 
     def add(self, out: RequestOutput, now: float) -> None:
         """Folds one engine delta in. A delta with k tokens (outputs coalesced while the
@@ -87,6 +89,8 @@ class _Choice:
         self.text.append(out.new_text)
         if out.logprobs:
             self.logprobs.extend(out.logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         self.counted_tokens += k
         # the engine's running total when it gives one, else what the deltas carried
         self.num_output_tokens = max(out.num_output_tokens, self.counted_tokens)
@@ -181,7 +185,8 @@ class _Run:
         n = self.req.n
         prompt_tokens = sum(len(p.token_ids) for p in self.req.prompts)
         cached = sum(self.choices[i * n].num_cached_tokens for i in range(len(self.req.prompts)))
-        completion = sum(c.num_output_tokens for c in self.choices)
+        # echo with max_tokens 0: the one token run is not answered, so not counted
+        completion = 0 if self.req.echo_only else sum(c.num_output_tokens for c in self.choices)
         return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
                 "total_tokens": prompt_tokens + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
@@ -340,13 +345,42 @@ class ApiServer:
                                 "stop_reason": c.stop_reason})
             else:
                 echo = c.prompt.text if req.echo else ""
-                lp = (completion_logprobs(c.logprobs, tok, TextOffset(), req.tokens_as_ids)
+                lp = (self._completion_logprobs(req, c, c.logprobs, TextOffset(), True)
                       if req.logprobs is not None else None)
-                choices.append({"index": c.index, "text": echo + text, "logprobs": lp,
-                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+                choice = {"index": c.index, "text": echo + ("" if req.echo_only else text),
+                          "logprobs": lp,
+                          "finish_reason": "length" if req.echo_only else c.finish_reason,
+                          "stop_reason": None if req.echo_only else c.stop_reason}
+                if req.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(req, c)
+                choices.append(choice)
         body = {**self._base(req, rid, created, chunk=False), "choices": choices,
                 "usage": run.usage()}
+        if req.kind == "chat" and req.prompt_logprobs is not None:   # vLLM: per response
+            body["prompt_logprobs"] = self._prompt_logprobs(req, run.choices[0])
         return json_response(body, headers={"X-Request-Id": rid})
+
+    def _prompt_logprobs(self, req: GenerationRequest, c: _Choice) -> list | None:
+        """vLLM's prompt_logprobs field of choice c (None when none came back)."""
+        if c.prompt_logprobs is None:
+            return None
+        return prompt_logprobs_field(c.prompt_logprobs, self.engine.tokenizer, req.tokens_as_ids)
+
+    def _completion_logprobs(self, req: GenerationRequest, c: _Choice,
+                             lps: list[TokenLogprob] | None, offset: TextOffset,
+                             with_prompt: bool) -> dict:
+        """A completion choice's logprobs: with echo (and `with_prompt`: the part that
+        carries the prompt) the prompt's scored tokens first (echo_logprobs), then the
+        output's (none for echo with max_tokens 0). `offset` is the choice's."""
+        tok, as_ids = self.engine.tokenizer, req.tokens_as_ids
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        if req.echo and with_prompt and c.prompt_logprobs is not None:
+            out = echo_logprobs(c.prompt.token_ids, c.prompt_logprobs, req.logprobs or 0,
+                                tok, offset, as_ids)
+        if lps and not req.echo_only:
+            for key, values in completion_logprobs(lps, tok, offset, as_ids).items():
+                out[key] += values
+        return out
 
     async def _stream(self, request: web.Request, req: GenerationRequest, run: _Run,
                       rid: str) -> web.StreamResponse:
@@ -364,10 +398,13 @@ class ApiServer:
 
         def chunk(c: _Choice, out: RequestOutput) -> bytes | None:
             lps = out.logprobs if req.logprobs is not None and out.logprobs else None
+            if req.echo_only:              # echo with max_tokens 0: the prompt alone
+                out.new_text, lps = "", None
             done = out.finished
-            if not (out.new_text or lps or done or echo_pending[c.index]):
+            if not (out.new_text or lps or done or echo_pending[c.index]
+                    or (req.prompt_logprobs is not None and out.prompt_logprobs)):
                 return None           # text held back (possible stop string): nothing to send
-            finish = c.finish_reason if done else None
+            finish = ("length" if req.echo_only else c.finish_reason) if done else None
             if req.kind == "chat":
                 delta = {"content": out.new_text} if out.new_text else {}
                 if tool_streams is not None:        # tool call chunks (api/structured.py)
@@ -378,15 +415,21 @@ class ApiServer:
                           "logprobs": chat_logprobs(lps, tok, req.tokens_as_ids) if lps else None}
             else:
                 text = out.new_text
-                if echo_pending[c.index]:
+                with_prompt = echo_pending[c.index]
+                if with_prompt:
                     text, echo_pending[c.index] = c.prompt.text + text, False
                 lp = None
-                if lps:
-                    lp = completion_logprobs(lps, tok, offsets[c.index], req.tokens_as_ids)
+                if req.logprobs is not None and (lps or (with_prompt and c.prompt_logprobs)):
+                    lp = self._completion_logprobs(req, c, lps, offsets[c.index], with_prompt)
                 choice = {"index": c.index, "text": text, "logprobs": lp}
+                if req.prompt_logprobs is not None and out.prompt_logprobs is not None:
+                    choice["prompt_logprobs"] = self._prompt_logprobs(req, c)
             choice["finish_reason"] = finish
             if done:
                 choice["stop_reason"] = c.stop_reason
+            if req.kind == "chat" and req.prompt_logprobs is not None and out.prompt_logprobs:
+                return sse.event({**base, "choices": [choice],
+                                  "prompt_logprobs": self._prompt_logprobs(req, c)})
             return sse.event({**base, "choices": [choice]})
 
         resp: web.StreamResponse | None = None

@@ -309,7 +309,9 @@ class ClusterFrontend:
             if produced:
                 # The streamed tokens are output, not prompt: seeded draws and penalties
                 # continue at their positions (SamplingParams.output_offset).
-                p = dataclasses.replace(params, output_offset=params.output_offset + len(produced))
+                # (the prompt logprobs came with the first token: not again)
+                p = dataclasses.replace(params, output_offset=params.output_offset + len(produced),
+                                        prompt_logprobs=None)
                 if params.max_tokens is not None:
                     p.max_tokens = params.max_tokens - len(produced)
                 det = IncrementalDetokenizer(self.tokenizer, params.stop,
@@ -531,6 +533,7 @@ class ClusterFrontend:
                       params: SamplingParams, rid: str, cache_salt: str | None,
                       place_req: PlaceRequest, sent_text: str, deadline: float
                       ) -> AsyncIterator[RequestOutput]:
+        params = dataclasses.replace(params, prompt_logprobs=None)   # the prefill node's part
         body = orjson.dumps(DecodeRequest(rid, tuple(prompt), pre.output.ids[0], params, pre.kv,
                                           pl.prefill.control, cache_salt).to_json())
         cs = self.port.settings.cluster

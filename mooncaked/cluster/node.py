@@ -465,7 +465,9 @@ class ClusterNode:
                           tuple(self.engine.take_prefill_steps())     # calibration
                           if self.engine is not None and self.role != "decode" else (),
                           {peer: e.bytes_per_s
-                           for peer, e in self.transfer.bandwidth.estimates().items()})
+                           for peer, e in self.transfer.bandwidth.estimates().items()},
+                          (self.prefill.stalled() or "") if hasattr(self.prefill, "stalled")
+                          else "")
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""

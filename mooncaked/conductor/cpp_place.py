@@ -96,6 +96,24 @@ def split_groups(prefill: Sequence[Any]) -> tuple[list[Any], list[Group]]:
     return singles, groups
 
 
+def stalled_groups(groups: Sequence[Group]) -> dict[str, dict[str, str]]:
+    """The groups that cannot take a request now: group name -> {stage node: why}, from the
+    stages' reports (NodeView.stalled: slots held without progress, a hung chunk). A
+    stalled group is complete but not placed on (issue 32)."""
+    out = {}
+    for g in groups:
+        why = {v.node_id: v.stalled for v in g.stages if getattr(v, "stalled", "")}
+        if why:
+            out[g.name] = why
+    return out
+
+
+def usable_groups(groups: Sequence[Group]) -> list[Group]:
+    """The groups placement may use: complete and not stalled (stalled_groups)."""
+    stalled = stalled_groups(groups)
+    return [g for g in groups if g.name not in stalled]
+
+
 @dataclass(frozen=True)
 class GroupPrefix:
     """A request's prefix on a CPP group (see the module doc), in blocks.

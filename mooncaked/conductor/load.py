@@ -92,6 +92,7 @@ class NodeView:
     inflight_decode: dict[str, InflightDecode] = field(default_factory=dict)
     placed: int = 0                          # requests placed here (prefill or decode)
     links: dict[str, float] = field(default_factory=dict)   # peer -> measured bytes/s
+    stalled: str = ""                        # why it cannot take requests now ("" : it can)
 
 
 def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
@@ -100,6 +101,7 @@ def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
     INFLIGHT_TTL_S, a decode placement by its `expires_at`."""
     v.reported_at = now
     v.links = dict(r.links)
+    v.stalled = r.stalled
     v.draining = r.draining or bool(v.info.get("draining", False))
     v.prefill_pending = dict(r.pending)
     v.prefill_waiting = set(r.waiting) & v.prefill_pending.keys()

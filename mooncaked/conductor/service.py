@@ -49,7 +49,8 @@ from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from .attainable import longest_attainable, unattainable
 from .cost_model import CostModel, step_with_request_s, with_measured_bandwidth
 from .index import BlockEvent, PrefixIndex
-from .cpp_place import Group, GroupLearner, group_chunk_prediction, place_with_groups, split_groups
+from .cpp_place import (Group, GroupLearner, group_chunk_prediction, place_with_groups,
+                        split_groups, stalled_groups, usable_groups)
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
                    inflight_decode,
                    queue_s, queued_work)
@@ -312,6 +313,7 @@ class ConductorService:
         def reported(role: str) -> list[NodeView]:
             return [v for v in self._eligible(role, set(), now) if v.reported_at]
         pre, groups = split_groups(reported("prefill"))
+        groups = usable_groups(groups)       # a stalled group takes no request now
         if (pre or groups) and reported("decode"):
             return None
         if any(v.control for v in reported("all")):
@@ -343,6 +345,7 @@ class ConductorService:
         cs = self.settings.conductor
         pre = self._eligible("prefill", exclude, now)
         pre, groups = split_groups(pre)      # CPP stages are placed as groups (cpp_place.py)
+        groups = usable_groups(groups)       # not on a stalled group (slots held, hung)
         dec = self._eligible("decode", exclude, now)
         retry = cs.min_retry_after_s
         if not pre and not groups and not dec and not decode_only:
@@ -579,6 +582,13 @@ class ConductorService:
 
     # ------------------------------------------------------------------ inspection
 
+    def _groups_status(self) -> dict:
+        """CPP groups as placement sees them: complete ones (stage nodes in order), the
+        stalled ones among them (group -> {stage: why}; not placed on) and what was learned."""
+        groups = split_groups([v for v in self.nodes.values() if v.role == "prefill"])[1]
+        return {"complete": {g.name: [v.node_id for v in g.stages] for g in groups},
+                "stalled": stalled_groups(groups), "learned": self.cpp_learner.status()}
+
     def status(self) -> dict:
         """What `mooncake ctl` shows of the conductor: nodes' load, index size, cost model
         and its TTFT prediction error (signed relative error: > 0 over-predicts)."""
@@ -594,7 +604,7 @@ class ConductorService:
                 "queue_s": round(queue_s(v, cost), 4) if cost is not None else None,
                 "decode_batch": v.decode_batch, "decode_context_tokens": v.decode_context_tokens,
                 "free_kv_tokens": v.free_kv_tokens, "indexed_blocks": self.index.blocks_on(nid),
-                "store_seq": v.store_seq, "placed": v.placed,
+                "store_seq": v.store_seq, "placed": v.placed, "stalled": v.stalled or None,
                 "links": {p: round(r) for p, r in sorted(v.links.items())}}
         return {
             "leader": self.node_id, "since": self.started_at, "placed": self.placed,
@@ -608,9 +618,7 @@ class ConductorService:
                 "used_bytes_per_s": (with_measured_bandwidth(cost, self.link_rates())
                                      .transfer.bandwidth_bytes_per_s if cost else None),
                 "measured_paths": len(self.link_rates())},
-            "cpp_groups": {"complete": {g.name: [v.node_id for v in g.stages] for g in split_groups(
-                               [v for v in self.nodes.values() if v.role == "prefill"])[1]},
-                           "learned": self.cpp_learner.status()},
+            "cpp_groups": self._groups_status(),
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},
             "replication": {**self.replicated, "in_flight": self.replicator.in_flight(),

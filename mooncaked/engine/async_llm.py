@@ -174,7 +174,8 @@ class AsyncLLM:
         Closing the iterator early (client gone) aborts the request and frees its pages.
         """
         q: asyncio.Queue[RequestOutput] = asyncio.Queue()
-        if kv_import is None and self.store is not None and len(prompt_token_ids) > self.engine.block_size:
+        if (kv_import is None and self.store is not None and params.prompt_logprobs is None
+                and len(prompt_token_ids) > self.engine.block_size):   # scored prompts compute all
             kv_import = await self._load_from_store(prompt_token_ids, cache_salt)
         self.engine.add_request(request_id, prompt_token_ids, params, cache_salt, kv_import, export_kv,
                                 first_token, kv_stream)

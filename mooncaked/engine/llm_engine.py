@@ -325,7 +325,7 @@ class LLMEngine:
             def after_layer(layer: int) -> None:
                 for ks in streams:
                     ks.copy_layer(pages, layer)
-        sampled = self.runner.run(sched, after_layer)
+        sampled, scored = self.runner.run(sched, after_layer)
         for ks in streams:
             ks.end_step()
         self.last_step = StepTiming(
@@ -341,6 +341,8 @@ class LLMEngine:
                                        - st.num_prefill_tokens, st.seconds))
         for i, s in enumerate(batch):
             seq = s.seq
+            if i in scored:
+                seq.prompt_logprobs.extend(scored[i])
             seq.num_computed_tokens += s.num_new_tokens
             if i not in sampled:
                 self.block_manager.commit_full_blocks(seq)
@@ -363,9 +365,12 @@ class LLMEngine:
                 token_ids = [token]
             self.block_manager.commit_full_blocks(seq)
             if self._check_stop(seq, token):
-                outputs.append(self._finish(seq, token_ids, text + seq.detokenizer.flush(), logprob))
+                out = self._finish(seq, token_ids, text + seq.detokenizer.flush(), logprob)
             else:
-                outputs.append(self._output(seq, token_ids, text, logprob, finished=False))
+                out = self._output(seq, token_ids, text, logprob, finished=False)
+            if seq.prompt_logprobs is not None and seq.num_output_tokens == 1:
+                out.prompt_logprobs = list(seq.prompt_logprobs)   # with the first token only
+            outputs.append(out)
         return outputs
 
     def _begin_streams(self, batch: tuple[ScheduledSeq, ...]) -> list[LayerwiseKV]:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
-from mooncaked.model.sampling import SamplingRow, sample
+from mooncaked.model.sampling import SamplingRow, sample, score_tokens
 
 from . import hugepages
 from .cuda_graph import CudaGraphRunner, decode_inputs, graph_buckets
@@ -16,6 +16,9 @@ from .device_step import needs_host_sampling, upload, upload_step
 from .scheduler_output import ScheduledSeq, SchedulerOutput
 from .staging import scatter_from_host, staging_for
 from .structured import apply_masks, start_masks
+from .types import TokenLogprob
+
+PROMPT_LOGPROB_ROWS = 256   # LM-head rows at a time for prompt logprobs: 256 x 49k fp32 = 50 MB
 
 
 def kv_cache_shape(model: LlamaModel, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -134,14 +137,47 @@ class ModelRunner:
         return (torch.tensor(ids, dtype=torch.long, device=dev),
                 torch.tensor(pos, dtype=torch.long, device=dev), meta)
 
+    def prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor
+                        ) -> dict[int, list[TokenLogprob]]:
+        """Prompt logprobs of this step's prefill chunks that ask for them.
+
+        A chunk's row at position p scores prompt token p + 1 (score_tokens), for the
+        prompt tokens the sequence has not scored yet (a recompute after preemption
+        repeats none). The rows go through the same LM head as a prefill's last row
+        (`model.logits` with no decode rows: the dense head), PROMPT_LOGPROB_ROWS at a time.
+
+        Args: sched: the step; hidden: [T, hidden] of every scheduled token, in order.
+        Returns: {index in sched.scheduled: TokenLogprob of prompt tokens, in order}.
+        """
+        out: dict[int, list[TokenLogprob]] = {}
+        t = 0
+        for i, s in enumerate(sched.scheduled):
+            seq, start = s.seq, s.seq.num_computed_tokens
+            row0, t = t, t + s.num_new_tokens
+            k = seq.params.prompt_logprobs
+            if k is None or seq.prompt_logprobs is None:
+                continue
+            first = max(start, len(seq.prompt_logprobs) - 1)     # position of the first new row
+            last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+            scored: list[TokenLogprob] = []
+            for a in range(first, last, PROMPT_LOGPROB_ROWS):
+                b = min(last, a + PROMPT_LOGPROB_ROWS)
+                rows = hidden[row0 + a - start:row0 + b - start]
+                logits = self.model.logits(rows, 0).float().cpu()
+                scored += score_tokens(logits, seq.token_ids[a + 1:b + 1], k)
+            if scored:
+                out[i] = scored
+        return out
+
     @torch.inference_mode()
     def run(self, sched: SchedulerOutput, after_layer: Callable[[int], None] | None = None
-            ) -> dict[int, tuple[int, object]]:
+            ) -> tuple[dict[int, tuple[int, object]], dict[int, list[TokenLogprob]]]:
         """Runs one step over sched.scheduled (its KV loads must be applied already).
         `after_layer(i)` runs once layer i wrote this step's K/V (LlamaModel.forward).
 
-        Returns: {index in sched.scheduled: (sampled token id, TokenLogprob or None)} for
-            the entries that reached their newest token.
+        Returns: ({index in sched.scheduled: (sampled token id, TokenLogprob or None)} for
+            the entries that reached their newest token, {index: prompt TokenLogprobs this
+            step scored} for prefill chunks that asked for prompt logprobs).
         """
         batch = sched.scheduled
         dev = self.model.device
@@ -158,8 +194,10 @@ class ModelRunner:
         else:
             input_ids, positions, meta = upload_step(input_ids, positions, meta, dev)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
+        scored = (self.prompt_logprobs(sched, hidden)
+                  if any(s.seq.prompt_logprobs is not None for s in sched.prefills) else {})
         if not want:
-            return {}
+            return {}, scored
         ends, t = [], 0
         for s in batch:
             t += s.num_new_tokens
@@ -177,4 +215,4 @@ class ModelRunner:
         if masks is not None:
             apply_masks(logits, masks.result())  # forbidden tokens -> -inf
         tokens, logprobs = sample(logits, rows)
-        return {i: (tok, lp) for i, tok, lp in zip(want, tokens, logprobs)}
+        return {i: (tok, lp) for i, tok, lp in zip(want, tokens, logprobs)}, scored

@@ -136,7 +136,9 @@ class Scheduler:
         # 2. Waiting sequences join while budget, slots and pages last.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            self.bm.allocate_prefix(seq, self.bm.match_prefix(seq))
+            # prompt logprobs need every prompt position's logits: no prefix hit (as vLLM)
+            hit = 0 if seq.wants_prompt_logprobs else self.bm.match_prefix(seq)
+            self.bm.allocate_prefix(seq, hit)
             ok, load = self._import_pages(seq)
             if ok:
                 n = min(seq.num_tokens - seq.num_computed_tokens, budget)

@@ -26,7 +26,9 @@ class Sequence:
     the chained keys of its full blocks, extended as blocks fill. `handover` is the
     K/V and first token it brings from (or gives to) another node, None for a plain
     request (handover.py). `grammar` is the matcher of a request with a structured-output
-    constraint (engine/structured.py), None otherwise.
+    constraint (engine/structured.py), None otherwise. `prompt_logprobs`: the prompt
+    tokens scored so far (None first) when params.prompt_logprobs asks for them, else None;
+    `wants_prompt_logprobs` is True until all of them are scored.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -51,6 +53,7 @@ class Sequence:
         self.stop_reason: str | int | None = None
         self.handover: HandOver | None = None
         self.grammar = None                 # xgrammar matcher of a constrained request (structured.py)
+        self.prompt_logprobs: list | None = None if params.prompt_logprobs is None else [None]
 
     @property
     def num_tokens(self) -> int:
@@ -61,6 +64,12 @@ class Sequence:
     def num_output_tokens(self) -> int:
         """Generated tokens."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while prompt tokens asked to be scored are not all scored yet (their
+        positions must be computed, not taken from a prefix cache)."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
     def is_prefilling(self) -> bool:

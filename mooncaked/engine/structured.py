@@ -181,6 +181,26 @@ def _check_schema(text: str) -> None:
         raise InvalidRequest(f"unsupported JSON schema construct: {why}", "structured_outputs")
 
 
+# xgrammar 0.2.9 renders a string with minLength/maxLength (and no pattern) as `"\"" X{m,n}
+# "\""` with X ::= [^"\\\r\n]: raw tabs and other control characters (invalid JSON) and no
+# escapes (issue 32, fault 3; xgrammar #800). Such rules are rewritten to a JSON string
+# character: any but '"', '\\' and U+0000-U+001F, or an escape (one character of the length).
+_LENGTH_CHARS = re.compile(r'^(\S+_characters) ::= \(\(\[\^\\"\\\\\\r\\n\]\)\)$', re.M)
+_JSON_CHAR = (r'(([^\"\\\0-\x1f]) | ("\\" mooncaked_json_escape))')
+_JSON_ESCAPE = (r'mooncaked_json_escape ::= (([\"\\/bfnrt]) | ("u" [A-Fa-f0-9] [A-Fa-f0-9] '
+                r'[A-Fa-f0-9] [A-Fa-f0-9]))')
+
+
+def length_bounded_strings(g: Any) -> Any:
+    """`g` (a Grammar from a JSON schema) with every length-bounded string's characters
+    made JSON string characters (see _LENGTH_CHARS): no raw control character, escapes
+    allowed, each counting as one character. `g` itself when it has no such string."""
+    text, n = _LENGTH_CHARS.subn(lambda m: f"{m.group(1)} ::= {_JSON_CHAR}", str(g))
+    if not n:
+        return g
+    return _xgr().Grammar.from_ebnf(f"{text}\n{_JSON_ESCAPE}\n")
+
+
 def _choice_ebnf(value: str) -> str:
     choices = json.loads(value)
     # EBNF string literals take JSON's escapes; one alternative per choice.
@@ -199,7 +219,8 @@ def grammar(spec: StructuredSpec) -> xgr.Grammar:
     try:
         if spec.kind == "json":
             _check_schema(spec.value)
-            return xgr.Grammar.from_json_schema(spec.value, any_whitespace=False)
+            return length_bounded_strings(
+                xgr.Grammar.from_json_schema(spec.value, any_whitespace=False))
         if spec.kind == "json_object":
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False)
         if spec.kind == "regex":

@@ -50,6 +50,11 @@ class SamplingParams:
     length. `logprobs` None returns no logprobs; k >= 0 returns the sampled token's
     logprob and the top k alternatives (from the model's raw distribution).
     `structured` constrains the output (StructuredSpec; None: free text).
+    `prompt_logprobs` None computes none; k >= 0 scores every prompt token after the first
+    (vLLM's prompt_logprobs: its logprob and rank, plus the top k alternatives, from the
+    raw distribution of the logits at the position before it); they come back with the
+    first output (RequestOutput.prompt_logprobs). Such a request skips the prefix cache
+    and the store's prefix (as vLLM does): cached positions have no logits.
     `output_offset` (tokens, internal: the public API leaves it 0) says that the prompt's
     last `output_offset` tokens are this request's own output, streamed before it was
     resumed on other nodes (cluster/frontend.py re-places a request whose decode node
@@ -74,6 +79,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     structured: StructuredSpec | None = None
     output_offset: int = 0
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # A spec that crossed a node boundary as JSON arrives as a dict (messages.py).
@@ -95,6 +101,8 @@ class SamplingParams:
             (-2.0 <= self.frequency_penalty <= 2.0, "frequency_penalty", "must be in [-2, 2]"),
             (self.logprobs is None or 0 <= self.logprobs <= max_logprobs, "logprobs",
              f"must be in [0, {max_logprobs}]"),
+            (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_logprobs,
+             "prompt_logprobs", f"must be in [0, {max_logprobs}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
             (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
             (isinstance(self.output_offset, int) and self.output_offset >= 0, "output_offset",
@@ -114,11 +122,16 @@ class SamplingParams:
 
 @dataclass
 class TokenLogprob:
-    """Logprob of one generated token and its top alternatives (natural log)."""
+    """Logprob of one token and its top alternatives (natural log), most likely first.
+
+    `rank`: the token's 1-based rank in its distribution (vLLM's: how many tokens have a
+    logprob >= its own), 0 when not computed (generated tokens; prompt tokens have it).
+    """
 
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int = 0
 
 
 @dataclass
@@ -160,6 +173,8 @@ class RequestOutput:
     `new_text` is detokenized text that is safe to send: text that might be the start
     of a stop string is held back until it is known not to be, and a matched stop
     string is never included (unless include_stop_str_in_output).
+    `prompt_logprobs` (SamplingParams.prompt_logprobs asked): one entry per prompt token,
+    None for the first, on the first output that carries a token only.
     finish_reason: None while running, else "stop" (EOS, stop string or stop token),
     "length" (max_tokens or context full) or "abort". `stop_reason` is the matched
     stop string or stop token id, if any.
@@ -178,6 +193,7 @@ class RequestOutput:
     error: str | None = None
     kv_export: KVExport | None = None
     emitted_s: float | None = None      # time.time() when the step that made it ended
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

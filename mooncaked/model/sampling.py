@@ -156,3 +156,32 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
             top = list(zip(ids.tolist(), vals.tolist()))
         out.append(TokenLogprob(tokens[i], float(lp[tokens[i]]), top))
     return tokens, out
+
+
+def score_tokens(logits: torch.Tensor, token_ids: list[int], k: int) -> list[TokenLogprob]:
+    """Prompt logprobs: how likely each given token was under the row before it.
+
+    Row i of `logits` is the model's output at the position before token_ids[i]. The
+    values are raw logprobs (log_softmax of the unmodified fp32 logits, vLLM's
+    `raw_logprobs`); the rank is vLLM's (the number of tokens whose logprob is >= the
+    token's own, so ties rank it last), and the top k alternatives come most likely first.
+
+    Args:
+        logits: fp32 [R, vocab]; not modified.
+        token_ids: R token ids in [0, vocab).
+        k: alternatives per row (0: none).
+    Returns: R TokenLogprob with rank set.
+    """
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(token_ids, dtype=torch.long, device=lp.device).unsqueeze(1)
+    chosen = lp.gather(1, ids)                                   # [R, 1]
+    ranks = (lp >= chosen).sum(dim=-1).tolist()
+    top_vals = top_ids = None
+    if k:
+        top_vals, top_ids = torch.topk(lp, k, dim=-1)
+        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+    out = []
+    for i, (t, v) in enumerate(zip(token_ids, chosen.squeeze(1).tolist())):
+        top = list(zip(top_ids[i], top_vals[i])) if k else []
+        out.append(TokenLogprob(t, v, top, int(ranks[i])))
+    return out

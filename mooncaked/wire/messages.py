@@ -82,17 +82,22 @@ def float_from_json(v: Any, field: str) -> float:
 
 def logprob_to_json(lp: TokenLogprob) -> list:
     """One token's logprobs in their wire form: [token id, logprob, [[id, logprob], ...]]
-    (a grammar-masked alternative's -inf as "-Infinity", float_to_json)."""
-    return [lp.token_id, float_to_json(lp.logprob),
-            [[int(t), float_to_json(v)] for t, v in lp.top]]
+    (a grammar-masked alternative's -inf as "-Infinity", float_to_json), and its rank as a
+    fourth element when it has one (a prompt token's, TokenLogprob.rank)."""
+    out = [lp.token_id, float_to_json(lp.logprob),
+           [[int(t), float_to_json(v)] for t, v in lp.top]]
+    return out + [lp.rank] if lp.rank else out
 
 
 def logprob_from_json(v: Any, field: str = "logprobs") -> TokenLogprob:
     """logprob_to_json's form -> TokenLogprob. Raises: MessageError naming `field`."""
     try:
-        token, value, top = v
-        if not isinstance(token, int) or isinstance(token, bool) or not isinstance(top, list):
-            raise TypeError("expected [token id, logprob, [[id, logprob], ...]]")
+        token, value, top, *rest = v
+        rank = rest[0] if len(rest) == 1 else 0
+        if (not isinstance(token, int) or isinstance(token, bool) or not isinstance(top, list)
+                or len(rest) > 1 or not isinstance(rank, int) or isinstance(rank, bool)
+                or rank < 0):
+            raise TypeError("expected [token id, logprob, [[id, logprob], ...], rank?]")
         pairs = [(a, float_from_json(b, field)) for a, b in top]
         if not all(isinstance(a, int) and not isinstance(a, bool) for a, _ in pairs):
             raise TypeError("a top logprob's token id is not an integer")
@@ -100,7 +105,24 @@ def logprob_from_json(v: Any, field: str = "logprobs") -> TokenLogprob:
         if isinstance(e, MessageError):
             raise
         raise MessageError(f"field {field!r}: {e}") from None
-    return TokenLogprob(token, float_from_json(value, field), pairs)
+    return TokenLogprob(token, float_from_json(value, field), pairs, rank)
+
+
+def prompt_logprobs_to_json(lps: Sequence[TokenLogprob | None] | None) -> list | None:
+    """A request's prompt logprobs in their wire form: null for the first prompt token,
+    then logprob_to_json's form per token; None when none were asked."""
+    if lps is None:
+        return None
+    return [None if lp is None else logprob_to_json(lp) for lp in lps]
+
+
+def prompt_logprobs_from_json(v: Any) -> tuple[TokenLogprob | None, ...] | None:
+    """prompt_logprobs_to_json's form -> its entries. Raises: MessageError naming the field."""
+    if v is None:
+        return None
+    if not isinstance(v, list):
+        raise MessageError("field 'prompt_logprobs': expected a list")
+    return tuple(None if x is None else logprob_from_json(x, "prompt_logprobs") for x in v)
 
 
 def hex_keys(keys: Sequence[bytes]) -> list[str]:
@@ -280,6 +302,8 @@ class OutputDelta:
     num_cached_tokens: int = 0
     error: str | None = None
     emitted_s: float | None = None    # time.time() when the engine emitted it (relay delay)
+    # the prompt's scored tokens (SamplingParams.prompt_logprobs), on the first delta only
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @classmethod
     def of(cls, out: RequestOutput) -> OutputDelta:
@@ -287,7 +311,8 @@ class OutputDelta:
         return cls(tuple(out.new_token_ids), out.new_text,
                    tuple(out.logprobs) if out.logprobs else None, out.finished,
                    out.finish_reason, out.stop_reason, out.num_output_tokens,
-                   out.num_cached_tokens, out.error, out.emitted_s)
+                   out.num_cached_tokens, out.error, out.emitted_s,
+                   None if out.prompt_logprobs is None else tuple(out.prompt_logprobs))
 
     def to_json(self) -> dict:
         lps = None if not self.logprobs else [logprob_to_json(lp) for lp in self.logprobs]
@@ -295,7 +320,8 @@ class OutputDelta:
                 "finished": self.finished, "finish_reason": self.finish_reason,
                 "stop_reason": self.stop_reason, "num_output_tokens": self.num_output_tokens,
                 "num_cached_tokens": self.num_cached_tokens, "error": self.error,
-                "emitted_s": self.emitted_s}
+                "emitted_s": self.emitted_s,
+                "prompt_logprobs": prompt_logprobs_to_json(self.prompt_logprobs)}
 
     @classmethod
     def from_json(cls, d: Any) -> OutputDelta:
@@ -307,7 +333,8 @@ class OutputDelta:
         return cls(_ints(_get(d, "ids", list), "ids"), _get(d, "text", str), lps,
                    _get(d, "finished", bool), _get(d, "finish_reason", str, None), stop,
                    _get(d, "num_output_tokens", int, 0), _get(d, "num_cached_tokens", int, 0),
-                   _get(d, "error", str, None), _get(d, "emitted_s", float, None))
+                   _get(d, "error", str, None), _get(d, "emitted_s", float, None),
+                   prompt_logprobs_from_json(_get(d, "prompt_logprobs", list, None)))
 
     def to_output(self, rid: str, ids: Sequence[int] | None = None, text: str | None = None
                   ) -> RequestOutput:
@@ -318,7 +345,9 @@ class OutputDelta:
                              list(self.logprobs) if self.logprobs else None,
                              num_cached_tokens=self.num_cached_tokens,
                              num_output_tokens=self.num_output_tokens, error=self.error,
-                             emitted_s=self.emitted_s)
+                             emitted_s=self.emitted_s,
+                             prompt_logprobs=(None if self.prompt_logprobs is None
+                                              else list(self.prompt_logprobs)))
 
 
 @dataclass(frozen=True)
@@ -608,7 +637,8 @@ class NodeReport:
     by the node's spf queue); `prefill_steps`: timed steps of prefill chunks only ((new
     tokens, tokens cached before them, seconds): the conductor calibrates from them);
     `links`: what its transfer engine measured on each peer path, peer node id -> bytes/s
-    (transfer/bandwidth.py)."""
+    (transfer/bandwidth.py); `stalled`: why the node cannot take a request now ("" when
+    it can: a CPP stage whose slots are all held without progress, or hung)."""
 
     node: str
     role: str = ""
@@ -623,10 +653,11 @@ class NodeReport:
     waiting: tuple[str, ...] = ()
     prefill_steps: tuple[tuple[int, int, float], ...] = ()
     links: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    stalled: str = ""
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
-                "links": dict(self.links),
+                "links": dict(self.links), "stalled": self.stalled,
                 "pending": {rid: list(v) for rid, v in self.pending.items()},
                 "waiting": list(self.waiting),
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
@@ -654,7 +685,8 @@ class NodeReport:
                    _get(d, "store_seq", int, -1),
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
                    tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
-                   tuple(str(r) for r in _get(d, "waiting", list, [])), psteps, links)
+                   tuple(str(r) for r in _get(d, "waiting", list, [])), psteps, links,
+                   _get(d, "stalled", str, ""))
 
 
 __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",
@@ -662,4 +694,5 @@ __all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandl
            "PlaceRejected", "PlaceReply", "PlaceRequest", "PrefillDone", "PrefillReply",
            "PrefillRequest", "Release", "StoreEventMsg", "float_from_json", "float_to_json",
            "hex_keys", "logprob_from_json", "logprob_to_json", "params_from_json",
+           "prompt_logprobs_from_json", "prompt_logprobs_to_json",
            "params_to_json", "place_result_from_json", "unhex_keys"]

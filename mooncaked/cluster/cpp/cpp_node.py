@@ -70,7 +70,7 @@ from mooncaked.model.weights import resolve_model_path
 from mooncaked.engine.structured import GrammarBackend
 from .stage_prefix import StagePrefix
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
-from mooncaked.engine.types import TokenLogprob
+from mooncaked.engine.types import InvalidRequest, TokenLogprob
 
 log = get_logger(__name__)
 
@@ -164,19 +164,26 @@ class CppStageWorker:
         on stage 0 for one of the pipeline's RECEIVE_SLOTS."""
         return tuple(sorted(self._waiting))
 
+    def stalled(self) -> str | None:
+        """Why this stage cannot take a request now (StageServer.stalled), or None; the
+        node reports it (NodeReport.stalled) and the conductor places no request on its
+        group meanwhile."""
+        return self.server.stalled()
+
     def status(self) -> dict:
         """This stage's layers, weights, pages and the requests it holds (node.status)."""
         e, srv = self.engine, self.server
         return {**self.info(), "requests": sorted(srv.reqs), "stage_pages": sorted(e.seqs),
                 "free_blocks": e.num_free_blocks(), "free_slots": len(srv.free_slots),
-                "next": srv.next_addr,
+                "next": srv.next_addr, "stalled": self.stalled(),
                 "prefix": self.prefix.status() if self.prefix is not None else None}
 
     async def handle(self, payload: Any) -> dict:
         """`node.prefill` on stage 0: PrefillRequest -> PrefillReply through the pipeline.
 
         Raises: NodeDraining; MessageError for a malformed body; ValueError for an empty
-        prompt or one over cpp.max_tokens; StageFailure on a stage other than 0, when a
+        prompt or one over cpp.max_tokens; InvalidRequest (400) when it asks for prompt
+        logprobs; StageFailure on a stage other than 0, when a
         stage fails or dies, or the decode node gives no receive buffer (the API node
         re-places it); ReceiveBuffersFull when the decode node's receive buffers are full
         (load: the API node answers 429 naming them).
@@ -191,6 +198,9 @@ class CppStageWorker:
         rid, prompt = req.rid, list(req.prompt)
         if not prompt:
             raise ValueError("empty prompt")
+        if req.params.prompt_logprobs is not None:   # the last stage samples one row only
+            raise InvalidRequest("prompt logprobs (echo with logprobs, prompt_logprobs) are not "
+                                 "supported on a CPP group", "prompt_logprobs")
         self.requests[rid] = PrefillLoad(len(prompt), 0, False)
         node.activity.arrived.append(rid)
         t0 = time.monotonic()

@@ -178,6 +178,8 @@ class StageServer:
         self.reqs: dict[str, _Req] = {}
         self.free_slots = list(range(slots))
         self._slot_freed = asyncio.Event()        # set whenever a receive slot is freed
+        self._progress = time.monotonic()         # last chunk computed or slot freed (stalled())
+        self._computing_since: float | None = None   # the worker's chunk in the executor
         self.row_bytes = stage.hidden_size * stage.dtype.itemsize
         self.hidden = None if stage.is_first else torch.zeros((slots, max_tokens, stage.hidden_size),
                                                               dtype=stage.dtype)
@@ -238,6 +240,25 @@ class StageServer:
 
     # -- requests
 
+    def stalled(self, now: float | None = None) -> str | None:
+        """Why this stage cannot take a request now, or None when it can (issue 32: a
+        wedged group must not look healthy, and placement avoids it).
+
+        Stalled: every receive slot is taken and nothing moved (no chunk computed, no slot
+        freed) for idle_timeout_s (slots leaked, or the stages after it stuck), or one
+        chunk has been computing for held_timeout_s (a hung stage). Monotonic seconds.
+        """
+        now = time.monotonic() if now is None else now
+        since = self._computing_since
+        if since is not None and now - since > self.held_timeout_s:
+            return f"{self.name}: one chunk has been computing for {now - since:.0f} s"
+        quiet = now - self._progress
+        if self.hidden is not None and not self.free_slots and quiet > self.idle_timeout_s:
+            held = sum(1 for r in self.reqs.values() if r.slot is not None)
+            return (f"{self.name}: no free receive slot ({held} held) and no progress "
+                    f"for {quiet:.0f} s")
+        return None
+
     def release(self, rid: str, why: str = "asked") -> bool:
         """Frees rid on this stage (its slot, pages; the next stage through the dropped
         hold); False when it held nothing of it."""
@@ -250,6 +271,7 @@ class StageServer:
         if req.slot is not None:
             self.free_slots.append(req.slot)
             self._slot_freed.set()
+            self._progress = time.monotonic()
         if req.hold is not None and why != "done":
             req.hold.cancel()  # drops the connection: the next stage releases too
         if req.push is not None and why != "done":
@@ -415,6 +437,7 @@ class StageServer:
                 "held": sorted(r for r, q in self.reqs.items() if q.held),
                 "stage_pages": sorted(st.seqs), "free_blocks": st.num_free_blocks(),
                 "free_slots": len(self.free_slots), "weight_bytes": st.weight_bytes,
+                "stalled": self.stalled(),
                 "prefix": self.prefix.status() if self.prefix is not None else None}
 
     # -- the worker: compute chunk after chunk, hand each result to a send task
@@ -429,12 +452,16 @@ class StageServer:
             want_logits = last and self.stage.is_last
             bs = self.stage.block_size
             blocks = None if req.kv_target is None else (req.pushed_blocks, -(-e // bs))
+            self._computing_since = time.monotonic()
             try:
                 out, seconds, kv = await loop.run_in_executor(self._compute, self._run_chunk, rid, s,
                                                               inputs, want_logits, blocks)
             except Exception as ex:  # noqa: BLE001 - out of pages, out-of-order chunk: fail the request
                 self._fail(rid, StageFailure(f"{self.name}: chunk {s}:{e} of {rid}: {ex}"))
                 continue
+            finally:
+                self._computing_since = None
+                self._progress = time.monotonic()
             if self.reqs.get(rid) is not req:
                 continue  # released while this chunk computed: nothing goes downstream
             req.compute_s += seconds
