@@ -223,17 +223,16 @@ def test_lm_eval_harness_scores_the_server_as_transformers(server, bundled_model
     import sys
     from pathlib import Path
 
-    import transformers
+    from mooncaked.model.tokenizer import Tokenizer
 
     root = Path(__file__).parent.parent
-    tok = tmp_path / "tokenizer"                    # lm-eval loads it by path: no hub
-    transformers.AutoTokenizer.from_pretrained(
-        str(bundled_model.parent), gguf_file=bundled_model.name).save_pretrained(tok)
+    tok = tmp_path / "tokenizer"     # lm-eval loads it by path: no hub, no second conversion
+    Tokenizer(bundled_model, []).hf.save_pretrained(tok)   # the GGUF's, as transformers converts it
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
     api = (f"base_url={server.url}/v1/completions,model=SmolLM2-135M-Instruct.Q4_1,"
            f"tokenizer={tok},tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
-    hf = f"pretrained={bundled_model.parent},gguf_file={bundled_model.name},dtype=float32"
+    hf = f"pretrained={bundled_model.parent},gguf_file={bundled_model.name},tokenizer={tok},dtype=float32"
     r = subprocess.run([sys.executable, str(root / "tests/lm_eval_tasks/run_mc_facts.py"),
                         "local-completions", api, "hf", hf], cwd=root, env=env,
                        capture_output=True, text=True, timeout=900)
