@@ -213,23 +213,28 @@ def test_a_fused_batch_equals_its_sequences_alone(models):
     assert not torch.equal(alone[0], alone[1])  # different sequences, different logits
 
 
-def test_small_batches_get_fp32_logits_from_the_files_head(models):
-    """A prefill's first token (hidden states in the model's dtype, few rows) takes the fused
-    head too: fp32 logits, not bf16-rounded ones (where near ties became exact ties); more
-    rows than the fused batch take the per-op head."""
+def test_each_row_kind_takes_one_head_whatever_shares_the_step(models):
+    """Decode rows take the fused head (fp32 logits off the file's blocks, int8 activations
+    per row) in any number; a prompt's last row takes the dense fp32 head on an fp32 model
+    (float32's exact first token) and the fused head on a bf16 one (not bf16-rounded
+    logits, where near ties became exact ties). A row's logits never depend on the others."""
     ref, model, _, _ = models
-    h = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    h = h.to(model.dtype)
-    got = model.logits(h)
-    assert got.dtype == torch.float32 and got.shape == (2, model.cfg.vocab_size)
-    assert (got.to(torch.bfloat16).float() != got).float().mean() > 0.9  # not on the bf16 grid
+    h = torch.randn(12, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    h = h.to(torch.bfloat16).to(model.dtype)
+    dec = model.logits(h)  # all decode rows: more than the old batch limit of 8
+    assert dec.dtype == torch.float32 and dec.shape == (12, model.cfg.vocab_size)
+    assert (dec.to(torch.bfloat16).float() != dec).float().mean() > 0.9  # not on the bf16 grid
     want = ref.logits(h.float())  # the dequantized fp32 head
-    assert (got - want).abs().max() < 0.5  # only the int8 activations' rounding apart
-    big = torch.randn(model.fused_decode_max_batch + 1, model.cfg.hidden_size).to(model.dtype)
-    if model.dtype == torch.bfloat16:
-        assert (model.logits(big).to(torch.bfloat16).float() == model.logits(big)).all()  # the per-op head
-    else:  # the per-op head of an fp32 model: the dequantized weights, as the reference's
-        assert torch.allclose(model.logits(big), ref.logits(big), atol=1e-4)
+    assert (dec - want).abs().max() < 0.5  # only the int8 activations' rounding apart
+    assert (dec - want).abs().max() > 0    # (and not the dense head)
+    assert torch.equal(model.logits(h[:1]), dec[:1]) and torch.equal(model.logits(h[5:7]), dec[5:7])
+    mixed = model.logits(h, num_decode_rows=4)
+    assert torch.equal(mixed[:4], dec[:4])
+    if model.dtype == torch.float32:  # the dense fp32 head: the reference's weights
+        assert torch.equal(mixed[4:], model.logits(h[4:], num_decode_rows=0))
+        assert torch.allclose(mixed[4:], ref.logits(h[4:]), atol=1e-4)
+    else:
+        assert torch.equal(mixed[4:], dec[4:])
 
 
 def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):

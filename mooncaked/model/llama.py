@@ -1,10 +1,14 @@
 """Our Llama forward pass over a paged KV cache (not transformers' modeling code).
 
-One call runs a flat batch of T tokens: the first `num_decode_tokens` are the
-single new tokens of decoding sequences, the rest are prefill chunks of
-variable length (each possibly after a cached prefix). Linear layers run on
-all T tokens at once; attention splits into the paged decode and paged
-prefill kernels (mooncaked.kernels).
+One call runs a flat batch of T tokens: the first `num_decode_tokens` are decode
+rows (generated tokens, one row each, each attending to its sequence's pages up to
+itself: the decodes' newest tokens and a recompute's replayed ones), the rest are
+prefill chunks of prompt tokens of variable length (each possibly after a cached
+prefix). Linear layers run on all T tokens at once; attention splits into the paged
+decode and paged prefill kernels (mooncaked.kernels). With the fused CPU decode step
+built, the decode rows run it instead (model/fused.py) and the prefill rows the per-op
+path, so a token's numerics depend on whether it is a prompt or a generated token,
+never on the batch.
 
 Architecture: embedding, pre-norm blocks of RMSNorm -> grouped-query
 attention with rotary embedding -> residual, RMSNorm -> SwiGLU MLP ->
@@ -31,8 +35,11 @@ class AttentionMetadata:
     """Where each token of a step reads and writes KV (shapes for T tokens in the step).
 
     slot_mapping: int64 [T], page slot (block_id * block_size + offset) of each token's K/V.
-    num_decode_tokens: the first this-many tokens are decodes, one per sequence.
-    decode_block_tables: int32 [num_decodes, max_blocks]; decode_context_lens: int32 [num_decodes].
+    num_decode_tokens: the first this-many tokens are decode rows, each with its own
+        block table and context length (several rows of one sequence when a recompute
+        replays its generated tokens; each row's K/V is written before any row attends).
+    decode_block_tables: int32 [num_decodes, max_blocks]; decode_context_lens: int32 [num_decodes]
+        (the row's position + 1).
     prefill_block_tables: int32 [num_prefills, max_blocks]; prefill_cu_seqlens_q: int32
         [num_prefills + 1]; prefill_context_lens: int32 [num_prefills] (cached + new tokens).
     """
@@ -96,7 +103,8 @@ class LlamaModel:
     `fused_decode_max_batch` > 0 also builds the fused CPU decode step
     (kernels/cpu_fused_decode.py: every layer and the LM head over the GGUF's own Q4/Q8
     blocks, one Numba call each) where it applies (`fused_decode_reason` says why not):
-    decode steps of up to that many sequences then run it, in place of the per-op path.
+    every decode row of every step then runs it (any batch size: the value is no longer a
+    batch limit), in place of the per-op path; prompt tokens keep the per-op path.
 
     `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
     forward pass then runs those layers over a kv_cache holding only them, the embedding
@@ -200,25 +208,31 @@ class LlamaModel:
             after_layer: called with the layer index as soon as that layer's K/V of this
                 step is in the pages (before its attention), for layer-wise KV export.
         Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype
-            (fp32 when the fused decode step ran the step's decodes, which `logits` recognises).
+            (fp32 when the fused decode step ran the step's decode rows).
         """
         cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
-        if (self.fused is not None and 0 < nd <= self.fused_decode_max_batch and after_layer is None
-                and not input_ids.is_floating_point()):
+        if self.fused is not None and nd > 0 and not input_ids.is_floating_point():
+            # Every decode row takes the fused step, whatever the batch size or what else
+            # shares the step: its per-row arithmetic (int8 activations quantized per row,
+            # one GEMV dot per row and weight row, attention per row) is the same bit for
+            # bit in any batch, so a token's numerics depend on its sequence only. The
+            # prefill rows (prompt tokens) run the per-op path first, so a decode row
+            # replaying a recompute's generated tokens finds its prompt's K/V in the pages.
             if nd == T:
-                return fused.decode(self, input_ids, positions, meta, kv_cache)
-            # A step of decodes and prefill chunks: the decodes still take the fused step,
-            # so a decode token gets the same numerics whatever else shares its step (batch
-            # invariance); the chunks run the per-op path. fp32 [T, hidden] either way.
+                hidden = fused.decode(self, input_ids, positions, meta, kv_cache)
+                if after_layer is not None:  # (a stream exports prompt rows only)
+                    for i in self.layer_range:
+                        after_layer(i)
+                return hidden
             dmeta = AttentionMetadata(meta.slot_mapping[:nd], nd, decode_block_tables=meta.decode_block_tables,
                                       decode_context_lens=meta.decode_context_lens)
             pmeta = AttentionMetadata(meta.slot_mapping[nd:], 0, prefill_block_tables=meta.prefill_block_tables,
                                       prefill_cu_seqlens_q=meta.prefill_cu_seqlens_q,
                                       prefill_context_lens=meta.prefill_context_lens)
+            rest = self.forward(input_ids[nd:], positions[nd:], pmeta, kv_cache, after_layer)
             head = fused.decode(self, input_ids[:nd], positions[:nd], dmeta, kv_cache)
-            rest = self.forward(input_ids[nd:], positions[nd:], pmeta, kv_cache)
             return torch.cat([head, rest.float()])
         h = input_ids if input_ids.is_floating_point() else self._embed(input_ids)
         rot = self.freqs_cis[positions].unsqueeze(1)  # once per step, not per layer
@@ -257,36 +271,33 @@ class LlamaModel:
     def logits(self, hidden: torch.Tensor, num_decode_rows: int | None = None) -> torch.Tensor:
         """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab].
 
-        num_decode_rows: how many leading rows are decode tokens (the runner puts decodes
-        first; the rest are prefills' last tokens), or None when unknown.
+        num_decode_rows: how many leading rows are decode rows (generated tokens; the
+        runner lays them out first, ModelRunner.prepare); the rest are prompts' last rows
+        (a prompt's first token). None: every row is a decode row.
 
-        With the fused step built, the rows it decoded take its head: fp32 norm and logits
-        over the file's own Q8_0/Q4 head with int8 activations (as llama.cpp), the same
-        whatever shares the step. Prefill rows:
-        - bf16 models: up to fused_decode_max_batch rows take the fused head too. The
-          per-op head rounds logits to bf16 (steps of 1/8 at a logit of 20), which made
-          near ties exact, and which of two tied tokens won then depended on the path: a
-          cached prefix (a 1-token int4 step) answered a chat prompt differently from a
-          cold prefill of the same prompt.
-        - fp32 models (`dtype = auto` on CPUs without native bf16): the dense fp32 head,
-          so a prompt's first token is exactly `dtype = float32`'s. The fused head's int8
-          activations flipped the bundled model's near tie on the quickstart's question
-          ('The' vs 'L', 0.04 apart), and the answer that followed was nonsense."""
+        With the fused step built, each row takes one defined head, whatever else shares
+        the step (so a token's logits depend on its sequence only):
+        - decode rows: the fused head (fp32 norm, int8 activations per row over the file's
+          own Q8_0/Q4 head, as llama.cpp).
+        - a prompt's last row, fp32 models (`dtype = auto` on AVX2 / AVX-512 without bf16):
+          the dense fp32 head over the exact prefill, so a prompt's first token is
+          `dtype = float32`'s exactly, on every node (one process, a P/D prefill node, a
+          CPP stage). The fused head's int8 activations flipped the bundled model's near
+          tie on the quickstart's question ('The' vs 'L', 0.04 apart) and the answer that
+          followed was nonsense.
+        - a prompt's last row, bf16 models: the fused head too. The per-op head rounds
+          logits to bf16 (steps of 1/8 at a logit of 20), which made near ties exact, and
+          which of two tied tokens won then depended on the path."""
         if self.fused is None:
             return self._dense_logits(hidden)
-        if self.dtype == torch.float32 and num_decode_rows is not None:
-            nd = num_decode_rows if 0 < num_decode_rows <= self.fused_decode_max_batch else 0
-            if nd == 0:
-                return self._dense_logits(hidden)
-            head = fused.logits(self, hidden[:nd].float())
-            if nd == hidden.shape[0]:
-                return head
-            return torch.cat([head, self._dense_logits(hidden[nd:])])
-        if (hidden.dtype == torch.float32 and self.dtype != torch.float32
-                or hidden.shape[0] <= self.fused_decode_max_batch):
-            # (fp32 rows come from a step the fused decode took part in: its head for all)
-            return fused.logits(self, hidden.float())
-        return self._dense_logits(hidden)
+        n = hidden.shape[0]
+        nd = n if num_decode_rows is None or self.dtype != torch.float32 else num_decode_rows
+        if nd == 0:
+            return self._dense_logits(hidden)
+        head = fused.logits(self, hidden[:nd].float().contiguous())
+        if nd == n:
+            return head
+        return torch.cat([head, self._dense_logits(hidden[nd:])])
 
     def _dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The per-op final norm and LM head in the model's dtype: fp32 [N, vocab]."""
