@@ -272,6 +272,39 @@ def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
     assert kv[8:].abs().sum() > 0 and not torch.equal(mixed[1], mixed[0])  # b's chunk ran
 
 
+def test_a_prompts_rows_are_the_same_in_any_chunking(models):
+    """The prompt rows (the per-op path of a model with the fused step) give each row the
+    same K/V and hidden state bit for bit whether the prompt runs whole or as a long chunk
+    and a 2-row one (a prefix hit's short suffix): LlamaModel._linear pads small products,
+    whose rows torch computes differently. Else the fused step's int8 activations would
+    turn the last bits into logprob differences later. fp32 models only (dtype auto on
+    CPUs without native bf16): a bf16 model's prompt path (torch's int4 kernel, bf16 SDPA)
+    is not row-invariant yet (the chunked K/V differ in the last bf16 bit here)."""
+    _, model, _, tok = models
+    if model.dtype != torch.float32:
+        return
+    cfg, bs = model.cfg, 16
+    p = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])
+    n = len(p)
+    table = torch.arange(0, n // bs + 1, dtype=torch.int32)[None]
+
+    def prefill(kv, start, end):
+        meta = AttentionMetadata(torch.tensor([int(table[0, i // bs]) * bs + i % bs for i in range(start, end)]),
+                                 0, prefill_block_tables=table,
+                                 prefill_cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+                                 prefill_context_lens=torch.tensor([end], dtype=torch.int32))
+        return model.forward(torch.tensor(p[start:end]), torch.arange(start, end), meta, kv)
+
+    whole_kv = torch.zeros(table.shape[1], cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    whole = prefill(whole_kv, 0, n)
+    kv = torch.zeros_like(whole_kv)
+    prefill(kv, 0, n - 2)
+    tail = prefill(kv, n - 2, n)
+    assert torch.equal(kv, whole_kv)
+    assert torch.equal(tail, whole[n - 2:])
+    assert torch.equal(model.logits(tail[-1:], num_decode_rows=0), model.logits(whole[-1:], num_decode_rows=0))
+
+
 _COMPILE_VNNI = """
 from numba import types
 from mooncaked.kernels import cpu_gemv

@@ -113,9 +113,10 @@ class ModelRunner:
         batched, so its numerics are the same on every path (batch size, P/D, resumption,
         prefix hits; LlamaModel.forward):
         - decode rows (first; meta.num_decode_tokens of them): every generated token
-          (position >= the prompt's length), one row each, attending to its sequence's
-          pages up to itself: the decodes' newest tokens, and the generated tokens a
-          recompute after preemption replays (in position order, after its prompt part).
+          (position >= Sequence.first_output_position), one row each, attending to its
+          sequence's pages up to itself: the decodes' newest tokens, and the generated
+          tokens a recompute after preemption replays (in position order, after its
+          prompt part), or a resumed request's earlier output (params.output_offset).
           The fused CPU decode step runs these rows.
         - prefill rows: every prompt token, as chunks (one per sequence, in order), also a
           lone last prompt token whose prefix came from the cache (a "decode" entry of the
@@ -129,7 +130,7 @@ class ModelRunner:
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
-            mid = min(max(start, seq.num_prompt_tokens), end)  # prompt tokens end here
+            mid = min(max(start, seq.first_output_position), end)  # prompt tokens end here
             if mid > start:
                 chunks.append((seq, start, mid))
                 n_prefill += mid - start

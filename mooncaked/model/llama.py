@@ -30,6 +30,12 @@ from . import fused, quant
 from .weights import ModelConfig, ModelLoadError
 
 
+# Fewest rows a dense matmul of a model with the fused step runs (LlamaModel._linear): at
+# least this many, a row's result does not depend on the others (measured from 4 up, AMD
+# EPYC, torch's fp32 CPU matmul; 16 leaves room for other CPUs' small-matrix kernels).
+MIN_GEMM_ROWS = 16
+
+
 @dataclass
 class AttentionMetadata:
     """Where each token of a step reads and writes KV (shapes for T tokens in the step).
@@ -175,6 +181,19 @@ class LlamaModel:
             return self.lm_head.rows(input_ids)
         return F.embedding(input_ids, self.embed)
 
+    def _linear(self, lin: quant.Linear, x: torch.Tensor) -> torch.Tensor:
+        """lin(x) for x [T, in] -> [T, out]. With the fused step built, a step of fewer than
+        MIN_GEMM_ROWS rows runs padded with zero rows to that many: torch's CPU matmul takes
+        other kernels for a few rows (measured on AMD EPYC, fp32: rows of a 1-3-row product
+        differ in the last bits from the same rows in a larger one), and the fused step's
+        int8 activations turn such last-bit differences of the prompt's K/V into logprob
+        differences of 0.01-0.13 later on (a prefix hit's short suffix against a cold
+        prefill). Padded, a row's result is the same in any batch (test_fused_decode)."""
+        n = x.shape[0]
+        if self.fused is None or n >= MIN_GEMM_ROWS or n == 0:
+            return lin(x)
+        return lin(torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, x.shape[1])]))[:n]
+
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         fused = getattr(self.ops, "rms_norm", None)  # one Numba call on the CPU (kernels/cpu_fused.py)
         if fused is not None:
@@ -206,7 +225,8 @@ class LlamaModel:
             meta: AttentionMetadata for the same T tokens.
             kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], self.dtype.
             after_layer: called with the layer index as soon as that layer's K/V of this
-                step is in the pages (before its attention), for layer-wise KV export.
+                step is in the pages (before its attention), for layer-wise KV export; in
+                a step with decode rows through the fused step, for every layer at the end.
         Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype
             (fp32 when the fused decode step ran the step's decode rows).
         """
@@ -222,7 +242,7 @@ class LlamaModel:
             # replaying a recompute's generated tokens finds its prompt's K/V in the pages.
             if nd == T:
                 hidden = fused.decode(self, input_ids, positions, meta, kv_cache)
-                if after_layer is not None:  # (a stream exports prompt rows only)
+                if after_layer is not None:
                     for i in self.layer_range:
                         after_layer(i)
                 return hidden
@@ -231,14 +251,17 @@ class LlamaModel:
             pmeta = AttentionMetadata(meta.slot_mapping[nd:], 0, prefill_block_tables=meta.prefill_block_tables,
                                       prefill_cu_seqlens_q=meta.prefill_cu_seqlens_q,
                                       prefill_context_lens=meta.prefill_context_lens)
-            rest = self.forward(input_ids[nd:], positions[nd:], pmeta, kv_cache, after_layer)
+            rest = self.forward(input_ids[nd:], positions[nd:], pmeta, kv_cache)
             head = fused.decode(self, input_ids[:nd], positions[:nd], dmeta, kv_cache)
+            if after_layer is not None:  # once every row's K/V is in (decode rows may be
+                for i in self.layer_range:  # a resumed prompt's tail that a stream exports)
+                    after_layer(i)
             return torch.cat([head, rest.float()])
         h = input_ids if input_ids.is_floating_point() else self._embed(input_ids)
         rot = self.freqs_cis[positions].unsqueeze(1)  # once per step, not per layer
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
-            qkv = layer["wqkv"](x)
+            qkv = self._linear(layer["wqkv"], x)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             qk = self._rotary(qk, rot, positions)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
@@ -261,10 +284,10 @@ class LlamaModel:
                     ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                                 self.scale)])
-            h = h + layer["wo"](attn.reshape(T, self.q_size))
+            h = h + self._linear(layer["wo"], attn.reshape(T, self.q_size))
             x = self._rms_norm(h, layer["mlp_norm"])
-            gate, up = layer["w_gate_up"](x).chunk(2, dim=-1)
-            h = h + layer["w_down"](F.silu(gate) * up)
+            gate, up = self._linear(layer["w_gate_up"], x).chunk(2, dim=-1)
+            h = h + self._linear(layer["w_down"], F.silu(gate) * up)
         return h
 
     @torch.inference_mode()
@@ -301,4 +324,4 @@ class LlamaModel:
 
     def _dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The per-op final norm and LM head in the model's dtype: fp32 [N, vocab]."""
-        return self.lm_head(self._rms_norm(hidden, self.norm)).float()
+        return self._linear(self.lm_head, self._rms_norm(hidden, self.norm)).float()
