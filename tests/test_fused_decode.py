@@ -276,7 +276,8 @@ def test_a_prompts_rows_are_the_same_in_any_chunking(models):
     """The prompt rows (the per-op path of a model with the fused step) give each row the
     same K/V and hidden state bit for bit whether the prompt runs whole or as a long chunk
     and a 2-row one (a prefix hit's short suffix): LlamaModel._linear pads small products,
-    whose rows torch computes differently. Else the fused step's int8 activations would
+    whose rows torch computes differently, and prefill attention runs in aligned blocks
+    (reference.paged_prefill_attention_aligned). Else the fused step's int8 activations would
     turn the last bits into logprob differences later. fp32 models only (dtype auto on
     CPUs without native bf16): a bf16 model's prompt path (torch's int4 kernel, bf16 SDPA)
     is not row-invariant yet (the chunked K/V differ in the last bf16 bit here)."""
@@ -297,12 +298,14 @@ def test_a_prompts_rows_are_the_same_in_any_chunking(models):
 
     whole_kv = torch.zeros(table.shape[1], cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
     whole = prefill(whole_kv, 0, n)
-    kv = torch.zeros_like(whole_kv)
-    prefill(kv, 0, n - 2)
-    tail = prefill(kv, n - 2, n)
-    assert torch.equal(kv, whole_kv)
-    assert torch.equal(tail, whole[n - 2:])
-    assert torch.equal(model.logits(tail[-1:], num_decode_rows=0), model.logits(whole[-1:], num_decode_rows=0))
+    assert n > 20
+    for cuts in ([0, n - 2, n], [0, 16, n], [0, 7, 20, n]):  # a prefix hit's suffix, chunked prefill
+        kv = torch.zeros_like(whole_kv)
+        hidden = torch.cat([prefill(kv, a, b) for a, b in zip(cuts, cuts[1:])])
+        assert torch.equal(kv, whole_kv), cuts
+        assert torch.equal(hidden, whole), cuts
+    first = model.logits(whole[-1:], num_decode_rows=0)  # the dense head, padded: any row count
+    assert torch.equal(model.logits(whole[-3:], num_decode_rows=0)[-1:], first)
 
 
 _COMPILE_VNNI = """

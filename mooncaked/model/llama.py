@@ -175,6 +175,12 @@ class LlamaModel:
                                                      layers is not None)
             if self.fused_decode_reason is None:
                 self.fused = fused.build(cfg, tensors, self._rope_cos, self._rope_sin)
+        # An fp32 model with the fused step runs its prompt rows row-invariantly: small
+        # matmuls padded (_linear), prefill attention in aligned blocks (the ops module's
+        # paged_prefill_attention_aligned), so a prompt token's K/V never depends on the
+        # chunking, which the fused step's int8 activations would amplify.
+        self.row_invariant = (self.fused is not None and dtype == torch.float32
+                              and hasattr(ops, "paged_prefill_attention_aligned"))
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
@@ -182,15 +188,16 @@ class LlamaModel:
         return F.embedding(input_ids, self.embed)
 
     def _linear(self, lin: quant.Linear, x: torch.Tensor) -> torch.Tensor:
-        """lin(x) for x [T, in] -> [T, out]. With the fused step built, a step of fewer than
-        MIN_GEMM_ROWS rows runs padded with zero rows to that many: torch's CPU matmul takes
+        """lin(x) for x [T, in] -> [T, out]. With `row_invariant` (an fp32 model with the fused
+        step), a step of fewer than MIN_GEMM_ROWS rows runs padded with zero rows to that
+        many: torch's CPU matmul takes
         other kernels for a few rows (measured on AMD EPYC, fp32: rows of a 1-3-row product
         differ in the last bits from the same rows in a larger one), and the fused step's
         int8 activations turn such last-bit differences of the prompt's K/V into logprob
         differences of 0.01-0.13 later on (a prefix hit's short suffix against a cold
         prefill). Padded, a row's result is the same in any batch (test_fused_decode)."""
         n = x.shape[0]
-        if self.fused is None or n >= MIN_GEMM_ROWS or n == 0:
+        if not self.row_invariant or n >= MIN_GEMM_ROWS or n == 0:
             return lin(x)
         return lin(torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, x.shape[1])]))[:n]
 
@@ -274,9 +281,9 @@ class LlamaModel:
                 attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                   meta.decode_context_lens, self.scale)
             elif nd == 0:
-                attn = ops.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                   self.scale)
+                prefill = ops.paged_prefill_attention_aligned if self.row_invariant else ops.paged_prefill_attention
+                attn = prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                               meta.prefill_context_lens, self.scale)
             else:
                 attn = torch.cat([
                     ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
