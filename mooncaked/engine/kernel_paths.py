@@ -26,8 +26,8 @@ class KernelPaths:
             "avx512_bf16"; MOONCAKED_CPU_ISA caps it).
         decode_path: "fused-avx2" / "fused-avx512_vnni" (the fused decode step on that
             cpu_gemv variant, kernels/cpu_fused_decode.py, for every decode row),
-            "per-op-torch" (the
-            model's layers op by op: torch matmuls, cpu_ops' attention) or "per-op-triton".
+            "per-op-torch" (the model's layers op by op: torch matmuls, cpu_ops' attention)
+            or "per-op-triton".
         decode_why: why the fused step is off (model/fused.py `why_not`), None when on.
         prefill_path: prefill attention: "cpu_prefill-avx512_bf16", "sdpa", "sdpa-aligned" (SDPA
             in position-aligned blocks, row-invariant: an fp32 model with the fused step) or
