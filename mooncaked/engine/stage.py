@@ -29,6 +29,7 @@ from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.numerics import resolve as resolve_numerics
 from mooncaked.model.weights import ModelConfig, load_weights
 from mooncaked.utils import cdiv
+from mooncaked.model.gguf_index import read_index
 from mooncaked.model.weights import ModelLoadError
 
 RELEASE_WAIT_S = 5.0   # bound on a chunk's wait for pages being released (copied out: ms)
@@ -74,10 +75,7 @@ def model_num_layers(path) -> int:
         if p.is_dir():
             import json  # noqa: PLC0415
             return int(json.loads((p / "config.json").read_text())["num_hidden_layers"])
-        import gguf  # noqa: PLC0415
-        reader = gguf.GGUFReader(str(p))
-        field = reader.fields["llama.block_count"]
-        return int(field.parts[field.data[0]][0])
+        return int(read_index(p).metadata["llama.block_count"])
     except (OSError, KeyError, ValueError, IndexError) as e:
         raise ModelLoadError(f"{p}: cannot read the layer count: {e}") from e
 

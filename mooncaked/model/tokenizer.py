@@ -10,7 +10,8 @@ from typing import Any
 
 from mooncaked.engine.types import InvalidRequest
 
-from .weights import ModelLoadError
+from . import load_cache
+from .errors import ModelLoadError
 
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece byte-fallback pieces
 
@@ -21,6 +22,28 @@ def _byte_decoder() -> dict[str, int]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode  # noqa: PLC0415
 
     return {c: b for b, c in bytes_to_unicode().items()}
+
+
+def _from_gguf(path: Path) -> Any:
+    """The fast tokenizer of GGUF file `path`. Converting it from the file's metadata
+    takes transformers 10-20 s on two cores, so the result is saved (save_pretrained:
+    tokenizer.json, tokenizer_config.json with the chat template) in the load cache
+    (load_cache.py), keyed by the file and transformers' version, and loaded from there
+    next time (about 1 s); tests/test_model_load_cache.py checks both give the same ids,
+    text, special tokens and chat template."""
+    from transformers import AutoTokenizer, __version__  # noqa: PLC0415 - heavy import
+
+    cached = load_cache.entry("tokenizers", load_cache.file_key(path, f"transformers {__version__}"))
+    if (cached / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cached))
+        except Exception as e:  # a damaged entry: rebuild it from the file
+            load_cache.log.warning("load_cache_entry_corrupt", path=str(cached), error=str(e))
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    with load_cache.building_dir(cached) as build:
+        if build is not None:
+            tok.save_pretrained(str(build))
+    return tok
 
 
 class Tokenizer:
@@ -38,7 +61,7 @@ class Tokenizer:
             if path.is_dir():
                 self._tok = AutoTokenizer.from_pretrained(str(path))
             else:
-                self._tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+                self._tok = _from_gguf(path)
         except Exception as e:  # transformers raises many types for bad files
             raise ModelLoadError(f"cannot load the tokenizer from {path}: {e}") from e
         self.vocab_size: int = len(self._tok)

