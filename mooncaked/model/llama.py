@@ -112,6 +112,11 @@ class LlamaModel:
     every decode row of every step then runs it (any batch size: the value is no longer a
     batch limit), in place of the per-op path; prompt tokens keep the per-op path.
 
+    `row_invariant` (default: an fp32 model with the fused step) makes the prompt rows
+    results independent of the chunking (`_linear`, aligned prefill attention); a pipeline
+    stage of a cluster whose nodes run the fused step sets it, so that its prompt K/V are
+    theirs bit for bit.
+
     `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
     forward pass then runs those layers over a kv_cache holding only them, the embedding
     exists only when the range starts at layer 0 (or serves a tied LM head) and the final
@@ -121,7 +126,8 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, ops: ModuleType, max_positions: int,
                  weight_format: str = "dequantized", dense_above: int | None = None,
-                 layers: range | None = None, fused_decode_max_batch: int = 0):
+                 layers: range | None = None, fused_decode_max_batch: int = 0,
+                 row_invariant: bool | None = None):
         self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
 
@@ -179,8 +185,9 @@ class LlamaModel:
         # matmuls padded (_linear), prefill attention in aligned blocks (the ops module's
         # paged_prefill_attention_aligned), so a prompt token's K/V never depends on the
         # chunking, which the fused step's int8 activations would amplify.
-        self.row_invariant = (self.fused is not None and dtype == torch.float32
-                              and hasattr(ops, "paged_prefill_attention_aligned"))
+        if row_invariant is None:
+            row_invariant = self.fused is not None and dtype == torch.float32
+        self.row_invariant = row_invariant and hasattr(ops, "paged_prefill_attention_aligned")
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
