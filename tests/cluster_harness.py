@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from mooncaked.coord.etcd_server import EtcdServer, etcd_binary
 from mooncaked.cluster.launcher import control_call
+from mooncaked.pdeathsig import die_with_parent
 
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 240.0   # model load on 2 shared cores (about 5-20 s when quiet)
@@ -208,7 +209,8 @@ def run_server(tmp: Path, *extra: str) -> Iterator[Server]:
     with log.open("wb") as out:
         proc = subprocess.Popen(
             [str(BIN / "mooncaked"), "serve", "--role", "all", "--port", str(port), *extra],
-            stdout=out, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True)
+            stdout=out, stderr=subprocess.STDOUT, cwd=tmp, start_new_session=True,
+            preexec_fn=die_with_parent())   # a killed pytest leaves no server behind
     server = Server(f"http://127.0.0.1:{port}", proc, log)
     try:
         def ready() -> bool:

@@ -1,5 +1,6 @@
 """Shared fixtures (the bundled model's path, the shared trace, the run's one etcd and one
-default server: tests/cluster_harness.py) and the suite's CI rule.
+default server, one each per pytest-xdist worker: tests/cluster_harness.py) and the
+suite's CI rule.
 
 The CI rule: when the environment variable CI is set (to anything but "", "0", "false" or
 "no"; `.ci/run` runs under CI=true), a test that skips FAILS instead, whatever skipped it:
@@ -64,13 +65,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             raise pytest.UsageError(f"{item.nodeid}: use @pytest.mark.cpu_isa(LEVEL), LEVEL one "
                                     f"of {cpu_isa.LEVELS}")
         level = mark.args[0]
+        # counted from the setup report (pytest_runtest_logreport), which also reaches the
+        # controller of a pytest-xdist run
+        item.user_properties.append(("cpu_isa", (level, cpu_isa.has(level))))
         if not cpu_isa.has(level):
-            _ISA_SKIPPED[level] = _ISA_SKIPPED.get(level, 0) + 1
             reason = (f"needs ISA level {level}; this CPU runs {cpu_isa.isa_level()} "
                       f"({cpu_isa.cpu_name()})")
             item.stash[_HARDWARE_SKIP] = reason
             pytest.skip(reason)
-        _ISA_TESTED[level] = _ISA_TESTED.get(level, 0) + 1
     for name in ("gpu", "rdma_devices"):
         for mark in item.iter_markers(name):
             if not mark.args or "reason" not in mark.kwargs:
@@ -79,6 +81,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
             if mark.args[0]:
                 item.stash[_HARDWARE_SKIP] = mark.kwargs["reason"]
                 pytest.skip(mark.kwargs["reason"])
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Counts the tests of each ISA level that ran and that this CPU could not run."""
+    if report.when != "setup":
+        return
+    for key, value in report.user_properties:
+        if key == "cpu_isa":
+            level, runs = value
+            counts = _ISA_TESTED if runs else _ISA_SKIPPED
+            counts[level] = counts.get(level, 0) + 1
 
 
 @pytest.hookimpl(wrapper=True)
@@ -145,8 +158,8 @@ def shared_trace() -> Path:
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory):
-    """The run's one `mooncaked serve --role all` with default settings (a free loopback
-    port; cluster_harness.Server: url, proc, log). The API and replay modules share it, so
+    """The run's one `mooncaked serve --role all` with default settings, one per
+    pytest-xdist worker (a free loopback port; cluster_harness.Server: url, proc, log). The API and replay modules share it, so
     a test leaves it as it found it: it never stops it or changes its settings, and a test
     that asserts on prefix hits or counters uses its own cache_salt or prompts and compares
     counters before and after. Stopped at the end of the run (SIGTERM, then SIGKILL)."""
@@ -156,8 +169,8 @@ def default_server(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def etcd(tmp_path_factory):
-    """The run's one etcd (single member, free loopback ports; `.endpoint` is its client
-    URL). Tests sharing it keep to a key prefix of their own (cluster_harness.etcd_prefix).
+    """The run's one etcd, one per pytest-xdist worker (single member, free loopback
+    ports; `.endpoint` is its client URL). Tests sharing it keep to a key prefix of their own (cluster_harness.etcd_prefix).
     Tests that stop, pause or restart etcd, or need TLS, start their own. Skips (fails
     under CI) when etcd is not installed."""
     if cluster_harness.etcd_binary() is None:
