@@ -110,9 +110,10 @@ def test_auto_matches_the_fp32_reference(engines, bundled_model):
     assert len(got) == len(want) == NEW_TOKENS
     if auto.numerics.dtype == "float32":
         # the exact prefill and the dense fp32 head (LlamaModel.logits: the fused head's int8
-        # activations only for decode rows): the first token bit for bit, fused step or not
+        # activations only for decode rows), run row-invariantly (padded small matmuls,
+        # aligned prefill attention: other summation orders than float32's, 1.6e-5 measured)
         assert got[0] == want[0]
-        assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=1e-5)
+        assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=1e-4)
     else:   # bf16: the fused head for the first token too
         assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=LOGPROB_ATOL)
     if auto.model.fused is None and auto.numerics.dtype == "float32":

@@ -318,7 +318,7 @@ class LlamaModel:
           own Q8_0/Q4 head, as llama.cpp).
         - a prompt's last row, fp32 models (`dtype = auto` on AVX2 / AVX-512 without bf16):
           the dense fp32 head over the exact prefill, so a prompt's first token is
-          `dtype = float32`'s exactly, on every node (one process, a P/D prefill node, a
+          `dtype = float32`'s (within 1e-4: row-invariant summation orders), on every node (one process, a P/D prefill node, a
           CPP stage). The fused head's int8 activations flipped the bundled model's near
           tie on the quickstart's question ('The' vs 'L', 0.04 apart) and the answer that
           followed was nonsense.

@@ -13,7 +13,8 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
 - CPU with AVX2+FMA or AVX-512 VNNI but no native bf16 (``avx2``, ``avx512_vnni``): float32
   activations and KV with the GGUF's blocks kept. Prompt tokens take the exact dense fp32
   path (the blocks dequantized, as `dtype = float32`), and a prompt's first token the
-  dense fp32 head: both are `dtype = float32`'s bit for bit. Generated tokens take the
+  dense fp32 head: `dtype = float32`'s weights and arithmetic, run row-invariantly
+  (LlamaModel.row_invariant: other summation orders, logprobs within 1e-4 of float32's). Generated tokens take the
   fused decode step (kernels/cpu_fused_decode.py over cpu_gemv's AVX2 / VNNI GEMV: int8
   activations quantized per row, as llama.cpp's Q8 activations) and its LM head. The
   split is by token (prompt or generated), never by batch: every decode row runs the
