@@ -15,13 +15,14 @@ import torch
 
 from . import cpu_decode, cpu_prefill
 from .cpu_fused import rms_norm, rotary_, write_kv
-from .reference import gather_blocks, scatter_blocks
+from .reference import gather_blocks, paged_prefill_attention_aligned, scatter_blocks
 from .reference import paged_decode_attention as _reference_decode
 from .reference import paged_prefill_attention as _reference_prefill
 
 _PREFILL_KERNEL_MAX_THREADS = 2  # beyond this, SDPA's parallel heads beat the serial kernel
 
-__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention", "prefill_path",
+__all__ = ["gather_blocks", "paged_decode_attention", "paged_prefill_attention",
+           "paged_prefill_attention_aligned", "prefill_path",
            "rms_norm", "rotary_", "scatter_blocks", "write_kv"]
 
 

@@ -92,13 +92,15 @@ class ModelSettings:
                                        "kept beside them, where a dense bf16 matmul is faster. 0 "
                                        "keeps no dense copy (every step quantized, least memory).",
                                     min=0)
-    fused_decode_max_batch: int = opt(8, "CPU decode steps of up to this many sequences run the "
-                                         "fused decode step (every layer and the LM head in one "
-                                         "Numba call each, over the GGUF's own Q4_0/Q4_1/Q8_0 "
-                                         "blocks with int8 activations, as llama.cpp; needs "
+    fused_decode_max_batch: int = opt(8, "Above 0, every decode row (generated token) of every "
+                                         "CPU step runs the fused decode step, whatever the "
+                                         "batch size (every layer and the LM head in one Numba "
+                                         "call each, over the GGUF's own Q4_0/Q4_1/Q8_0 blocks "
+                                         "with int8 activations, as llama.cpp; needs "
                                          "weight_format = auto and dtype auto or bfloat16; "
-                                         "model/fused.py says which CPUs); 0 "
-                                         "turns it off.", min=0)
+                                         "model/fused.py says which CPUs); the value is no "
+                                         "longer a batch limit (a token's numerics must not "
+                                         "depend on the batch). 0 turns it off.", min=0)
 
 
 @dataclass

@@ -213,23 +213,28 @@ def test_a_fused_batch_equals_its_sequences_alone(models):
     assert not torch.equal(alone[0], alone[1])  # different sequences, different logits
 
 
-def test_small_batches_get_fp32_logits_from_the_files_head(models):
-    """A prefill's first token (hidden states in the model's dtype, few rows) takes the fused
-    head too: fp32 logits, not bf16-rounded ones (where near ties became exact ties); more
-    rows than the fused batch take the per-op head."""
+def test_each_row_kind_takes_one_head_whatever_shares_the_step(models):
+    """Decode rows take the fused head (fp32 logits off the file's blocks, int8 activations
+    per row) in any number; a prompt's last row takes the dense fp32 head on an fp32 model
+    (float32's exact first token) and the fused head on a bf16 one (not bf16-rounded
+    logits, where near ties became exact ties). A row's logits never depend on the others."""
     ref, model, _, _ = models
-    h = torch.randn(2, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
-    h = h.to(model.dtype)
-    got = model.logits(h)
-    assert got.dtype == torch.float32 and got.shape == (2, model.cfg.vocab_size)
-    assert (got.to(torch.bfloat16).float() != got).float().mean() > 0.9  # not on the bf16 grid
+    h = torch.randn(12, model.cfg.hidden_size, generator=torch.Generator().manual_seed(3))
+    h = h.to(torch.bfloat16).to(model.dtype)
+    dec = model.logits(h)  # all decode rows: more than the old batch limit of 8
+    assert dec.dtype == torch.float32 and dec.shape == (12, model.cfg.vocab_size)
+    assert (dec.to(torch.bfloat16).float() != dec).float().mean() > 0.9  # not on the bf16 grid
     want = ref.logits(h.float())  # the dequantized fp32 head
-    assert (got - want).abs().max() < 0.5  # only the int8 activations' rounding apart
-    big = torch.randn(model.fused_decode_max_batch + 1, model.cfg.hidden_size).to(model.dtype)
-    if model.dtype == torch.bfloat16:
-        assert (model.logits(big).to(torch.bfloat16).float() == model.logits(big)).all()  # the per-op head
-    else:  # the per-op head of an fp32 model: the dequantized weights, as the reference's
-        assert torch.allclose(model.logits(big), ref.logits(big), atol=1e-4)
+    assert (dec - want).abs().max() < 0.5  # only the int8 activations' rounding apart
+    assert (dec - want).abs().max() > 0    # (and not the dense head)
+    assert torch.equal(model.logits(h[:1]), dec[:1]) and torch.equal(model.logits(h[5:7]), dec[5:7])
+    mixed = model.logits(h, num_decode_rows=4)
+    assert torch.equal(mixed[:4], dec[:4])
+    if model.dtype == torch.float32:  # the dense fp32 head: the reference's weights
+        assert torch.equal(mixed[4:], model.logits(h[4:], num_decode_rows=0))
+        assert torch.allclose(mixed[4:], ref.logits(h[4:]), atol=1e-4)
+    else:
+        assert torch.equal(mixed[4:], dec[4:])
 
 
 def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
@@ -265,6 +270,42 @@ def test_a_decode_beside_a_prefill_chunk_gets_the_logits_it_gets_alone(models):
     assert torch.equal(mixed[:1], alone)
     assert torch.equal(kv[:8], alone_kv[:8])  # a's pages: the same K/V
     assert kv[8:].abs().sum() > 0 and not torch.equal(mixed[1], mixed[0])  # b's chunk ran
+
+
+def test_a_prompts_rows_are_the_same_in_any_chunking(models):
+    """The prompt rows (the per-op path of a model with the fused step) give each row the
+    same K/V and hidden state bit for bit whether the prompt runs whole or as a long chunk
+    and a 2-row one (a prefix hit's short suffix): LlamaModel._linear pads small products,
+    whose rows torch computes differently, and prefill attention runs in aligned blocks
+    (reference.paged_prefill_attention_aligned). Else the fused step's int8 activations would
+    turn the last bits into logprob differences later. fp32 models only (dtype auto on
+    CPUs without native bf16): a bf16 model's prompt path (torch's int4 kernel, bf16 SDPA)
+    is not row-invariant yet (the chunked K/V differ in the last bf16 bit here)."""
+    _, model, _, tok = models
+    if model.dtype != torch.float32:
+        return
+    cfg, bs = model.cfg, 16
+    p = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])
+    n = len(p)
+    table = torch.arange(0, n // bs + 1, dtype=torch.int32)[None]
+
+    def prefill(kv, start, end):
+        meta = AttentionMetadata(torch.tensor([int(table[0, i // bs]) * bs + i % bs for i in range(start, end)]),
+                                 0, prefill_block_tables=table,
+                                 prefill_cu_seqlens_q=torch.tensor([0, end - start], dtype=torch.int32),
+                                 prefill_context_lens=torch.tensor([end], dtype=torch.int32))
+        return model.forward(torch.tensor(p[start:end]), torch.arange(start, end), meta, kv)
+
+    whole_kv = torch.zeros(table.shape[1], cfg.num_layers, 2, bs, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype)
+    whole = prefill(whole_kv, 0, n)
+    assert n > 20
+    for cuts in ([0, n - 2, n], [0, 16, n], [0, 7, 20, n]):  # a prefix hit's suffix, chunked prefill
+        kv = torch.zeros_like(whole_kv)
+        hidden = torch.cat([prefill(kv, a, b) for a, b in zip(cuts, cuts[1:])])
+        assert torch.equal(kv, whole_kv), cuts
+        assert torch.equal(hidden, whole), cuts
+    first = model.logits(whole[-1:], num_decode_rows=0)  # the dense head, padded: any row count
+    assert torch.equal(model.logits(whole[-3:], num_decode_rows=0)[-1:], first)
 
 
 _COMPILE_VNNI = """

@@ -49,7 +49,8 @@ def _logits(model: LlamaModel, ids: list[int], forced: list[int] | None) -> tupl
     meta = AttentionMetadata(slots(range(T)), 0, prefill_block_tables=table,
                              prefill_cu_seqlens_q=torch.tensor([0, T], dtype=torch.int32),
                              prefill_context_lens=torch.tensor([T], dtype=torch.int32))
-    rows = [model.logits(model.forward(torch.tensor(ids), torch.arange(T), meta, kv)[-1:])]
+    # the prompt's last row (num_decode_rows=0: the prefill's head), then decode rows
+    rows = [model.logits(model.forward(torch.tensor(ids), torch.arange(T), meta, kv)[-1:], num_decode_rows=0)]
     toks = []
     for i, pos in enumerate(range(T, T + NEW_TOKENS - 1)):
         tok = forced[i] if forced else int(rows[-1][-1].argmax())

@@ -25,11 +25,13 @@ class KernelPaths:
         isa: the ISA level the CPU kernels use ("portable", "avx2", "avx512_vnni",
             "avx512_bf16"; MOONCAKED_CPU_ISA caps it).
         decode_path: "fused-avx2" / "fused-avx512_vnni" (the fused decode step on that
-            cpu_gemv variant, kernels/cpu_fused_decode.py, for
-            steps of up to model.fused_decode_max_batch sequences), "per-op-torch" (the
-            model's layers op by op: torch matmuls, cpu_ops' attention) or "per-op-triton".
+            cpu_gemv variant, kernels/cpu_fused_decode.py, for every decode row),
+            "per-op-torch" (the model's layers op by op: torch matmuls, cpu_ops' attention)
+            or "per-op-triton".
         decode_why: why the fused step is off (model/fused.py `why_not`), None when on.
-        prefill_path: prefill attention: "cpu_prefill-avx512_bf16", "sdpa" or "triton".
+        prefill_path: prefill attention: "cpu_prefill-avx512_bf16", "sdpa", "sdpa-aligned" (SDPA
+            in position-aligned blocks, row-invariant: an fp32 model with the fused step) or
+            "triton".
     """
 
     cpu: str
@@ -57,6 +59,8 @@ def kernel_paths(model: LlamaModel) -> KernelPaths:
         decode = "per-op-triton" if ops == "triton_ops" else "per-op-torch"
     if ops == "triton_ops":
         prefill = "triton"
+    elif ops == "cpu_ops" and model.row_invariant:
+        prefill = "sdpa-aligned"   # reference.paged_prefill_attention_aligned
     elif ops == "cpu_ops":
         prefill = model.ops.prefill_path(model.dtype, model.dtype, model.cfg.head_dim)
     else:

@@ -13,7 +13,8 @@ from mooncaked.model.sampling import SamplingRow, sample, score_tokens
 from . import hugepages
 from .cuda_graph import CudaGraphRunner, decode_inputs, graph_buckets
 from .device_step import needs_host_sampling, upload, upload_step
-from .scheduler_output import ScheduledSeq, SchedulerOutput
+from .scheduler_output import SchedulerOutput
+from .sequence import Sequence
 from .staging import scatter_from_host, staging_for
 from .structured import apply_masks, start_masks
 from .types import TokenLogprob
@@ -99,46 +100,82 @@ class ModelRunner:
         src = blocks.to(device=self.model.device, dtype=self.model.dtype)
         self.ops.scatter_blocks(self.kv_cache, ids, src)
 
-    def _block_tables(self, seqs: tuple[ScheduledSeq, ...]) -> torch.Tensor:
-        width = max(len(s.seq.block_table) for s in seqs)
-        rows = [s.seq.block_table + [0] * (width - len(s.seq.block_table)) for s in seqs]
-        return torch.tensor(rows, dtype=torch.int32)
+    @staticmethod
+    def _tables(tables: list[list[int]]) -> torch.Tensor:
+        """Block tables padded with 0 to the widest: int32 [len(tables), width]."""
+        width = max(len(t) for t in tables)
+        return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
-    def prepare(self, sched: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, sched: SchedulerOutput
+                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, list[int], list[int | None]]:
         """Flat input ids int64 [T], positions int64 [T] and attention metadata for the T
-        scheduled tokens, on the host (`run` uploads them); decodes come first."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slots: list[int] = []
+        scheduled tokens, on the host (`run` uploads them), the row of each scheduled
+        entry's last token, and the row of each entry's first prompt token in this step
+        (None when it has none; its prompt rows follow it, in position order). Rows are
+        indices into the T rows; both lists are in sched.scheduled's order.
+
+        A token's row kind follows from its position alone, never from how the step is
+        batched, so its numerics are the same on every path (batch size, P/D, resumption,
+        prefix hits; LlamaModel.forward):
+        - decode rows (first; meta.num_decode_tokens of them): every generated token
+          (position >= Sequence.first_output_position), one row each, attending to its
+          sequence's pages up to itself: the decodes' newest tokens, and the generated
+          tokens a recompute after preemption replays (in position order, after its
+          prompt part), or a resumed request's earlier output (params.output_offset).
+          The fused CPU decode step runs these rows.
+        - prefill rows: every prompt token, as chunks (one per sequence, in order), also a
+          lone last prompt token whose prefix came from the cache (a "decode" entry of the
+          scheduler), so a prompt's first token always takes the prefill path.
+        """
         bs = self.block_size
+        dec: list[tuple[Sequence, int]] = []              # (sequence, position)
+        chunks: list[tuple[Sequence, int, int]] = []      # (sequence, start, end) of prompt
+        last: list[tuple[bool, int]] = []                 # (decode row?, index in its kind)
+        first_prompt: list[int | None] = []               # index among prefill rows
+        n_prefill = 0
         for s in sched.scheduled:
             seq, start = s.seq, s.seq.num_computed_tokens
             end = start + s.num_new_tokens
+            mid = min(max(start, seq.first_output_position), end)  # prompt tokens end here
+            first_prompt.append(n_prefill if mid > start else None)
+            if mid > start:
+                chunks.append((seq, start, mid))
+                n_prefill += mid - start
+            dec += [(seq, p) for p in range(mid, end)]
+            last.append((True, len(dec) - 1) if end > mid else (False, n_prefill - 1))
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        for seq, p in dec:
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+        for seq, start, end in chunks:
             ids += seq.token_ids[start:end]
             pos += range(start, end)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
         dev = torch.device("cpu")
-        decodes, prefills = sched.decodes, sched.prefills
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-                                 num_decode_tokens=len(decodes))
-        if decodes:
-            meta.decode_block_tables = self._block_tables(decodes)
-            meta.decode_context_lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes],
-                                                    dtype=torch.int32, device=dev)
-        if prefills:
-            meta.prefill_block_tables = self._block_tables(prefills)
+                                 num_decode_tokens=len(dec))
+        if dec:
+            meta.decode_block_tables = self._tables([seq.block_table for seq, _ in dec])
+            meta.decode_context_lens = torch.tensor([p + 1 for _, p in dec], dtype=torch.int32, device=dev)
+        if chunks:
+            meta.prefill_block_tables = self._tables([seq.block_table for seq, _, _ in chunks])
             cu = [0]
-            for s in prefills:
-                cu.append(cu[-1] + s.num_new_tokens)
+            for _, start, end in chunks:
+                cu.append(cu[-1] + end - start)
             meta.prefill_cu_seqlens_q = torch.tensor(cu, dtype=torch.int32, device=dev)
-            meta.prefill_context_lens = torch.tensor(
-                [s.seq.num_computed_tokens + s.num_new_tokens for s in prefills], dtype=torch.int32, device=dev)
+            meta.prefill_context_lens = torch.tensor([end for _, _, end in chunks], dtype=torch.int32,
+                                                     device=dev)
+        last_rows = [i if is_dec else len(dec) + i for is_dec, i in last]
+        prompt_rows = [None if i is None else len(dec) + i for i in first_prompt]
         return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), meta)
+                torch.tensor(pos, dtype=torch.long, device=dev), meta, last_rows, prompt_rows)
 
-    def prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor
-                        ) -> dict[int, list[TokenLogprob]]:
+    def prompt_logprobs(self, sched: SchedulerOutput, hidden: torch.Tensor,
+                        prompt_rows: list[int | None]) -> dict[int, list[TokenLogprob]]:
         """Prompt logprobs of this step's prefill chunks that ask for them.
 
         A chunk's row at position p scores prompt token p + 1 (score_tokens), for the
@@ -146,19 +183,20 @@ class ModelRunner:
         repeats none). The rows go through the same LM head as a prefill's last row
         (`model.logits` with no decode rows: the dense head), PROMPT_LOGPROB_ROWS at a time.
 
-        Args: sched: the step; hidden: [T, hidden] of every scheduled token, in order.
+        Args: sched: the step; hidden: [T, hidden] of the step's rows (prepare's layout);
+            prompt_rows: the row of each entry's first prompt token (prepare).
         Returns: {index in sched.scheduled: TokenLogprob of prompt tokens, in order}.
         """
         out: dict[int, list[TokenLogprob]] = {}
-        t = 0
         for i, s in enumerate(sched.scheduled):
-            seq, start = s.seq, s.seq.num_computed_tokens
-            row0, t = t, t + s.num_new_tokens
+            seq, start, row0 = s.seq, s.seq.num_computed_tokens, prompt_rows[i]
             k = seq.params.prompt_logprobs
-            if k is None or seq.prompt_logprobs is None:
+            if k is None or seq.prompt_logprobs is None or row0 is None:
                 continue
             first = max(start, len(seq.prompt_logprobs) - 1)     # position of the first new row
-            last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+            # the step's prompt rows end where its generated (decode) rows begin
+            last = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1,
+                       max(start, seq.first_output_position))
             scored: list[TokenLogprob] = []
             for a in range(first, last, PROMPT_LOGPROB_ROWS):
                 b = min(last, a + PROMPT_LOGPROB_ROWS)
@@ -181,8 +219,10 @@ class ModelRunner:
         """
         batch = sched.scheduled
         dev = self.model.device
-        input_ids, positions, meta = self.prepare(sched)
-        want = [i for i, s in enumerate(batch) if s.samples]
+        input_ids, positions, meta, last_rows, prompt_rows = self.prepare(sched)
+        # the sampled rows, decode rows first (prepare lays them out first): the LM head
+        # takes a decode row's fused path and a prompt's last row the prefill path
+        want = sorted((i for i, s in enumerate(batch) if s.samples), key=lambda i: last_rows[i])
         matchers = [batch[i].seq.grammar for i in want]
         # structured outputs: the masks are filled while the forward pass runs
         masks = (start_masks(matchers, self.model.cfg.vocab_size)
@@ -194,20 +234,15 @@ class ModelRunner:
         else:
             input_ids, positions, meta = upload_step(input_ids, positions, meta, dev)
             hidden = self.model.forward(input_ids, positions, meta, self.kv_cache, after_layer)
-        scored = (self.prompt_logprobs(sched, hidden)
-                  if any(s.seq.prompt_logprobs is not None for s in sched.prefills) else {})
+        scored = (self.prompt_logprobs(sched, hidden, prompt_rows)
+                  if any(s.seq.prompt_logprobs is not None for s in sched.scheduled) else {})
         if not want:
             return {}, scored
-        ends, t = [], 0
-        for s in batch:
-            t += s.num_new_tokens
-            ends.append(t - 1)
-        rows_at = [ends[i] for i in want]
+        rows_at = [last_rows[i] for i in want]
         if rows_at != list(range(hidden.shape[0])):  # else every token samples (decodes)
             hidden = hidden[upload(torch.tensor(rows_at), dev)]
-        # decodes come first in a batch (sched.decodes), so their rows lead `want` too
-        num_decodes = len(sched.decodes)
-        logits = self.model.logits(hidden, sum(1 for i in want if i < num_decodes))
+        nd = meta.num_decode_tokens
+        logits = self.model.logits(hidden, sum(1 for r in rows_at if r < nd))
         rows = [SamplingRow(batch[i].seq.params, batch[i].seq.token_ids, batch[i].seq.num_prompt_tokens)
                 for i in want]
         if logits.device.type != "cpu" and (masks is not None or needs_host_sampling(rows)):

@@ -72,6 +72,14 @@ class Sequence:
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens
 
     @property
+    def first_output_position(self) -> int:
+        """Position of the request's first generated token: the prompt's length less
+        params.output_offset (a resumed request's prompt ends with its earlier output).
+        Tokens before it are prompt tokens, from it on generated ones (ModelRunner.prepare
+        gives them the prefill and the decode path)."""
+        return self.num_prompt_tokens - self.params.output_offset
+
+    @property
     def is_prefilling(self) -> bool:
         """True while more than the newest token lacks K/V (prefill or recompute after preemption)."""
         return self.num_tokens - self.num_computed_tokens > 1

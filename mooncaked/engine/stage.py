@@ -123,9 +123,14 @@ class StageEngine:
         # (model/numerics.py), so the stages' KV and block keys match the group's nodes
         self.dtype = resolve_numerics(dtype, "dequantized", dev.type, cpu_isa.isa_level()).torch_dtype
         self.weight_bytes = sum(t.numel() for t in tensors.values()) * self.dtype.itemsize
+        # where a whole-model node's auto takes the fused step (fp32 with the file's blocks),
+        # the prompt rows run row-invariant there (LlamaModel.row_invariant): so here too,
+        # so that the group's prompt K/V and first token are the single node's bit for bit
+        nodes = resolve_numerics(dtype, "auto", dev.type, cpu_isa.isa_level())
         self.model = LlamaModel(cfg, tensors, self.dtype, dev, attention_ops(dev, "auto"),
                                 max_positions=min(max_positions, cfg.max_position_embeddings),
-                                layers=layers)
+                                layers=layers,
+                                row_invariant=nodes.keep_quantized and nodes.dtype == "float32")
         del tensors
         self.block_size = block_size
         n = len(layers)

@@ -1,10 +1,14 @@
 """Our Llama forward pass over a paged KV cache (not transformers' modeling code).
 
-One call runs a flat batch of T tokens: the first `num_decode_tokens` are the
-single new tokens of decoding sequences, the rest are prefill chunks of
-variable length (each possibly after a cached prefix). Linear layers run on
-all T tokens at once; attention splits into the paged decode and paged
-prefill kernels (mooncaked.kernels).
+One call runs a flat batch of T tokens: the first `num_decode_tokens` are decode
+rows (generated tokens, one row each, each attending to its sequence's pages up to
+itself: the decodes' newest tokens and a recompute's replayed ones), the rest are
+prefill chunks of prompt tokens of variable length (each possibly after a cached
+prefix). Linear layers run on all T tokens at once; attention splits into the paged
+decode and paged prefill kernels (mooncaked.kernels). With the fused CPU decode step
+built, the decode rows run it instead (model/fused.py) and the prefill rows the per-op
+path, so a token's numerics depend on whether it is a prompt or a generated token,
+never on the batch.
 
 Architecture: embedding, pre-norm blocks of RMSNorm -> grouped-query
 attention with rotary embedding -> residual, RMSNorm -> SwiGLU MLP ->
@@ -26,13 +30,22 @@ from . import fused, quant
 from .weights import ModelConfig, ModelLoadError
 
 
+# Fewest rows a dense matmul of a model with the fused step runs (LlamaModel._linear): at
+# least this many, a row's result does not depend on the others (measured from 4 up, AMD
+# EPYC, torch's fp32 CPU matmul; 16 leaves room for other CPUs' small-matrix kernels).
+MIN_GEMM_ROWS = 16
+
+
 @dataclass
 class AttentionMetadata:
     """Where each token of a step reads and writes KV (shapes for T tokens in the step).
 
     slot_mapping: int64 [T], page slot (block_id * block_size + offset) of each token's K/V.
-    num_decode_tokens: the first this-many tokens are decodes, one per sequence.
-    decode_block_tables: int32 [num_decodes, max_blocks]; decode_context_lens: int32 [num_decodes].
+    num_decode_tokens: the first this-many tokens are decode rows, each with its own
+        block table and context length (several rows of one sequence when a recompute
+        replays its generated tokens; each row's K/V is written before any row attends).
+    decode_block_tables: int32 [num_decodes, max_blocks]; decode_context_lens: int32 [num_decodes]
+        (the row's position + 1).
     prefill_block_tables: int32 [num_prefills, max_blocks]; prefill_cu_seqlens_q: int32
         [num_prefills + 1]; prefill_context_lens: int32 [num_prefills] (cached + new tokens).
     """
@@ -96,7 +109,13 @@ class LlamaModel:
     `fused_decode_max_batch` > 0 also builds the fused CPU decode step
     (kernels/cpu_fused_decode.py: every layer and the LM head over the GGUF's own Q4/Q8
     blocks, one Numba call each) where it applies (`fused_decode_reason` says why not):
-    decode steps of up to that many sequences then run it, in place of the per-op path.
+    every decode row of every step then runs it (any batch size: the value is no longer a
+    batch limit), in place of the per-op path; prompt tokens keep the per-op path.
+
+    `row_invariant` (default: an fp32 model with the fused step) makes the prompt rows
+    results independent of the chunking (`_linear`, aligned prefill attention); a pipeline
+    stage of a cluster whose nodes run the fused step sets it, so that its prompt K/V are
+    theirs bit for bit.
 
     `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
     forward pass then runs those layers over a kv_cache holding only them, the embedding
@@ -107,7 +126,8 @@ class LlamaModel:
     def __init__(self, cfg: ModelConfig, tensors: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device, ops: ModuleType, max_positions: int,
                  weight_format: str = "dequantized", dense_above: int | None = None,
-                 layers: range | None = None, fused_decode_max_batch: int = 0):
+                 layers: range | None = None, fused_decode_max_batch: int = 0,
+                 row_invariant: bool | None = None):
         self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
 
@@ -161,11 +181,32 @@ class LlamaModel:
                                                      layers is not None)
             if self.fused_decode_reason is None:
                 self.fused = fused.build(cfg, tensors, self._rope_cos, self._rope_sin)
+        # An fp32 model with the fused step runs its prompt rows row-invariantly: small
+        # matmuls padded (_linear), prefill attention in aligned blocks (the ops module's
+        # paged_prefill_attention_aligned), so a prompt token's K/V never depends on the
+        # chunking, which the fused step's int8 activations would amplify.
+        if row_invariant is None:
+            row_invariant = self.fused is not None and dtype == torch.float32
+        self.row_invariant = row_invariant and hasattr(ops, "paged_prefill_attention_aligned")
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
             return self.lm_head.rows(input_ids)
         return F.embedding(input_ids, self.embed)
+
+    def _linear(self, lin: quant.Linear, x: torch.Tensor) -> torch.Tensor:
+        """lin(x) for x [T, in] -> [T, out]. With `row_invariant` (an fp32 model with the fused
+        step), a step of fewer than MIN_GEMM_ROWS rows runs padded with zero rows to that
+        many: torch's CPU matmul takes
+        other kernels for a few rows (measured on AMD EPYC, fp32: rows of a 1-3-row product
+        differ in the last bits from the same rows in a larger one), and the fused step's
+        int8 activations turn such last-bit differences of the prompt's K/V into logprob
+        differences of 0.01-0.13 later on (a prefix hit's short suffix against a cold
+        prefill). Padded, a row's result is the same in any batch (test_fused_decode)."""
+        n = x.shape[0]
+        if not self.row_invariant or n >= MIN_GEMM_ROWS or n == 0:
+            return lin(x)
+        return lin(torch.cat([x, x.new_zeros(MIN_GEMM_ROWS - n, x.shape[1])]))[:n]
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         fused = getattr(self.ops, "rms_norm", None)  # one Numba call on the CPU (kernels/cpu_fused.py)
@@ -198,33 +239,43 @@ class LlamaModel:
             meta: AttentionMetadata for the same T tokens.
             kv_cache: [num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim], self.dtype.
             after_layer: called with the layer index as soon as that layer's K/V of this
-                step is in the pages (before its attention), for layer-wise KV export.
+                step is in the pages (before its attention), for layer-wise KV export; in
+                a step with decode rows through the fused step, for every layer at the end.
         Returns: hidden states after the last block (before the final norm), [T, hidden], self.dtype
-            (fp32 when the fused decode step ran the step's decodes, which `logits` recognises).
+            (fp32 when the fused decode step ran the step's decode rows).
         """
         cfg, ops = self.cfg, self.ops
         T = input_ids.shape[0]
         nd = meta.num_decode_tokens
-        if (self.fused is not None and 0 < nd <= self.fused_decode_max_batch and after_layer is None
-                and not input_ids.is_floating_point()):
+        if self.fused is not None and nd > 0 and not input_ids.is_floating_point():
+            # Every decode row takes the fused step, whatever the batch size or what else
+            # shares the step: its per-row arithmetic (int8 activations quantized per row,
+            # one GEMV dot per row and weight row, attention per row) is the same bit for
+            # bit in any batch, so a token's numerics depend on its sequence only. The
+            # prefill rows (prompt tokens) run the per-op path first, so a decode row
+            # replaying a recompute's generated tokens finds its prompt's K/V in the pages.
             if nd == T:
-                return fused.decode(self, input_ids, positions, meta, kv_cache)
-            # A step of decodes and prefill chunks: the decodes still take the fused step,
-            # so a decode token gets the same numerics whatever else shares its step (batch
-            # invariance); the chunks run the per-op path. fp32 [T, hidden] either way.
+                hidden = fused.decode(self, input_ids, positions, meta, kv_cache)
+                if after_layer is not None:
+                    for i in self.layer_range:
+                        after_layer(i)
+                return hidden
             dmeta = AttentionMetadata(meta.slot_mapping[:nd], nd, decode_block_tables=meta.decode_block_tables,
                                       decode_context_lens=meta.decode_context_lens)
             pmeta = AttentionMetadata(meta.slot_mapping[nd:], 0, prefill_block_tables=meta.prefill_block_tables,
                                       prefill_cu_seqlens_q=meta.prefill_cu_seqlens_q,
                                       prefill_context_lens=meta.prefill_context_lens)
-            head = fused.decode(self, input_ids[:nd], positions[:nd], dmeta, kv_cache)
             rest = self.forward(input_ids[nd:], positions[nd:], pmeta, kv_cache)
+            head = fused.decode(self, input_ids[:nd], positions[:nd], dmeta, kv_cache)
+            if after_layer is not None:  # once every row's K/V is in (decode rows may be
+                for i in self.layer_range:  # a resumed prompt's tail that a stream exports)
+                    after_layer(i)
             return torch.cat([head, rest.float()])
         h = input_ids if input_ids.is_floating_point() else self._embed(input_ids)
         rot = self.freqs_cis[positions].unsqueeze(1)  # once per step, not per layer
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer["attn_norm"])
-            qkv = layer["wqkv"](x)
+            qkv = self._linear(layer["wqkv"], x)
             qk = qkv[:, : self.q_size + self.kv_size].view(T, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
             qk = self._rotary(qk, rot, positions)
             q, k = qk[:, : cfg.num_heads], qk[:, cfg.num_heads:]
@@ -237,9 +288,9 @@ class LlamaModel:
                 attn = ops.paged_decode_attention(q, k_cache, v_cache, meta.decode_block_tables,
                                                   meta.decode_context_lens, self.scale)
             elif nd == 0:
-                attn = ops.paged_prefill_attention(q, k_cache, v_cache, meta.prefill_block_tables,
-                                                   meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
-                                                   self.scale)
+                prefill = ops.paged_prefill_attention_aligned if self.row_invariant else ops.paged_prefill_attention
+                attn = prefill(q, k_cache, v_cache, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+                               meta.prefill_context_lens, self.scale)
             else:
                 attn = torch.cat([
                     ops.paged_decode_attention(q[:nd], k_cache, v_cache, meta.decode_block_tables,
@@ -247,47 +298,44 @@ class LlamaModel:
                     ops.paged_prefill_attention(q[nd:], k_cache, v_cache, meta.prefill_block_tables,
                                                 meta.prefill_cu_seqlens_q, meta.prefill_context_lens,
                                                 self.scale)])
-            h = h + layer["wo"](attn.reshape(T, self.q_size))
+            h = h + self._linear(layer["wo"], attn.reshape(T, self.q_size))
             x = self._rms_norm(h, layer["mlp_norm"])
-            gate, up = layer["w_gate_up"](x).chunk(2, dim=-1)
-            h = h + layer["w_down"](F.silu(gate) * up)
+            gate, up = self._linear(layer["w_gate_up"], x).chunk(2, dim=-1)
+            h = h + self._linear(layer["w_down"], F.silu(gate) * up)
         return h
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor, num_decode_rows: int | None = None) -> torch.Tensor:
         """Final norm and LM head. hidden: [N, hidden] -> fp32 logits [N, vocab].
 
-        num_decode_rows: how many leading rows are decode tokens (the runner puts decodes
-        first; the rest are prefills' last tokens), or None when unknown.
+        num_decode_rows: how many leading rows are decode rows (generated tokens; the
+        runner lays them out first, ModelRunner.prepare); the rest are prompts' last rows
+        (a prompt's first token). None: every row is a decode row.
 
-        With the fused step built, the rows it decoded take its head: fp32 norm and logits
-        over the file's own Q8_0/Q4 head with int8 activations (as llama.cpp), the same
-        whatever shares the step. Prefill rows:
-        - bf16 models: up to fused_decode_max_batch rows take the fused head too. The
-          per-op head rounds logits to bf16 (steps of 1/8 at a logit of 20), which made
-          near ties exact, and which of two tied tokens won then depended on the path: a
-          cached prefix (a 1-token int4 step) answered a chat prompt differently from a
-          cold prefill of the same prompt.
-        - fp32 models (`dtype = auto` on CPUs without native bf16): the dense fp32 head,
-          so a prompt's first token is exactly `dtype = float32`'s. The fused head's int8
-          activations flipped the bundled model's near tie on the quickstart's question
-          ('The' vs 'L', 0.04 apart), and the answer that followed was nonsense."""
+        With the fused step built, each row takes one defined head, whatever else shares
+        the step (so a token's logits depend on its sequence only):
+        - decode rows: the fused head (fp32 norm, int8 activations per row over the file's
+          own Q8_0/Q4 head, as llama.cpp).
+        - a prompt's last row, fp32 models (`dtype = auto` on AVX2 / AVX-512 without bf16):
+          the dense fp32 head over the exact prefill, so a prompt's first token is
+          `dtype = float32`'s (within 1e-4: row-invariant summation orders), on every node (one process, a P/D prefill node, a
+          CPP stage). The fused head's int8 activations flipped the bundled model's near
+          tie on the quickstart's question ('The' vs 'L', 0.04 apart) and the answer that
+          followed was nonsense.
+        - a prompt's last row, bf16 models: the fused head too. The per-op head rounds
+          logits to bf16 (steps of 1/8 at a logit of 20), which made near ties exact, and
+          which of two tied tokens won then depended on the path."""
         if self.fused is None:
             return self._dense_logits(hidden)
-        if self.dtype == torch.float32 and num_decode_rows is not None:
-            nd = num_decode_rows if 0 < num_decode_rows <= self.fused_decode_max_batch else 0
-            if nd == 0:
-                return self._dense_logits(hidden)
-            head = fused.logits(self, hidden[:nd].float())
-            if nd == hidden.shape[0]:
-                return head
-            return torch.cat([head, self._dense_logits(hidden[nd:])])
-        if (hidden.dtype == torch.float32 and self.dtype != torch.float32
-                or hidden.shape[0] <= self.fused_decode_max_batch):
-            # (fp32 rows come from a step the fused decode took part in: its head for all)
-            return fused.logits(self, hidden.float())
-        return self._dense_logits(hidden)
+        n = hidden.shape[0]
+        nd = n if num_decode_rows is None or self.dtype != torch.float32 else num_decode_rows
+        if nd == 0:
+            return self._dense_logits(hidden)
+        head = fused.logits(self, hidden[:nd].float().contiguous())
+        if nd == n:
+            return head
+        return torch.cat([head, self._dense_logits(hidden[nd:])])
 
     def _dense_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The per-op final norm and LM head in the model's dtype: fp32 [N, vocab]."""
-        return self.lm_head(self._rms_norm(hidden, self.norm)).float()
+        return self._linear(self.lm_head, self._rms_norm(hidden, self.norm)).float()

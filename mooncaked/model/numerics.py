@@ -10,17 +10,27 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
   Q4_0/Q4_1/Q8_0 blocks kept (the fused decode step; bf16 prefill attention). This is
   what measured fastest there (docs/benchmarks.md, issues 15 and 19). Logits within
   test_quant's bounds of the fp32 reference.
-- any other CPU (AVX2 only, AVX-512 without bf16, ARM): float32, the exact dense path
-  (as `dtype = float32`). torch's bf16 matmuls and int4 kernels run emulated without
-  native bf16 (20-70x slower). The fused decode step runs on AVX2 too (kernels/cpu_gemv.py,
-  8.4x transformers at batch 1, docs/benchmarks.md) but is not chosen here yet: its int8
-  activations make a token's numerics depend on the batch size and on the path (a P/D
-  decode node, a resumed request), which this project's tests of batch invariance and
-  P/D = one process catch. `dtype = bfloat16` keeps the blocks and takes it.
+- CPU with AVX2+FMA or AVX-512 VNNI but no native bf16 (``avx2``, ``avx512_vnni``): float32
+  activations and KV with the GGUF's blocks kept. Prompt tokens take the exact dense fp32
+  path (the blocks dequantized, as `dtype = float32`), and a prompt's first token the
+  dense fp32 head: `dtype = float32`'s weights and arithmetic, run row-invariantly
+  (LlamaModel.row_invariant: other summation orders, logprobs within 1e-4 of float32's). Generated tokens take the
+  fused decode step (kernels/cpu_fused_decode.py over cpu_gemv's AVX2 / VNNI GEMV: int8
+  activations quantized per row, as llama.cpp's Q8 activations) and its LM head. The
+  split is by token (prompt or generated), never by batch: every decode row runs the
+  fused step with the same per-row arithmetic in any batch, on a P/D decode node, in a
+  recompute after preemption (ModelRunner.prepare replays generated tokens as decode
+  rows), so a token's logits depend only on its sequence (batch invariance, P/D = one
+  process, CPP = one node). Accuracy against float32: greedy tokens equal where the
+  top-2 gap exceeds 0.5 nats, logits within 1.0 (tests/test_fused_decode.py; the int8
+  activations' rounding, 0.07-0.13 in a logprob measured on the bundled model).
+- any other CPU (no AVX2+FMA, ARM): float32, the exact dense path (as `dtype = float32`).
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
 
 `dtype = float32` is the exact option: dense fp32 weights dequantized from the file and
 no fused step (its int8 activations round). `dtype = bfloat16` keeps its meaning.
+`model.fused_decode_max_batch = 0` turns the fused step off (auto on AVX2 is then the
+exact path).
 
 A block key is salted with the resolved dtype (store/keys.py `make_salt`), so a node's
 store never mixes KV of different dtypes; nodes of one P/D cluster must resolve to the
@@ -88,10 +98,9 @@ def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numer
     if isa == "avx512_bf16":
         return Numerics("bfloat16", weight_format, weight_format != "dequantized",
                         "auto on a CPU with native bf16 (avx512_bf16): bfloat16")
-    # Not yet the fused AVX2 decode step (kernels/cpu_gemv.py's avx2 variant): its int8
-    # activations give a token numerics that depend on the batch size (fused up to
-    # fused_decode_max_batch rows, dense beyond) and on the path (a P/D decode node, a
-    # resumed request), and 14 tests of batch invariance and P/D = one process failed with
-    # it on by default (AMD EPYC, 2026-12-03). Until those paths agree it stays off here.
+    if isa in ("avx2", "avx512_vnni"):
+        return Numerics("float32", weight_format, weight_format != "dequantized",
+                        f"auto on a CPU without native bf16 ({isa}): float32, prompts exact, "
+                        f"generated tokens through the fused {isa} decode step")
     return Numerics("float32", "dequantized", False,
-                    f"auto on a CPU without native bf16 ({isa}): float32, the exact dense path")
+                    f"auto on a CPU without AVX2 ({isa}): float32, the exact dense path")
