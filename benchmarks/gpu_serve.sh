@@ -48,15 +48,19 @@ if ! "$PY" -c "import orjson, gguf" 2>/dev/null; then
         echo "orjson or gguf missing and no .gpu_pack/wheels (see docs/gpu/serve.md)" >&2
     fi
 fi
-# The repo root on the path: mooncaked imports from the checkout, kernels/cli/benchmarks
-# through links inside mooncaked/ (pyproject's package-dir mapping), removed again on exit.
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# mooncaked imports from the checkout: a temporary directory holding only a link to
+# mooncaked/ goes on the path (not the repo root, whose kernels/ would shadow the
+# `kernels` package transformers >= 5.25 imports), kernels/cli/benchmarks through links
+# inside mooncaked/ (pyproject's package-dir mapping); all removed again on exit.
+site_dir="$(mktemp -d)"
+ln -s "$PWD/mooncaked" "$site_dir/mooncaked"
+export PYTHONPATH="$site_dir${PYTHONPATH:+:$PYTHONPATH}"
+links=()
+trap 'rm -f "${links[@]}" "$site_dir/mooncaked"; rmdir "$site_dir"' EXIT
 if ! "$PY" -c "import mooncaked.benchmarks.gpu_serve" 2>/dev/null; then
-    links=()
     for d in kernels cli benchmarks; do
         if [ ! -e "mooncaked/$d" ]; then ln -s "../$d" "mooncaked/$d"; links+=("mooncaked/$d"); fi
     done
-    trap 'rm -f "${links[@]}"' EXIT
 fi
 "$PY" -c "import mooncaked.benchmarks.gpu_serve as g; print('mooncaked from', g.__file__)" || status=1
 

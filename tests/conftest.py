@@ -20,9 +20,19 @@ stays a skip with its reason (`pytest -rs` lists them).
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
+
+# The checkout's root must not be on the import path: its kernels/ (installed as
+# mooncaked.kernels) would shadow the `kernels` package that transformers >= 5.25 imports
+# ("cannot import name 'CUDAProperties' from 'kernels'"). `python -m pytest` puts the
+# working directory first; drop it here, and children started from the root (a test's
+# `python -m ...` with cwd at the root) do not prepend it either (PYTHONSAFEPATH).
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if p not in ("", ".") and Path(p).resolve() != _ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 
 # Triton kernels run on the CPU interpreter in tests. Set before anything imports triton,
 # so every kernel test runs in this process (the GPU check runs with --noconftest).

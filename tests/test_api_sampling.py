@@ -227,13 +227,3 @@ def test_echo_with_stop_keeps_the_prompt_and_cuts_the_output(server, free):
     assert body["choices"][0]["text"] == PROMPT + free["text"][:at]
 
 
-def test_echo_with_logprobs_is_refused_not_silently_wrong(server):
-    """vLLM answers echo + logprobs with the prompt's logprobs; this server computes no
-    prompt logprobs, so it says so with a 400 naming `echo` instead of leaving them out."""
-    async def go():
-        async with aiohttp.ClientSession() as s:
-            return await post(s, f"{server.url}/v1/completions",
-                              {"prompt": PROMPT, "max_tokens": 2, "echo": True, "logprobs": 1})
-    status, body = run(go())
-    assert status == 400
-    assert body["error"]["param"] == "echo" and body["error"]["code"] == "unsupported"

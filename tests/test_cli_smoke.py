@@ -182,7 +182,7 @@ def test_bench_engine_quick_json():
     assert res["benchmark"] == "engine" and (res["dtype"], res["requested_dtype"]) == (want_dtype, "auto")
     assert (res["cpu"], res["isa"]) == (cpu_isa.cpu_name(), cpu_isa.isa_level())
     assert res["decode_path"] == "per-op-torch" or res["decode_path"].startswith("fused-")
-    assert res["prefill_path"] in ("sdpa", "cpu_prefill-avx512_bf16")
+    assert res["prefill_path"] in ("sdpa", "sdpa-aligned", "cpu_prefill-avx512_bf16")
     assert res["reps"] == 1 and res["statistic"] == "median"
     assert res["engine"]["kv_cache_bytes"] == 64 * 1024 * 1024
     assert positive(res["wall_s"]) and positive(res["torch_threads"])

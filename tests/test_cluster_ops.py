@@ -268,7 +268,7 @@ def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
         assert (k["cpu"], k["isa"]) == (cpu_isa.cpu_name(), cpu_isa.isa_level()), nid
         assert (k["dtype"], k["requested_dtype"]) == (want_dtype, "auto"), nid
         assert k["decode_path"] == "per-op-torch" or k["decode_path"].startswith("fused-")
-        assert k["prefill_path"] in ("sdpa", "cpu_prefill-avx512_bf16")
+        assert k["prefill_path"] in ("sdpa", "sdpa-aligned", "cpu_prefill-avx512_bf16")
         assert view["nodes"][nid]["info"]["model"]["dtype"] == want_dtype
         line = next(orjson.loads(ln) for ln in cluster.log_path(nid).read_text().splitlines()
                     if '"numerics"' in ln)
