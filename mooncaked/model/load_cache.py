@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -97,13 +98,7 @@ def building_dir(final: Path) -> Iterator[Path | None]:
             log.warning("load_cache_unwritable", path=str(final), error=str(e))
     finally:
         if build.exists():
-            _remove_tree(build)
-
-
-def _remove_tree(path: Path) -> None:
-    for child in sorted(path.rglob("*"), reverse=True):
-        (child.rmdir if child.is_dir() else child.unlink)()
-    path.rmdir()
+            shutil.rmtree(build, ignore_errors=True)
 
 
 __all__ = ["FORMAT_VERSION", "building_dir", "cache_dir", "entry", "file_key", "write_file"]
