@@ -19,6 +19,7 @@ from cluster_harness import CONSTRAINED_LOGPROBS, logprob_values, stream
 from cluster_harness import apost as post
 
 from mooncaked.api.logprobs import TextOffset
+from mooncaked.benchmarks import hf_reference
 
 CHAT = {"messages": [{"role": "user", "content": "Reply with only emoji: 🫠🫠🫠"}],
         "max_tokens": 3, "temperature": 0, "logprobs": True, "top_logprobs": 2}
@@ -232,7 +233,8 @@ def test_lm_eval_harness_scores_the_server_as_transformers(server, bundled_model
            "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "datasets")}
     api = (f"base_url={server.url}/v1/completions,model=SmolLM2-135M-Instruct.Q4_1,"
            f"tokenizer={tok},tokenizer_backend=huggingface,num_concurrent=1,max_retries=1")
-    hf = f"pretrained={bundled_model.parent},gguf_file={bundled_model.name},tokenizer={tok},dtype=float32"
+    # transformers' reading of the GGUF file, as a checkpoint in the load cache (hf_reference.py)
+    hf = f"pretrained={hf_reference.checkpoint_dir(bundled_model)},tokenizer={tok},dtype=float32"
     r = subprocess.run([sys.executable, str(root / "tests/lm_eval_tasks/run_mc_facts.py"),
                         "local-completions", api, "hf", hf], cwd=root, env=env,
                        capture_output=True, text=True, timeout=900)

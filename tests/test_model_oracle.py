@@ -28,6 +28,7 @@ import pytest
 import torch
 import transformers
 
+from mooncaked.benchmarks import hf_reference
 from mooncaked.kernels import cpu_ops, reference
 from mooncaked.model.llama import AttentionMetadata, LlamaModel
 from mooncaked.model.tokenizer import Tokenizer
@@ -46,11 +47,11 @@ NEAR_TIE = 0.25
 
 
 def load_hf(bundled_model, dtype: torch.dtype):
-    """transformers' model from the bundled GGUF file, in `dtype`, in eval mode."""
+    """transformers' model from the bundled GGUF file, in `dtype`, in eval mode (through
+    the load cache's checkpoint of what transformers reads from the file, hf_reference.py;
+    test_hf_checkpoint_is_what_transformers_reads_from_the_gguf checks it)."""
     pytest.importorskip("accelerate")
-    m = transformers.AutoModelForCausalLM.from_pretrained(
-        str(bundled_model.parent), gguf_file=bundled_model.name, dtype=dtype)
-    return m.eval()
+    return hf_reference.load_model(bundled_model, dtype)
 
 
 def bf16_copy(hf):
@@ -190,6 +191,20 @@ def test_safetensors_directory_loads_to_the_same_logits(ours, hf_model, bundled_
     b, lb = paged_logits(gguf_model, ids, 8)
     assert a == b
     assert per_position_max(la, lb).max().item() < 1e-4
+
+
+def test_hf_checkpoint_saves_and_loads_the_same_model(hf_model, tmp_path):
+    """hf_reference's checkpoint (the oracle's own weights, saved without the GGUF
+    quantization entry and the tied head) loads back to the same parameters, buffers
+    and logits bit for bit."""
+    hf_reference.save_checkpoint(hf_model, tmp_path)
+    again = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32).eval()
+    a, b = hf_model.state_dict(), again.state_dict()
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()  # tied
+    seq = torch.tensor([[1, 504, 3458, 282, 4649, 47, 2]])
+    with torch.no_grad():
+        assert torch.equal(hf_model(seq).logits, again(seq).logits)
 
 
 @pytest.mark.parametrize("ops", [reference, cpu_ops], ids=["reference", "cpu_ops"])
