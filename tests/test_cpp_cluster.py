@@ -365,6 +365,9 @@ def test_client_aborts_during_a_cpp_prefill_free_every_stage_and_the_group_serve
         h = held()
         return (all(not h[n][0] and not h[n][1] for n in ("g0s0", "g0s1"))
                 and h["decode0"][0] == 0 and not h["decode0"][1])
+    def held_idle_releases() -> int:
+        return cluster.log_path("g0s1").read_text().count('"reason":"held idle"')
+    before = held_idle_releases()
     for i in range(ABORTS):
         idle(cluster)
         conn = HTTPConnection(url.hostname, url.port, timeout=WAIT_S)
@@ -378,6 +381,10 @@ def test_client_aborts_during_a_cpp_prefill_free_every_stage_and_the_group_serve
         # at the latest a held request's backstop (HELD_IDLE_FACTOR idle timeouts: 12 s here)
         wait_until(nothing_held, HELD_S + FREE_S, f"abort {i}: every stage and decode0 to "
                    f"free it", held)
+    # ... but in fact at once, through the dropped holds: no stage gave one up at its
+    # backstop (each abort took 12 s that way before stage 0 told a cancelled result from a
+    # finished one)
+    assert held_idle_releases() == before, "stage 1 freed an aborted request only at its backstop"
     s, out = complete(cluster, LONG, 4, cache_salt=uuid.uuid4().hex)
     assert s == 200 and out["usage"]["completion_tokens"] == 4, out
     assert prefilled_on(cluster, out) == "g0s0"
