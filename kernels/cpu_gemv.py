@@ -18,7 +18,12 @@ Variants (`VARIANTS`, `variant()` picks the highest this CPU runs; `gemv(..., is
 - ``portable``: `gemv_reference` (NumPy), any CPU.
 The two compiled variants share `_gemv` (the row loop and the weight prefetch); the row
 dot is one intrinsic whose literal arguments select the variant's IR, so an AVX2 CPU never
-compiles an AVX-512 instruction.
+compiles an AVX-512 instruction. With several activation rows (a decode step of T sequences) the AVX2
+variant serves 4 rows per weight load (`_rows_dot`): each row gets the operations a lone row
+gets, in the same order and without fast-math reassociation, so its bits do not depend on
+the batch. AMD EPYC, one thread, same run: Q8_0 head 49152 x 576, 1 row 4.62 -> 1.53 ms
+(the strict reduction also undid a slow fast-math schedule), 32 rows 44.7 -> 36.0 ms;
+Q4_1 3072 x 576, 32 rows 5.7 -> 6.0 ms (no gain: the per-row dot products dominate).
 
 Weights (`GemvWeight`): every GGUF Q4/Q8 block of 32 weights is w = d * c + m
 with c an unsigned code (Q4_1: c in 0..15 and m from the file; Q4_0: m = -8 d;
@@ -154,10 +159,20 @@ def _make_row_dot(nibbles: bool):
 
 
 
-def _make_row_dot_avx2(nibbles: bool):
+ROWS = 4  # activation rows a multi-row AVX2 dot serves per weight load (`_rows_dot`)
+
+
+def _make_row_dot_avx2(nibbles: bool, nrows: int = 1):
     """`_make_row_dot`'s code generator (same arguments, same result) on AVX2, as llama.cpp's AVX2
     `ggml_vec_dot_q4_1_q8_1` / `q8_0_q8_0`: `vpmaddubsw` multiplies unsigned by signed bytes
     and adds adjacent pairs into int16, `vpmaddwd` by ones adds pairs of those into int32.
+    With nrows > 1 it serves nrows activation rows at once (`_rows_dot`): each pair of
+    weight blocks is loaded and unpacked once for all of them, and each row gets exactly
+    the operations, in the same order, that a lone row gets, so a row's result does not
+    depend on how many rows share the call (no fast-math flags here: LLVM may not
+    reassociate a row's sums differently in the two shapes). Extra codegen arguments for
+    nrows > 1: xstride, xdstride (LLVM int64 values): the elements from one row's xq,
+    and dx / xs, to the next's.
 
     4-bit codes, a pair of blocks a step: the 32 code bytes split into low nibbles (elements
     0..15 of block 0 | of block 1) and high nibbles (16..31 of each); the activations are
@@ -170,26 +185,36 @@ def _make_row_dot_avx2(nibbles: bool):
     pairs of at most 2 * 128 * 127 = 32512, which is q . xq itself: the -128 sum(xq) term
     (`xs`) is not needed."""
 
-    def codegen(context, builder, argtypes, args):
+    def codegen(context, builder, argtypes, args, xstride=None, xdstride=None):
         ct, _, xt, _, dt, mt, _, dxt, xst, _, _ = argtypes
         c_, cbase_, x_, xbase_, d_, m_, dbase_, dx_, xs_, xdbase_, n_ = args
         v32i8, v16i16, v8i32 = ir.VectorType(_I8, 32), ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8)
-        v8f, v2f, v2h = ir.VectorType(_F32, 8), ir.VectorType(_F32, 2), ir.VectorType(ir.HalfType(), 2)
+        v8f, v4f, v2f = ir.VectorType(_F32, 8), ir.VectorType(_F32, 4), ir.VectorType(_F32, 2)
+        v2h = ir.VectorType(ir.HalfType(), 2)
         maddubs = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(v16i16, [v32i8, v32i8]), "llvm.x86.avx2.pmadd.ub.sw")
         maddwd = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(v8i32, [v16i16, v16i16]), "llvm.x86.avx2.pmadd.wd")
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8f, [v8f] * 3), "llvm.fma.v8f32")
+        sign = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v32i8, [v32i8, v32i8]), "llvm.x86.avx2.psign.b")
+        absf = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(v32i8, [v32i8, ir.IntType(1)]), "llvm.abs.v32i8")
         ones = ir.Constant(v16i16, [1] * 16)
-        acc = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
-        acc1 = cgutils.alloca_once_value(builder, ir.Constant(v8f, [0.0] * 8))
-        macc = cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2))
+        zero8 = ir.Constant(v8f, [0.0] * 8)
         cp = _data_ptr(context, builder, ct, c_, cbase_, _I8)
-        xp = _data_ptr(context, builder, xt, x_, xbase_, _I8)
         dp = _data_ptr(context, builder, dt, d_, dbase_, ir.HalfType())
         mp = _data_ptr(context, builder, mt, m_, dbase_, ir.HalfType())
-        dxp = _data_ptr(context, builder, dxt, dx_, xdbase_, _F32)
-        xsp = _data_ptr(context, builder, xst, xs_, xdbase_, _F32)
+        rows = []  # per activation row: its pointers and accumulators
+        for j in range(nrows):
+            xb = xbase_ if j == 0 else builder.add(xbase_, builder.mul(xstride, xstride.type(j)))
+            xdb = xdbase_ if j == 0 else builder.add(xdbase_, builder.mul(xdstride, xdstride.type(j)))
+            rows.append({"x": _data_ptr(context, builder, xt, x_, xb, _I8),
+                         "dx": _data_ptr(context, builder, dxt, dx_, xdb, _F32),
+                         "xs": _data_ptr(context, builder, xst, xs_, xdb, _F32),
+                         "acc": cgutils.alloca_once_value(builder, zero8),
+                         "acc1": cgutils.alloca_once_value(builder, zero8),
+                         "macc": cgutils.alloca_once_value(builder, ir.Constant(v2f, [0.0] * 2))})
 
         def pair(ptr, k, vty):
             return builder.load(builder.bitcast(builder.gep(ptr, [builder.mul(k, k.type(2))]),
@@ -203,41 +228,56 @@ def _make_row_dot_avx2(nibbles: bool):
 
         with cgutils.for_range(builder, n_) as loop:
             k = loop.index
-            x0 = bytes32(xp, builder.mul(k, k.type(64)))
-            x1 = bytes32(xp, builder.add(builder.mul(k, k.type(64)), k.type(32)))
-            s2 = builder.fmul(builder.fpext(pair(dp, k, v2h), v2f), pair(dxp, k, v2f), flags=["fast"])
-            if nibbles:
+            dd = builder.fpext(pair(dp, k, v2h), v2f)
+            if nibbles:  # the pair's codes, unpacked once for every row
                 w = bytes32(cp, builder.mul(k, k.type(32)))
                 lo = builder.and_(w, ir.Constant(v32i8, [15] * 32))
                 hi = builder.and_(builder.lshr(w, ir.Constant(v32i8, [4] * 32)), ir.Constant(v32i8, [15] * 32))
-                mask = ir.VectorType(_I32, 32)
-                xlo = builder.shuffle_vector(x0, x1, ir.Constant(mask, [*range(0, 16), *range(32, 48)]))
-                xhi = builder.shuffle_vector(x0, x1, ir.Constant(mask, [*range(16, 32), *range(48, 64)]))
-                p16 = builder.add(builder.call(maddubs, [lo, xlo]), builder.call(maddubs, [hi, xhi]))
-                f = builder.sitofp(builder.call(maddwd, [p16, ones]), v8f)
-                builder.store(builder.call(fma, [f, splat(s2, [0] * 4 + [1] * 4), builder.load(acc)]), acc)
                 mm = builder.fpext(pair(mp, k, v2h), v2f)
-                builder.store(builder.fadd(builder.fmul(mm, pair(xsp, k, v2f), flags=["fast"]),
-                                           builder.load(macc), flags=["fast"]), macc)
             else:
-                sign = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(v32i8, [v32i8, v32i8]), "llvm.x86.avx2.psign.b")
-                absf = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(v32i8, [v32i8, ir.IntType(1)]), "llvm.abs.v32i8")
-                for j, (xj, accj) in enumerate(((x0, acc), (x1, acc1))):
-                    q = builder.xor(bytes32(cp, builder.add(builder.mul(k, k.type(64)), k.type(32 * j))),
-                                    ir.Constant(v32i8, [-128] * 32))
-                    p16 = builder.call(maddubs, [builder.call(absf, [q, ir.IntType(1)(0)]),
-                                                 builder.call(sign, [xj, q])])
+                qs = [builder.xor(bytes32(cp, builder.add(builder.mul(k, k.type(64)), k.type(32 * i))),
+                                  ir.Constant(v32i8, [-128] * 32)) for i in (0, 1)]
+                aqs = [builder.call(absf, [q, ir.IntType(1)(0)]) for q in qs]
+            for row in rows:
+                x0 = bytes32(row["x"], builder.mul(k, k.type(64)))
+                x1 = bytes32(row["x"], builder.add(builder.mul(k, k.type(64)), k.type(32)))
+                s2 = builder.fmul(dd, pair(row["dx"], k, v2f))
+                if nibbles:
+                    mask = ir.VectorType(_I32, 32)
+                    xlo = builder.shuffle_vector(x0, x1, ir.Constant(mask, [*range(0, 16), *range(32, 48)]))
+                    xhi = builder.shuffle_vector(x0, x1, ir.Constant(mask, [*range(16, 32), *range(48, 64)]))
+                    p16 = builder.add(builder.call(maddubs, [lo, xlo]), builder.call(maddubs, [hi, xhi]))
                     f = builder.sitofp(builder.call(maddwd, [p16, ones]), v8f)
-                    builder.store(builder.call(fma, [f, splat(s2, [j] * 8), builder.load(accj)]), accj)
-        red = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_F32, [_F32, v8f]), "llvm.vector.reduce.fadd.v8f32")
-        tot = builder.fadd(builder.load(acc), builder.load(acc1), flags=["fast"])
-        r = builder.call(red, [ir.Constant(_F32, 0.0), tot], fastmath=("fast",))
-        mv = builder.load(macc)
-        return builder.fadd(r, builder.fadd(builder.extract_element(mv, _I32(0)),
-                                            builder.extract_element(mv, _I32(1))))
+                    acc = row["acc"]
+                    builder.store(builder.call(fma, [f, splat(s2, [0] * 4 + [1] * 4), builder.load(acc)]), acc)
+                    macc = row["macc"]
+                    builder.store(builder.fadd(builder.fmul(mm, pair(row["xs"], k, v2f)), builder.load(macc)),
+                                  macc)
+                else:
+                    for i, (xi, q, aq, acc) in enumerate(zip((x0, x1), qs, aqs, (row["acc"], row["acc1"]))):
+                        p16 = builder.call(maddubs, [aq, builder.call(sign, [xi, q])])
+                        f = builder.sitofp(builder.call(maddwd, [p16, ones]), v8f)
+                        builder.store(builder.call(fma, [f, splat(s2, [i] * 8), builder.load(acc)]), acc)
+
+        def half(v, vty, lanes):
+            return builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, len(lanes)), lanes))
+
+        results = []
+        for row in rows:  # a fixed reduction tree: 8 -> 4 -> 2 -> 1 lanes, then the m term
+            tot = builder.load(row["acc"])
+            if not nibbles:
+                tot = builder.fadd(tot, builder.load(row["acc1"]))
+            t4 = builder.fadd(half(tot, v8f, [0, 1, 2, 3]), half(tot, v8f, [4, 5, 6, 7]))
+            t2 = builder.fadd(half(t4, v4f, [0, 1]), half(t4, v4f, [2, 3]))
+            r = builder.fadd(builder.extract_element(t2, _I32(0)), builder.extract_element(t2, _I32(1)))
+            if nibbles:
+                mv = builder.load(row["macc"])
+                r = builder.fadd(r, builder.fadd(builder.extract_element(mv, _I32(0)),
+                                                 builder.extract_element(mv, _I32(1))))
+            results.append(r)
+        if nrows == 1:
+            return results[0]
+        return context.make_tuple(builder, types.UniTuple(types.float32, nrows), results)
 
     return codegen
 
@@ -260,6 +300,31 @@ def _row_dot(typingctx, codes, cbase, xq, xbase, d, m, dbase, dx, xs, xdbase, pa
 
     def codegen(context, builder, signature, args):
         return gen(context, builder, signature.args[:11], args[:11])
+
+    return sig, codegen
+
+
+_ROWS_DOT = {n: _make_row_dot_avx2(n, ROWS) for n in (True, False)}
+
+
+@intrinsic
+def _rows_dot(typingctx, codes, cbase, xq, xbase, xstride, d, m, dbase, dx, xs, xdbase, xdstride, pairs,
+              nibbles):
+    """rows_dot(codes, cbase, xq, xbase, xstride, d, m, dbase, dx, xs, xdbase, xdstride, pairs,
+    nibbles) -> a tuple of ROWS float32: the AVX2 row dot of one weight row with ROWS
+    activation rows (row j's xq at xbase + j * xstride, its dx / xs at xdbase + j *
+    xdstride), the weight codes loaded once; each result equals `_row_dot`'s for that row
+    alone, bit for bit. nibbles must be a literal."""
+    if not isinstance(nibbles, types.BooleanLiteral):
+        return None
+    sig = types.UniTuple(types.float32, ROWS)(codes, cbase, xq, xbase, xstride, d, m, dbase, dx, xs, xdbase,
+                                              xdstride, pairs, nibbles)
+    gen = _ROWS_DOT[nibbles.literal_value]
+
+    def codegen(context, builder, signature, args):
+        a = signature.args
+        return gen(context, builder, (*a[:4], *a[5:11], a[12]), (*args[:4], *args[5:11], args[12]),
+                   xstride=args[4], xdstride=args[11])
 
     return sig, codegen
 
@@ -307,6 +372,7 @@ def _gemv(codes, d, m, xq, dx, xs, out, nibbles, vnni):  # pragma: no cover - co
     row_bytes = nb * width
     cf, df, mf = codes.reshape(-1), d.reshape(-1), m.reshape(-1)
     ahead = max(1, PREFETCH_BYTES // row_bytes)
+    T = xq.shape[0]
     for r in range(rows):
         if r + ahead < rows:  # the rows PREFETCH_BYTES ahead, into all cache levels
             base = (r + ahead) * row_bytes
@@ -315,7 +381,15 @@ def _gemv(codes, d, m, xq, dx, xs, out, nibbles, vnni):  # pragma: no cover - co
             _prefetch(df, (r + ahead) * nb)
             if nibbles:
                 _prefetch(mf, (r + ahead) * nb)
-        for t in range(xq.shape[0]):
+        t = 0
+        if not vnni:  # AVX2: ROWS activation rows a call, one weight load (same bits as alone)
+            while t + ROWS <= T:
+                y = _rows_dot(codes, r * row_bytes, xq, t * k, k, d, m, r * nb, dx, xs, t * nb, nb, nb // 2,
+                              nibbles)
+                for j in range(ROWS):
+                    out[t + j, r] = y[j]
+                t += ROWS
+        for t in range(t, T):
             out[t, r] = _row_dot(codes, r * row_bytes, xq, t * k, d, m, r * nb, dx, xs, t * nb, nb // 2,
                                  nibbles, vnni)
 

@@ -84,6 +84,23 @@ def test_gemv_matches_its_contract_and_the_exact_product(isa, qtype, rows, cols,
     assert 1e-5 < rel < 0.02, rel  # measured 0.005-0.006
 
 
+@pytest.mark.parametrize("isa", [_isa("avx2"), _isa("avx512_vnni")])
+@pytest.mark.parametrize("qtype", [quant.Q4_1, quant.Q8_0])
+def test_a_gemv_rows_result_does_not_depend_on_the_batch(isa, qtype):
+    """9 activation rows at once (the AVX2 variant serves them 4 a weight load, then one)
+    give each row the bits it gets alone, and the contract's values. (The compiled variants,
+    which the fused step runs; the portable one is NumPy's BLAS, not batch-invariant.)"""
+    rng = np.random.default_rng(qtype)
+    w = cpu_gemv.GemvWeight.from_blocks(qtype, _random_blocks(rng, qtype, 67, 576))
+    x = rng.standard_normal((9, 576)).astype(np.float32)
+    x[5, 64:96] = 0.0
+    y = cpu_gemv.gemv(w, x, isa)
+    alone = np.concatenate([cpu_gemv.gemv(w, x[i:i + 1], isa) for i in range(9)])
+    assert np.array_equal(y, alone)
+    ref = cpu_gemv.gemv_reference(w, x)
+    assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+
+
 def test_gemv_rejects_an_odd_number_of_blocks():
     blocks = _random_blocks(np.random.default_rng(0), quant.Q4_1, 4, 96)  # 3 blocks a row
     with pytest.raises(ValueError, match="multiple of 64"):

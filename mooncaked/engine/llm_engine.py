@@ -119,9 +119,15 @@ class LLMEngine:
         # Export the full blocks of every finished request (to offload them into the store).
         self.offload_finished = False
         self.kernel_paths = kernel_paths(self.model)
+        # Compile (or load from Numba's disk cache) every CPU kernel now, before the node
+        # reports ready, instead of on the first request.
+        warm = self.runner.warm_up()
         log.info("numerics", dtype=self.numerics.dtype, requested_dtype=ms.dtype,
                  weight_format=self.numerics.weight_format, reason=self.numerics.reason,
                  **self.kernel_paths.to_json())
+        if self.model.device.type == "cpu":
+            log.info("kernels_warm", seconds=round(warm.seconds, 2), numba_compiles=warm.compiles,
+                     from_cache=warm.compiles == 0)
         log.info("engine_ready", model=str(path), dtype=self.numerics.dtype, num_blocks=num_blocks,
                  block_size=es.block_size, block_bytes=self.block_bytes, max_model_len=self.max_model_len,
                  load_s=round(time.monotonic() - t0, 2), device=str(device), load_format=ms.load_format,
