@@ -372,6 +372,7 @@ class ConductorService:
                            else math.inf,
                            min_retry_after_s=retry,
                            fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
+                           fetch_policy=cs.fetch_policy,
                            # the order the prefill nodes run (cluster/prefill_queue.py); no
                            # elastic pipelines: live CPP groups are fixed (issue 14)
                            prefill_order=cs.prefill_order,
