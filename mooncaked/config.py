@@ -322,6 +322,12 @@ class ConductorSettings:
                               "recompute) | cost (predicted time only, the fetch overlapping "
                               "the queue wait); empty: the policy's default.",
                           choices=("", "threshold", "cost"))
+    fetch_policy: str = opt("adaptive", "Whether a prefill node fetches a longer prefix held "
+                                        "elsewhere: adaptive (as fetch_rule predicts, with the "
+                                        "measured bandwidth) | always (whatever it costs) | "
+                                        "never (recompute): the fixed two are baselines "
+                                        "(`mooncake bench trace --hosts`).",
+                            choices=("adaptive", "always", "never"))
     decode_rule: str = opt("", "Decode node choice: step (lowest step time with KV room) | "
                                "kv_aware (lowest step time after admission at the request's "
                                "final context, keeping room for another like it); empty: the "

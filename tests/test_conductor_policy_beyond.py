@@ -7,6 +7,7 @@ snapshots; the simulator runs are a few requests each."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 
 import pytest
@@ -76,6 +77,30 @@ def test_cost_rule_fetches_where_the_ratio_threshold_would_not():
     assert c.prefill == "b" and c.fetch.source == "a" and c.fetch.keys == (4, 5)
     assert (c.prefix_tokens, c.fetch.tokens) == (60, 20)
     assert c.predicted_ttft_s == pytest.approx(0.42)
+
+
+def test_fixed_fetch_policies_always_and_never():
+    """conductor.fetch_policy: the baselines of the fetch-or-recompute decision."""
+    slow = dataclasses.replace(COST, transfer=TransferModel(10.0, 0.0))    # 10 B/s
+    snap = Snapshot(["b"], [0.0], [0], holder_nodes=["c"], holder_prefix_blocks=[6])
+    for rule in ("threshold", "cost"):
+        kw = dict(fetch_rule=rule, prefill_order="fcfs")
+        # adaptive: fetches over the fast link, recomputes over the slow one
+        assert place(REQ, snap, COST, cfg("global_cache_aware", **kw)).fetch.source == "c"
+        assert place(REQ, snap, slow, cfg("global_cache_aware", **kw)).fetch is None
+        # always: fetches over the slow link too (the prediction counts the transfer)
+        a = place(REQ, snap, slow, cfg("global_cache_aware", fetch_policy="always", **kw))
+        assert (a.fetch.source, a.fetch.keys, a.prefix_tokens) == ("c", tuple(range(6)), 60)
+        assert a.predicted_transfer_s == pytest.approx(slow.transfer_s(60))
+        # never: recomputes over the fast link too
+        nv = place(REQ, snap, COST, cfg("global_cache_aware", fetch_policy="never", **kw))
+        assert (nv.fetch, nv.prefix_tokens) == (None, 0)
+    # always ignores the ratio threshold: best/own = 6/4 = 1.5 fetches anyway
+    g = place(REQ, Snapshot(["b"], [0.0], [4], holder_nodes=["c"], holder_prefix_blocks=[6]),
+              COST, cfg("global_cache_aware", fetch_policy="always"))
+    assert g.fetch.keys == (4, 5) and g.local_prefix_blocks == 4
+    with pytest.raises(ValueError, match="fetch_policy"):
+        cfg(fetch_policy="sometimes")
 
 
 def test_cost_rule_counts_queueing_at_the_source_and_prefers_cache_nodes():

@@ -117,6 +117,24 @@ def test_a_decode_placement_stays_counted_until_its_predicted_prefill_is_over():
     assert "long" not in svc.nodes[d].inflight_decode
 
 
+def test_a_request_placed_again_does_not_count_its_own_earlier_placement():
+    # d1 has KV room for one request of 110 tokens and a bit more, not for two. "r" is
+    # placed, its hand-over fails, and it is placed again (decode only, or from scratch)
+    # while its first placement is still in flight: that is the same request, not a
+    # second one, so d1 still has room (it was a 429 decode_full, issue 34). Another
+    # request is refused while "r" is in flight.
+    svc = service(ttft_slo=100.0)
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode", decode={"rids": [], "batch": 0, "context_tokens": 0,
+                                        "free_kv_tokens": 150})
+    assert place(svc, "r")["ok"] and "r" in svc.nodes["d1"].inflight_decode
+    again = place(svc, "r", decode_only=True)
+    assert again["ok"] and again["decode"]["node"] == "d1", again
+    assert place(svc, "r")["ok"]
+    other = place(svc, "s")
+    assert not other["ok"] and other["reason"] == "decode_full", other
+
+
 def test_spf_nodes_predict_the_wait_from_the_requests_their_reports_list_as_waiting():
     # p1 runs a (1,000 tokens: 10.1 s) with b (10.1 s) waiting; p2 runs c (20.1 s) alone.
     # A 100-token request (1.1 s) under FCFS predicts 20.2 + 1.1 s on p1 and 20.1 + 1.1 s

@@ -61,11 +61,17 @@ def inflight_decode(tokens: int, now: float, predicted_ttft_s: float,
                           now + ttft + dec + INFLIGHT_TTL_S)
 
 
-def decoding_during(v: NodeView, start: float, end: float) -> tuple[int, int]:
+def decoding_during(v: NodeView, start: float, end: float, rid: str | None = None
+                    ) -> tuple[int, int]:
     """(requests, KV tokens) of the decode placements in flight to node v that are
     predicted to decode at some time within [start, end] (monotonic seconds): those a
-    request decoding on v over that window shares steps and KV with."""
-    xs = [x for x in v.inflight_decode.values() if x.starts_at <= end and x.ends_at >= start]
+    request decoding on v over that window shares steps and KV with. The placement of
+    request `rid` itself is not counted: a request placed again (its KV hand-over failed,
+    its stream resumed, its prefill node refused) replaces its earlier placement, it does
+    not share KV with it (counted, it made a decode node with room for the request look
+    full: a 429 decode_full for a request sent across a cut link, issue 34)."""
+    xs = [x for r, x in v.inflight_decode.items()
+          if r != rid and x.starts_at <= end and x.ends_at >= start]
     return len(xs), sum(x.tokens for x in xs)
 
 

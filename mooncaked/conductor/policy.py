@@ -65,6 +65,9 @@ from .cpp_cost import CPP_MIN_TOKENS, PipelineTiming, pipeline_timing
 
 POLICIES = ("random", "load_balancing", "local_cache_aware", "global_cache_aware", "cost_aware")
 FETCH_RULES = ("threshold", "cost")
+# whether a prefix held elsewhere is fetched: as the fetch rule predicts (adaptive), or
+# always / never (the fixed baselines the adaptive rule is measured against)
+FETCH_POLICIES = ("adaptive", "always", "never")
 DECODE_RULES = ("step", "kv_aware")
 PREFILL_ORDERS = ("fcfs", "spf")
 # (fetch_rule, decode_rule, prefill_order) a policy uses unless PolicyConfig overrides them
@@ -121,6 +124,12 @@ class PolicyConfig:
             FCFS wait (`spf_bound_s`): a load-adaptive bound, so that where the node is
             lightly queued no request starts much later than FCFS would start it; inf: the
             fixed slack alone; None: the policy's default (1 for cost_aware, else inf).
+        fetch_policy: "adaptive" (fetch or recompute as fetch_rule predicts), "always"
+            (a node with a shorter prefix than the longest held anywhere fetches the
+            missing blocks, whatever they cost: no ratio threshold, no comparison with
+            recomputing) or "never" (each node reuses only its own prefix). The fixed two
+            are the baselines the adaptive rule is measured against (`mooncake bench trace
+            --hosts`); only the global policies fetch at all.
         spf_bound_rule: with "spf", "wait" (a request goes first once it has waited its
             bound; a prefill started just before can still delay it by its length) or
             "start" (the bound is on its start: a shorter prefill is run only if it ends
@@ -162,6 +171,7 @@ class PolicyConfig:
     pipeline_under_load_ttft_s: float = 30.0
     fcfs_slack_ratio: float | None = None
     spf_bound_rule: str = ""
+    fetch_policy: str = "adaptive"
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -176,6 +186,9 @@ class PolicyConfig:
             object.__setattr__(self, name, v)
         if self.aging_s is None:
             object.__setattr__(self, "aging_s", _AGING_DEFAULTS.get(self.policy, 30.0))
+        if self.fetch_policy not in FETCH_POLICIES:
+            raise ValueError(f"unknown fetch_policy {self.fetch_policy!r}; choose one of "
+                             f"{', '.join(FETCH_POLICIES)}")
         if not self.aging_s >= 0:
             raise ValueError(f"aging_s must be >= 0, got {self.aging_s}")
         if self.fcfs_slack_s is None:
@@ -384,6 +397,7 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
         i = min(range(len(nodes)), key=queue.__getitem__)
     else:
         global_ = policy in ("global_cache_aware", "cost_aware")
+        always = cfg.fetch_policy == "always"
         overtakes = None
         if cfg.prefill_order == "spf" and snap.prefill_queued_s:
             queue, overtakes = [], []
@@ -395,7 +409,8 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
                 overtakes.append(over)
         if global_ and cfg.fetch_rule == "cost":
             i, used, xfer, fetch_from, ready = _cost_choice(n, bs, queue, own, snap, cost,
-                                                            prefill_s, overtakes)
+                                                            prefill_s, overtakes,
+                                                            cfg.fetch_policy)
             overlap = True
             if ready is not None:            # waits for a prefix still being computed there
                 pending, queue = True, list(queue)
@@ -405,16 +420,18 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
             # or fetch up to best_len) depends only on its own prefix length, not on its
             # queue: transfer + prefill(best) < prefill(own) is the same test on every node.
             # So decide once per distinct prefix length, then scan the nodes.
-            holders = snap.holder_prefix_blocks if global_ else ()
+            fetching = global_ and cfg.fetch_policy != "never"
+            holders = snap.holder_prefix_blocks if fetching else ()
             best = max(max(own), max(holders, default=0))
             thr = cfg.cache_balance_threshold
             fetches: dict[int, float] = {}   # own blocks -> transfer s, where fetching wins
             cost_of: dict[int, float] = {}   # own blocks -> transfer + prefill s
             for mine in set(own):
                 cost_of[mine] = prefill_s(mine)
-                if global_ and best > mine and (mine == 0 or best > thr * mine):
+                if fetching and best > mine and (always or mine == 0 or best > thr * mine):
                     x = cost.transfer_s(min(best * bs, n) - min(mine * bs, n))
-                    if x + prefill_s(best) < cost_of[mine]:     # fetching beats recomputing
+                    # fetching beats recomputing (or the fixed policy always fetches)
+                    if always or x + prefill_s(best) < cost_of[mine]:
                         cost_of[mine] = x + prefill_s(best)
                         fetches[mine] = x
             ttfts = [q + cost_of[m] for q, m in zip(queue, own)]
@@ -432,7 +449,8 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     if cfg.pipeline_stages > 1 and snap.prefill_free_s and policy not in ("random",
                                                                         "load_balancing"):
         pc = _pipeline_choice(n, bs, own, snap, cost, cfg, ttft,
-                              policy in ("global_cache_aware", "cost_aware"))
+                              policy in ("global_cache_aware", "cost_aware")
+                              and cfg.fetch_policy != "never")
         if pc is not None:
             i, used, xfer, fetch_from, helpers, timing, ttft, wait = pc
             pf, pending = timing.latency_s, False
@@ -563,7 +581,8 @@ def spf_pick(waiting: Sequence[tuple[float, ...]], now: float, aging_s: float,
 
 
 def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], snap: Snapshot,
-                 cost: CostModel, prefill_s, overtakes: Sequence[int] | None = None
+                 cost: CostModel, prefill_s, overtakes: Sequence[int] | None = None,
+                 fetch_policy: str = "adaptive"
                  ) -> tuple[int, int, float, Hashable | None, float | None]:
     """Fetch or recompute by predicted time (fetch_rule "cost"), for every prefill node.
 
@@ -578,11 +597,15 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
     That keeps short requests off a node whose long queued request they would starve.
     With `snap.pending_prefix_blocks`, node i may also wait for the prefix a prefill
     queued there will store: TTFT = max(w, pending_ready_s) + prefill(pending blocks).
+    `fetch_policy` (PolicyConfig's): "always": a node lacking the longest prefix held
+    anywhere fetches it, whatever the prediction (scored at that choice); "never": no
+    fetch is considered (own and pending prefixes only).
     Returns: (node index, blocks used, fetch seconds incl. the source's busy time, source
     node or None, pending ready seconds when the choice waits for a pending prefix else
     None); the node with the lowest score wins (the first among equals).
     """
-    lengths, src = _prefix_sources(own, snap)
+    lengths, src = _prefix_sources(own, snap) if fetch_policy != "never" else ([], {})
+    always = fetch_policy == "always"
     tokens = [min(L * bs, n) for L in lengths]
     best_t, best = math.inf, (0, own[0] if own else 0, 0.0, None, None)
     pend, pend_s = snap.pending_prefix_blocks, snap.pending_ready_s
@@ -599,9 +622,12 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
             if x is None:
                 x = plan[(m, L)] = src[L][0] + cost.transfer_s(tok - mt)
             tt = max(w, x) + prefill_s(L) * (1 + over)
+            if always:                   # the longest prefix, fetched whatever it costs
+                t, choice = tt, (L, x)
+                break
             if tt < t:
                 t, choice = tt, (L, x)
-        if pend and pend[i] > m:
+        if pend and pend[i] > m and not always:
             tt = max(w, pend_s[i]) + prefill_s(pend[i]) * (1 + over)
             if tt < t:
                 t, choice = tt, (pend[i], None)

@@ -372,6 +372,7 @@ class ConductorService:
                            else math.inf,
                            min_retry_after_s=retry,
                            fetch_rule=cs.fetch_rule, decode_rule=cs.decode_rule,
+                           fetch_policy=cs.fetch_policy,
                            # the order the prefill nodes run (cluster/prefill_queue.py); no
                            # elastic pipelines: live CPP groups are fixed (issue 14)
                            prefill_order=cs.prefill_order,
@@ -402,7 +403,7 @@ class ConductorService:
         for v in dec:
             end = start + (0.0 if decode_only else cost.prefill_s(n, 0)) + max_new * \
                 cost.decode_step_s(v.decode_batch + 1, v.decode_context_tokens + n)
-            k, infl = decoding_during(v, start, end)
+            k, infl = decoding_during(v, start, end, rid)
             dbatch.append(v.decode_batch + k)
             dctx.append(v.decode_context_tokens + infl)
             free = v.free_kv_tokens if v.reported_at else \
@@ -500,7 +501,7 @@ class ConductorService:
         v = self.nodes[result.prefill]
         start = now + result.predicted_ttft_s
         k, infl = decoding_during(v, start, start + max_new * cost.decode_step_s(
-            v.decode_batch + 1, v.decode_context_tokens + n))
+            v.decode_batch + 1, v.decode_context_tokens + n), req.rid)
         tbt = step_with_request_s(cost, v.decode_batch + k, v.decode_context_tokens + infl, n)
         result = dataclasses.replace(result, decode=result.prefill, predicted_tbt_s=tbt)
         if tbt * self.model.tbt_factor() > cs.tbt_slo_s and cs.admission != "off" and not miss:
