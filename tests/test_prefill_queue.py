@@ -8,7 +8,6 @@ import asyncio
 
 import pytest
 
-from mooncaked.cluster.node_state import Activity, KVTransferCounters
 from mooncaked.cluster.prefill_queue import (
                                              PrefillQueue,
                                              resolve_aging,
@@ -17,6 +16,7 @@ from mooncaked.cluster.prefill_queue import (
                                              resolve_order,
                                              )
 from mooncaked.cluster.prefill_worker import PrefillWorker
+from mooncaked.cluster.role import NodeContext
 from mooncaked.config import load_settings
 
 
@@ -99,11 +99,9 @@ def test_the_prefill_node_and_the_conductor_resolve_the_same_order():
     with pytest.raises(ValueError, match="prefill order"):
         resolve_order("cost_aware", "lifo")
     s = load_settings(None, {"conductor.policy": "cost_aware", "conductor.prefill_aging_s": 12.0})
-    w = PrefillWorker("p0", "127.0.0.1:1", s, None, None, None, None, lambda: False,
-                      lambda c: None, KVTransferCounters(), Activity())
+    w = PrefillWorker(NodeContext("p0", "127.0.0.1:1", s))
     assert (w.queue.order, w.queue.aging_s) == ("spf", 12.0)
-    fcfs = PrefillWorker("p1", "127.0.0.1:1", load_settings(None, {}), None, None, None, None,
-                         lambda: False, lambda c: None, KVTransferCounters(), Activity())
+    fcfs = PrefillWorker(NodeContext("p1", "127.0.0.1:1", load_settings(None, {})))
     assert fcfs.queue.order == "fcfs" and fcfs._predict(100, 0) == 0.0
 
 
@@ -123,8 +121,7 @@ def test_a_real_prefill_node_runs_the_short_prompt_before_the_long_one(tmp_path)
     s = load_settings(None, {"conductor.policy": "cost_aware", "node.state_dir": str(tmp_path),
                              "conductor.prefill_fcfs_slack_ratio": float("inf")})
     llm = AsyncLLM(LLMEngine(s))
-    w = PrefillWorker("p0", "127.0.0.1:1", s, llm, None, None, None, lambda: False,
-                      lambda c: None, KVTransferCounters(), Activity())
+    w = PrefillWorker(NodeContext("p0", "127.0.0.1:1", s, engine=llm))
     tok = llm.tokenizer
     first, long_, short = (tok.encode("Tell me about the sea. " * k) for k in (12, 24, 2))
     params = SamplingParams(max_tokens=8, temperature=0.0)

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +23,13 @@ import orjson
 from aiohttp import web
 
 from mooncaked import failpoints
-from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
 from .admission import DecodeAdmission
 from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation,
                                      KVReserved, MessageError, OutputDelta, Release)
-from .node_state import (Activity, KVTransferCounters, NodeDraining, ReceiveBuffersFull,
-                         release_on)
+from .node_state import NodeDraining, ReceiveBuffersFull, release_on
+from .role import Handler, NodeContext, RoleStatus
 from mooncaked.engine.types import KVImport
 from mooncaked.engine.types import InvalidRequest
 
@@ -57,16 +55,20 @@ class ReceiveBuffer:
 class DecodeWorker:
     """Receive buffers and the decode stream of a decode node (see the module doc).
 
-    Args: as PrefillWorker's (no store: a decode node takes KV only from prefill nodes).
+    Args:
+        ctx: the node's NodeContext (role.py): engine (the AsyncLLM), transfer engine,
+            client, counters and activity (no store: a decode node takes KV only from
+            prefill nodes).
+    Implements role.RoleWorker (side "decode"; on a coupled node it runs whole requests).
     """
 
-    def __init__(self, node_id: str, settings: Settings, engine: Any, transfer: Any, client: Any,
-                 draining: Callable[[], bool], spawn: Callable, counters: KVTransferCounters,
-                 activity: Activity):
-        self.node_id, self.settings = node_id, settings
-        self.engine, self.transfer, self.client = engine, transfer, client
-        self._draining, self._spawn = draining, spawn
-        self.counters, self.activity = counters, activity
+    side = "decode"
+
+    def __init__(self, ctx: NodeContext):
+        self.ctx = ctx
+        self.node_id, self.settings = ctx.node_id, ctx.settings
+        self.engine, self.transfer, self.client = ctx.engine, ctx.transfer, ctx.client
+        self.counters, self.activity = ctx.kv_transfer, ctx.activity
         self.requests: dict[str, int] = {}            # rid -> context tokens
         self.buffers: dict[str, ReceiveBuffer] = {}
         # (rid, owner) released before its reservation arrived -> until when (monotonic s):
@@ -74,8 +76,8 @@ class DecodeWorker:
         # flight releases first; the late reservation must not then hold memory until its TTL.
         self._released_early: dict[tuple[str, str], float] = {}
         self.tokens_out = 0        # output tokens streamed (the throughput line)
-        g = engine.kv_geometry()
-        self.admission = DecodeAdmission(settings, g.block_bytes // max(1, g.block_size))
+        g = self.engine.kv_geometry()
+        self.admission = DecodeAdmission(self.settings, g.block_bytes // max(1, g.block_size))
         self.prompts: dict[str, tuple[int, int]] = {}   # coupled: rid -> (new, cached) queued
 
     # ------------------------------------------------------------------ receive buffers
@@ -93,7 +95,7 @@ class DecodeWorker:
         import torch  # noqa: PLC0415
 
         ask = KVReservation.from_json(payload)
-        if self._draining():
+        if self.ctx.draining():
             raise NodeDraining(f"{self.node_id} is draining")
         failpoints.hit("node.kv_reserve")
         g = self.engine.kv_geometry()
@@ -176,7 +178,7 @@ class DecodeWorker:
         the KV cannot be read.
         """
 
-        if self._draining():
+        if self.ctx.draining():
             return web.json_response({"error": f"{self.node_id} is draining"}, status=503)
         try:
             req = DecodeRequest.from_json(orjson.loads(await request.read()))
@@ -193,7 +195,7 @@ class DecodeWorker:
             log.warning("kv_read_failed", request_id=rid, error=str(e))
             return web.json_response({"error": f"KV transfer from the prefill node failed: "
                                                f"{e}"}, status=502)
-        self._spawn(release_on(self.client, req.prefill, Release(rid)))
+        self.ctx.spawn(release_on(self.client, req.prefill, Release(rid)))
         prompt = list(req.prompt)
         self.requests[rid] = len(prompt) + 1
         self.activity.arrived.append(rid)
@@ -221,7 +223,7 @@ class DecodeWorker:
         """POST /internal/generate on a coupled node: GenerateRequest -> the stream of
         `route` (OutputDelta lines, keep-alives, a DecodeFailure line); 429 when the TBT
         admission check refuses, 503 while draining, 400 for a malformed body."""
-        if self._draining():
+        if self.ctx.draining():
             return web.json_response({"error": f"{self.node_id} is draining"}, status=503)
         try:
             req = GenerateRequest.from_json(orjson.loads(await request.read()))
@@ -301,6 +303,31 @@ class DecodeWorker:
             self.requests.pop(rid, None)
             self.prompts.pop(rid, None)
         return resp
+
+    def handlers(self) -> dict[str, Handler]:
+        """node.kv_reserve (`reserve`)."""
+        return {"node.kv_reserve": self.reserve}
+
+    def queued(self) -> tuple[str, ...]:
+        """(): a decode node holds no prefill waiting for its turn."""
+        return ()
+
+    def stalled(self) -> str | None:
+        """None (its TBT check refuses what it cannot take: `admission`)."""
+        return None
+
+    def info(self) -> dict | None:
+        """None: no role entry in the member record."""
+        return None
+
+    def status(self) -> RoleStatus:
+        """Receive buffers reserved, and the TBT check's refusals and status."""
+        return RoleStatus(receiving=len(self.buffers), refused=self.admission.refused,
+                          admission=self.admission.status())
+
+    def release_held(self, msg: Release) -> bool:
+        """`node.release`: withdraws the receive buffer msg.owner reserved for msg.rid."""
+        return self.release(msg.rid, msg.owner) is not None
 
     def load(self) -> tuple[list[str], int, int]:
         """(running request ids, their count, KV tokens they hold)."""

@@ -61,6 +61,7 @@ from mooncaked.wire.messages import (DecodeLoad, NodeRef, NodeReport, PlaceRejec
                                      StoreEventMsg, place_result_from_json)
 from .node_state import Activity, KVTransferCounters, NodeDraining
 from .prefill_worker import PrefillWorker
+from .role import Handler, NodeContext, RoleStatus, RoleWorker
 from mooncaked.wire.rpc import ControlClient, ControlServer
 from .frontend import ClusterFrontend
 from mooncaked.transfer import TransferEngine
@@ -71,6 +72,8 @@ from mooncaked.store.remote import StoreNode
 
 log = get_logger(__name__)
 
+# the role methods every node answers: served by its role's worker, refused elsewhere
+ROLE_METHODS = {"node.prefill": "prefill", "node.kv_reserve": "decode"}
 DRAIN_STEP_S = 3.0   # bound on each coordinator/leader call of a drain (a shutdown must end)
 
 
@@ -120,8 +123,10 @@ class ClusterNode:
         self.started = time.time()
         self.info: dict = {}
         self._events_q: asyncio.Queue | None = None
-        # the role's worker (made in start(), once the transfer engine and store exist)
-        self.prefill: PrefillWorker | None = None
+        # the role's worker (made in start(), once the transfer engine and store exist);
+        # `decode` is the same worker on decode and coupled nodes, for what only they have
+        # (the /internal/decode and /internal/generate streams, the TBT check, the load)
+        self.worker: RoleWorker | None = None
         self.decode: DecodeWorker | None = None
         self.kv_transfer = KVTransferCounters()     # node.status "kv_transfer"
         self.activity = Activity()                  # since the last report
@@ -278,26 +283,25 @@ class ClusterNode:
             await self._start_store(self.engine.kv_geometry().block_bytes)
             offload = self.role == "prefill" or self.settings.store.decode_offload
             self.engine.attach_store(self.store if offload else None)
-        is_draining = lambda: self.draining  # noqa: E731
+        ctx = self._context()
         if self.role == "prefill" and self.settings.cpp.group:    # a CPP stage (cpp_node.py)
-            self.prefill = CppStageWorker(self)
-            await self.prefill.start()
+            cpp = CppStageWorker(ctx)
+            await cpp.start()
             # its own store of its layer slices, lent to the pool like every node's
-            await self._start_store(self.prefill.engine.block_bytes)
-            self.prefill.attach_store(self.store_node)
+            await self._start_store(cpp.engine.block_bytes)
+            ctx.store_node = self.store_node
+            cpp.attach_store(self.store_node)
+            self.worker = cpp
         elif self.role == "prefill":
-            self.prefill = PrefillWorker(self.node_id, control_addr, self.settings, self.engine,
-                                         self.transfer, self.store_node, self.client,
-                                         is_draining, self.spawn, self.kv_transfer,
-                                         self.activity)
+            self.worker = PrefillWorker(ctx)
         elif self.role in ("decode", "all"):    # all: a coupled node runs whole requests
-            self.decode = DecodeWorker(self.node_id, self.settings, self.engine, self.transfer,
-                                       self.client, is_draining, self.spawn, self.kv_transfer,
-                                       self.activity)
-        for name, h in (("node.prefill", self._h_prefill), ("node.release", self._h_release),
+            self.worker = self.decode = DecodeWorker(ctx)
+        role_handlers = self.worker.handlers() if self.worker is not None else {}
+        for name, side in ROLE_METHODS.items():    # refused where this role has none
+            self.control.add_handler(name, role_handlers.get(name) or self._not_a(side))
+        for name, h in (("node.release", self._h_release),
                         ("node.status", self._h_status), ("node.drain", self._h_drain),
                         ("node.undrain", self._h_undrain),
-                        ("node.kv_reserve", self._h_kv_reserve),
                         ("conductor.place", self._h_place), ("conductor.report", self._h_report),
                         ("conductor.status", self._h_conductor_status),
                         ("admission.ledger", self._h_admission_ledger)):
@@ -318,6 +322,23 @@ class ClusterNode:
             self.spawn(log_throughput(self, self.settings.log.stats_interval_s))
         log.info("node_started", node=self.node_id, role=self.role, api=api_url,
                  control=control_addr, backend=self.settings.cluster.backend)
+
+    def _context(self) -> NodeContext:
+        """What this node's role worker may use of it (role.py), once its transfer engine
+        and (on a model node) its store started."""
+        return NodeContext(
+            node_id=self.node_id, control_addr=self.control_addr, settings=self.settings,
+            engine=self.engine, tokenizer=self.tokenizer, transfer=self.transfer,
+            control=self.control, client=self.client, data_client=self.data_client,
+            store_node=self.store_node, kv_transfer=self.kv_transfer, activity=self.activity,
+            draining=lambda: self.draining, spawn=self.spawn, members=lambda: self.members,
+            model_info=self.model_info, block_keys=self.frontend.block_keys)
+
+    def _not_a(self, side: str) -> Handler:
+        """A control handler for a role method this node's role does not serve."""
+        async def refuse(payload: Any) -> dict:
+            raise ValueError(f"{self.node_id} is a {self.role} node, not a {side} node")
+        return refuse
 
     async def _claim_id(self) -> None:
         """Takes node.id for this process. A process that died without leaving (kill -9)
@@ -362,7 +383,7 @@ class ClusterNode:
                                              "port": self.transfer.port,
                                              "backend": self.transfer.backend},
                 "draining": self.draining,
-                "cpp": self.prefill.info() if hasattr(self.prefill, "info") else None}
+                "cpp": self.worker.info() if self.worker is not None else None}
 
     async def _reregister(self) -> None:
         self.info = self._info()
@@ -410,9 +431,8 @@ class ClusterNode:
         """Resigns, leaves the membership (lease revoked), stops store and transfer engine."""
         if self.view is not None:
             await self.view.stop()
-        for worker in (self.prefill, self.decode):
-            if worker is not None:
-                worker.close()
+        if self.worker is not None:
+            self.worker.close()
         for t in list(self._background):
             t.cancel()
         if self.coord is not None:
@@ -438,8 +458,8 @@ class ClusterNode:
 
     def _running(self, side: str) -> list[str]:
         """Ids of the requests running on this node's prefill or decode side."""
-        worker = self.prefill if side == "prefill" else self.decode
-        return sorted(worker.requests) if worker is not None else []
+        w = self.worker
+        return sorted(w.requests) if w is not None and w.side == side else []
 
     def _report(self) -> NodeReport:
         events = []
@@ -456,18 +476,16 @@ class ClusterNode:
         if self.decode is not None:
             self.decode.admission.observe(steps)
         return NodeReport(self.node_id, self.role, self.draining,
-                          self.prefill.pending() if self.prefill is not None
-                          else self.decode.pending() if self.decode is not None else {},
+                          self.worker.pending() if self.worker is not None else {},
                           tuple(self.activity.arrived), decode,
                           self.store.events.seq if self.store is not None else -1,
                           tuple(events), tuple(self.activity.done), steps,
-                          self.prefill.queued() if self.prefill is not None else (),
+                          self.worker.queued() if self.worker is not None else (),
                           tuple(self.engine.take_prefill_steps())     # calibration
                           if self.engine is not None and self.role != "decode" else (),
                           {peer: e.bytes_per_s
                            for peer, e in self.transfer.bandwidth.estimates().items()},
-                          (self.prefill.stalled() or "") if hasattr(self.prefill, "stalled")
-                          else "")
+                          (self.worker.stalled() or "") if self.worker is not None else "")
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""
@@ -522,6 +540,7 @@ class ClusterNode:
 
     async def _h_status(self, payload: Any) -> dict:
         eng = dataclasses.asdict(self.engine.stats()) if self.engine is not None else None
+        role = self.worker.status() if self.worker is not None else RoleStatus()
         return {"node": self.node_id, "role": self.role, "version": mooncaked.__version__,
                 "pid": os.getpid(), "uptime_s": round(time.time() - self.started, 1),
                 "draining": self.draining, "leader": self.leader_id,
@@ -532,12 +551,11 @@ class ClusterNode:
                 "requests": {"prefill": self._running("prefill"),
                              "decode": self._running("decode"),
                              "frontend": self.frontend_runs,
-                             "staged": len(self.prefill.stages) if self.prefill else 0,
-                             "receiving": len(self.decode.buffers) if self.decode else 0,
-                             "refused": self.decode.admission.refused if self.decode else 0},
-                "admission": self.decode.admission.status() if self.decode else None,
+                             "staged": role.staged, "receiving": role.receiving,
+                             "refused": role.refused},
+                "admission": role.admission,
                 "kv_transfer": self.kv_transfer.as_dict(),
-                "cpp": self.prefill.status() if hasattr(self.prefill, "status") else None,
+                "cpp": role.cpp,
                 "stalls": node_metrics().summary()}
 
     async def _h_drain(self, payload: Any) -> dict:
@@ -557,22 +575,7 @@ class ClusterNode:
         """`node.release` (messages.Release): rid's staged KV, or the receive buffer its
         owner reserved. Returns {"released": bool}."""
         msg = Release.from_json(payload)
-        staged = self.prefill is not None and self.prefill.release_stage(msg.rid)
-        received = self.decode is not None and \
-            self.decode.release(msg.rid, msg.owner) is not None
-        return {"released": bool(staged or received)}
-
-    async def _h_prefill(self, payload: Any) -> dict:
-        """`node.prefill` (PrefillWorker.handle). Raises: ValueError on other roles."""
-        if self.prefill is None:
-            raise ValueError(f"{self.node_id} is a {self.role} node, not a prefill node")
-        return await self.prefill.handle(payload)
-
-    async def _h_kv_reserve(self, payload: Any) -> dict:
-        """`node.kv_reserve` (DecodeWorker.reserve). Raises: ValueError on other roles."""
-        if self.decode is None:
-            raise ValueError(f"{self.node_id} is a {self.role} node, not a decode node")
-        return await self.decode.reserve(payload)
+        return {"released": self.worker is not None and self.worker.release_held(msg)}
 
 
 __all__ = ["ClusterNode", "NodeDraining"]

@@ -17,20 +17,19 @@ import asyncio
 import contextlib
 import dataclasses
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from mooncaked import failpoints
 from mooncaked.conductor.cost_store import load_cost_model
-from mooncaked.config import Settings
 from mooncaked.log import get_logger
 
 from mooncaked.wire.errors import ClusterError
 from .kv_push import KVPusher
 from mooncaked.wire.messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta,
                                      PrefillDone, PrefillReply, PrefillRequest, Release)
-from .node_state import Activity, KVTransferCounters, NodeDraining, release_on
+from .node_state import NodeDraining, release_on
+from .role import Handler, NodeContext, RoleStatus
 from .prefill_queue import (
                             PrefillQueue,
                             resolve_aging,
@@ -66,29 +65,22 @@ class PrefillWorker:
     """Runs `node.prefill` on a prefill node (see the module doc).
 
     Args:
-        node_id, control_addr: this node's id and control address (host:port).
-        settings: the node's settings.
-        engine: the AsyncLLM.
-        transfer: the started TransferEngine.
-        store_node: this node's StoreNode (fetch target), or None.
-        client: ControlClient for calls to peers.
-        draining: returns True once the node takes no new requests.
-        spawn: runs a fire-and-forget coroutine.
-        counters, activity: shared with the node's status and reports.
+        ctx: the node's NodeContext (role.py): engine (the AsyncLLM), transfer engine,
+            store_node (fetch target, or None), clients, counters and activity.
+    Implements role.RoleWorker (side "prefill").
     """
 
-    def __init__(self, node_id: str, control_addr: str, settings: Settings, engine: Any,
-                 transfer: Any, store_node: Any, client: Any, draining: Callable[[], bool],
-                 spawn: Callable, counters: KVTransferCounters, activity: Activity):
-        self.node_id, self.control_addr, self.settings = node_id, control_addr, settings
-        self.engine, self.transfer, self.store_node, self.client = (engine, transfer, store_node,
-                                                                    client)
-        self._draining, self._spawn = draining, spawn
-        self.counters, self.activity = counters, activity
+    side = "prefill"
+
+    def __init__(self, ctx: NodeContext):
+        self.ctx = ctx
+        self.node_id, self.control_addr, self.settings = ctx.node_id, ctx.control_addr, ctx.settings
+        self.engine, self.transfer, self.client = ctx.engine, ctx.transfer, ctx.client
+        self.counters, self.activity = ctx.kv_transfer, ctx.activity
         self.requests: dict[str, PrefillLoad] = {}
         self.waiting: set[str] = set()     # rids not computing yet: fetching or in the queue
         self.stages: dict[str, StagedKV] = {}
-        cs = settings.conductor    # the run order of waiting prefills (cluster/prefill_queue.py)
+        cs = ctx.settings.conductor    # the run order of waiting prefills (cluster/prefill_queue.py)
         self.queue = PrefillQueue(resolve_order(cs.policy, cs.prefill_order),
                                   resolve_aging(cs.policy, cs.prefill_aging_s),
                                   resolve_fcfs_slack(cs.policy, cs.prefill_fcfs_slack_s),
@@ -100,6 +92,26 @@ class PrefillWorker:
     def pending(self) -> dict[str, tuple[int, int]]:
         """rid -> (new, cached) tokens of every prefill on this node (for the report)."""
         return {rid: (r.new, r.cached) for rid, r in self.requests.items()}
+
+    def handlers(self) -> dict[str, Handler]:
+        """node.prefill (`handle`)."""
+        return {"node.prefill": self.handle}
+
+    def stalled(self) -> str | None:
+        """None: a prefill node takes requests while it runs (its queue orders them)."""
+        return None
+
+    def info(self) -> dict | None:
+        """None: no role entry in the member record."""
+        return None
+
+    def status(self) -> RoleStatus:
+        """The KV segments staged for decode nodes to READ."""
+        return RoleStatus(staged=len(self.stages))
+
+    def release_held(self, msg: Release) -> bool:
+        """`node.release`: withdraws msg.rid's staged KV (`release_stage`)."""
+        return self.release_stage(msg.rid)
 
     def queued(self) -> tuple[str, ...]:
         """Ids of the prefills on this node that wait for their turn (fetching their prefix
@@ -114,7 +126,7 @@ class PrefillWorker:
         prompt or params); RuntimeError when the engine fails.
         """
         req = PrefillRequest.from_json(payload)
-        if self._draining():
+        if self.ctx.draining():
             raise NodeDraining(f"{self.node_id} is draining")
         rid, prompt = req.rid, list(req.prompt)
         params = dataclasses.replace(req.params, max_tokens=1)
@@ -129,7 +141,7 @@ class PrefillWorker:
         self.waiting.add(rid)
         try:
             await failpoints.ahit("node.prefill")
-            if req.fetch is not None and self.store_node is not None:
+            if req.fetch is not None and self.ctx.store_node is not None:
                 await self._fetch(req.fetch)
             held = await self.queue.acquire(self._predict(len(prompt) - req.prefix_tokens,
                                                           req.prefix_tokens))
@@ -175,7 +187,7 @@ class PrefillWorker:
             if pusher is not None:
                 await pusher.aclose()
                 if pusher.attempted and not handed_over:
-                    self._spawn(release_on(self.client, req.push_to, Release(rid, self.control_addr)))
+                    self.ctx.spawn(release_on(self.client, req.push_to, Release(rid, self.control_addr)))
 
     def _predict(self, new: int, cached: int) -> float:
         """Predicted prefill seconds, the spf queue's key: the cost model the conductor
@@ -210,7 +222,7 @@ class PrefillWorker:
         c.fetches += 1
         try:
             results = await asyncio.wait_for(
-                self.store_node.fetch(fetch.control, fetch.keys),
+                self.ctx.store_node.fetch(fetch.control, fetch.keys),
                 self.settings.cluster.rpc_timeout_s + self.settings.transfer.request_timeout_s)
             ok = sum(r.ok for r in results)
             log.info("prefix_fetched", source=fetch.source, blocks=len(fetch.keys), ok=ok,

@@ -69,6 +69,7 @@ from mooncaked.engine.stage import StageEngine, model_num_layers, split_layers
 from mooncaked.model.weights import resolve_model_path
 from mooncaked.engine.structured import GrammarBackend
 from .stage_prefix import StagePrefix
+from mooncaked.cluster.role import Handler, NodeContext, RoleStatus
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.types import InvalidRequest, TokenLogprob
 
@@ -82,17 +83,21 @@ class CppStageWorker:
     stands on a plain prefill node (node.prefill, node.release, reports, status).
 
     Args:
-        node: the ClusterNode (its settings, control server, transfer engine, clients,
-            members and tokenizer are shared).
+        ctx: the node's NodeContext (cluster/role.py): settings, control server, transfer
+            engine, clients, members, tokenizer and block keys (no engine: the stage loads
+            its own layers in `start`).
+    Implements role.RoleWorker (side "prefill").
     Use: `await start()` after the node's transfer engine started and before it
     registers (`info()` goes into the member record); `close()` at the end.
     Raises (start): ModelLoadError for a bad model; ValueError for a split that does not fit.
     """
 
-    def __init__(self, node: Any):
-        self.node = node
-        self.settings = node.settings
-        self.cpp = node.settings.cpp
+    side = "prefill"
+
+    def __init__(self, ctx: NodeContext):
+        self.ctx = ctx
+        self.settings = ctx.settings
+        self.cpp = ctx.settings.cpp
         self.requests: dict[str, PrefillLoad] = {}
         # stage 0 lets at most RECEIVE_SLOTS requests into the pipeline (every stage has
         # that many receive slots); the others wait here, reported as waiting
@@ -114,7 +119,7 @@ class CppStageWorker:
             StageEngine, path, layers, dtype=s.model.dtype, kv_cache_bytes=s.engine.kv_cache_bytes,
             block_size=s.engine.block_size, max_positions=cpp.max_tokens, num_threads=threads,
             device=s.model.device)
-        n = self.node
+        n = self.ctx
         grammars = None
         if self.engine.is_last:
             tok = n.tokenizer
@@ -149,7 +154,7 @@ class CppStageWorker:
 
     def next_stage(self) -> str | None:
         """Control address of the next stage of this group, as the membership has it."""
-        for m in self.node.members.values():
+        for m in self.ctx.members().values():
             c = stage_info(m.info)
             if c and c["group"] == self.cpp.group and c["stage"] == self.cpp.stage + 1:
                 return m.info.get("control") or None
@@ -170,7 +175,15 @@ class CppStageWorker:
         group meanwhile."""
         return self.server.stalled()
 
-    def status(self) -> dict:
+    def handlers(self) -> dict[str, Handler]:
+        """node.prefill (`handle`; its StageServer adds the cpp.* methods itself)."""
+        return {"node.prefill": self.handle}
+
+    def status(self) -> RoleStatus:
+        """This stage's part of node.status: its `cpp` entry (`stage_status`)."""
+        return RoleStatus(cpp=self.stage_status())
+
+    def stage_status(self) -> dict:
         """This stage's layers, weights, pages and the requests it holds (node.status)."""
         e, srv = self.engine, self.server
         return {**self.info(), "requests": sorted(srv.reqs), "stage_pages": sorted(e.seqs),
@@ -189,11 +202,11 @@ class CppStageWorker:
         (load: the API node answers 429 naming them).
         """
         req = PrefillRequest.from_json(payload)
-        node, e = self.node, self.engine
-        if node.draining:
-            raise NodeDraining(f"{node.node_id} is draining")
+        ctx, e = self.ctx, self.engine
+        if ctx.draining():
+            raise NodeDraining(f"{ctx.node_id} is draining")
         if not e.is_first:     # StageFailure: the API node places the request again elsewhere
-            raise StageFailure(f"{node.node_id} is stage {self.cpp.stage} of group "
+            raise StageFailure(f"{ctx.node_id} is stage {self.cpp.stage} of group "
                                f"{self.cpp.group}: requests enter at stage 0")
         rid, prompt = req.rid, list(req.prompt)
         if not prompt:
@@ -202,7 +215,7 @@ class CppStageWorker:
             raise InvalidRequest("prompt logprobs (echo with logprobs, prompt_logprobs) are not "
                                  "supported on a CPP group", "prompt_logprobs")
         self.requests[rid] = PrefillLoad(len(prompt), 0, False)
-        node.activity.arrived.append(rid)
+        ctx.activity.arrived.append(rid)
         t0 = time.monotonic()
         self._waiting.add(rid)
         try:
@@ -215,7 +228,7 @@ class CppStageWorker:
 
     async def _run(self, req: PrefillRequest, rid: str, prompt: list[int], t0: float) -> dict:
         """`handle` once the request holds a place in the pipeline."""
-        node, e = self.node, self.engine
+        ctx, e = self.ctx, self.engine
         reserved = False
         try:
             kv_target = kv = None
@@ -250,7 +263,7 @@ class CppStageWorker:
             elif not out.finished:
                 # the API node wants KV it would READ: a group has no stage segment
                 out = dataclasses.replace(out, finished=True, finish_reason="length")
-            node.activity.done.append(PrefillDone(    # per-stage chunk times: the conductor's
+            ctx.activity.done.append(PrefillDone(    # per-stage chunk times: the conductor's
                 rid, seconds, len(prompt) - cached, cached, False,     # GroupLearner
                 tuple(tuple(float(c) for c in st.get("chunks", ())) for st in r["stages"])))
             log.info("cpp_prefill_done", request_id=rid, group=self.cpp.group, tokens=len(prompt),
@@ -259,16 +272,16 @@ class CppStageWorker:
             return PrefillReply(out, kv, seconds).to_json()
         finally:
             if reserved:
-                node.spawn(release_on(node.client, req.push_to, Release(rid, node.control_addr)))
+                ctx.spawn(release_on(ctx.client, req.push_to, Release(rid, ctx.control_addr)))
 
     def _keys(self, prompt: list[int], req: PrefillRequest) -> list[bytes]:
         """The prompt's block keys as the cluster computes them (frontend.block_keys: model
         id, block size, KV dtype, cache_salt), for the stages' prefix caches; none when the
         model nodes' block size differs from this stage's (no reuse then)."""
-        m = self.node.model_info()
+        m = self.ctx.model_info()
         if not m or int(m.get("block_size", 0)) != self.engine.block_size:
             return []
-        return self.node.frontend.block_keys(prompt, req.cache_salt)
+        return self.ctx.block_keys(prompt, req.cache_salt)
 
     @staticmethod
     def _fetch(req: PrefillRequest, keys: list[bytes]) -> dict | None:
@@ -288,12 +301,12 @@ class CppStageWorker:
         """The group's stages named in `text` (by control address) as node ids, e.g.
         "the hop to stage 1 g0s1", so an error names the node, not only its address."""
         out = []
-        for nid, m in self.node.members.items():
+        for nid, m in self.ctx.members().items():
             c = stage_info(m.info)
             if c and c["group"] == self.cpp.group and m.info.get("control") and \
-                    m.info["control"] in text and nid != self.node.node_id:
+                    m.info["control"] in text and nid != self.ctx.node_id:
                 out.append(f"the hop to stage {c['stage']} {nid}")
-        return ", ".join(out) or f"at stage {self.cpp.stage} {self.node.node_id} or after"
+        return ", ".join(out) or f"at stage {self.cpp.stage} {self.ctx.node_id} or after"
 
     def _geometry(self, num_tokens: int) -> list[int]:
         """Layer-major shape of a request's KV for the whole model."""
@@ -304,11 +317,11 @@ class CppStageWorker:
     async def _reserve(self, rid: str, num_tokens: int, req: PrefillRequest) -> dict:
         """A receive buffer on the decode node for every stage's layers (owner: stage 0).
         Raises StageFailure when the decode node refuses."""
-        node = self.node
-        ask = KVReservation(rid, node.control_addr, tuple(self._geometry(num_tokens)),
+        ctx = self.ctx
+        ask = KVReservation(rid, ctx.control_addr, tuple(self._geometry(num_tokens)),
                             str(self.engine.dtype).removeprefix("torch."), req.ttl_s)
         try:
-            r = await node.client.call(req.push_to, "node.kv_reserve", ask.to_json())
+            r = await ctx.client.call(req.push_to, "node.kv_reserve", ask.to_json())
         except RpcError as ex:
             if ex.remote_type == ReceiveBuffersFull.__name__:     # load: say so, no re-place
                 raise ReceiveBuffersFull(ex.remote_message) from ex
@@ -324,7 +337,7 @@ class CppStageWorker:
         character is incomplete, as the decode node's detokenizer does), finished when it is
         an end-of-sequence token or the request wants no more tokens."""
 
-        p, tok = req.params, self.node.tokenizer
+        p, tok = req.params, self.ctx.tokenizer
         detok = IncrementalDetokenizer(tok, p.stop, p.include_stop_str_in_output)
         text = detok.add(token)
         finished, reason, stop_reason = True, "stop", None      # as LLMEngine._check_stop
@@ -341,6 +354,10 @@ class CppStageWorker:
         lps = None if logprob is None else (logprob_from_json(logprob, "stages[-1].logprob"),)
         return OutputDelta((token,), text, lps, finished, reason, stop_reason, 1, 0, None,
                            time.time())
+
+    def release_held(self, msg: Release) -> bool:
+        """`node.release`: frees msg.rid on this stage (`release_stage`)."""
+        return self.release_stage(msg.rid)
 
     def release_stage(self, rid: str) -> bool:
         """`node.release`: frees rid on this stage if it still holds it."""
