@@ -30,6 +30,7 @@ from .model_runner import ModelRunner, block_bytes
 from .scheduler import Scheduler
 from .scheduler_output import KVLoad, ScheduledSeq
 from .sequence import Sequence, SeqStatus
+from .stop import finish_reason
 from .structured import GrammarBackend, grammar_accept, grammar_finished
 from .types import EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams
 
@@ -299,18 +300,13 @@ class LLMEngine:
         return (not p.ignore_eos and token in self.tokenizer.eos_token_ids) or token in p.stop_token_ids
 
     def _check_stop(self, seq: Sequence, token: int) -> bool:
-        p = seq.params
-        if not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif seq.detokenizer.stopped is not None:
-            seq.finish_reason, seq.stop_reason = "stop", seq.detokenizer.stopped
-        elif seq.grammar is not None and grammar_finished(seq.grammar):
-            seq.finish_reason = "stop"          # the constraint is complete (ignore_eos)
-        elif seq.num_output_tokens >= seq.max_tokens:
-            seq.finish_reason = "length"
-        return seq.finish_reason is not None
+        reason, stop = finish_reason(
+            token, seq.params, self.tokenizer.eos_token_ids, seq.detokenizer.stopped,
+            seq.grammar is not None and grammar_finished(seq.grammar), seq.num_output_tokens,
+            seq.max_tokens)
+        if reason is not None:
+            seq.finish_reason, seq.stop_reason = reason, stop
+        return reason is not None
 
     def step(self) -> list[RequestOutput]:
         """Runs one step: aborts and new requests, schedule (SchedulerOutput), the KV loads

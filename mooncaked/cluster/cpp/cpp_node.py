@@ -71,6 +71,7 @@ from mooncaked.engine.structured import GrammarBackend
 from .stage_prefix import StagePrefix
 from mooncaked.cluster.role import Handler, NodeContext, RoleStatus
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
+from mooncaked.engine.stop import finish_reason
 from mooncaked.engine.types import InvalidRequest, TokenLogprob
 
 log = get_logger(__name__)
@@ -251,8 +252,11 @@ class CppStageWorker:
                                    f"{ex}") from ex
             seconds = time.monotonic() - t0
             token, cached = int(r["token_id"]), int(r.get("cached_tokens", 0))
-            out = dataclasses.replace(self._first_output(token, r["stages"][-1].get("logprob"), req),
-                                      num_cached_tokens=cached)
+            last = r["stages"][-1]
+            out = dataclasses.replace(
+                self._first_output(token, last.get("logprob"), bool(last.get("grammar_done")),
+                                   req),
+                num_cached_tokens=cached)
             if not out.finished and kv_target is not None:
                 g = self._geometry(len(prompt))
                 kv = KVHandle(kv_target["descriptor"], tuple(g), str(e.dtype).removeprefix("torch."),
@@ -332,25 +336,20 @@ class CppStageWorker:
                                f"{ex}") from ex
         return KVReserved.from_json(r).descriptor
 
-    def _first_output(self, token: int, logprob: list | None, req: PrefillRequest) -> OutputDelta:
+    def _first_output(self, token: int, logprob: list | None, grammar_done: bool,
+                      req: PrefillRequest) -> OutputDelta:
         """The first token as the engine would emit it: its text (held back while a
-        character is incomplete, as the decode node's detokenizer does), finished when it is
-        an end-of-sequence token or the request wants no more tokens."""
+        character is incomplete, as the decode node's detokenizer does), and whether it
+        ends the request by the engine's own check (engine/stop.py: end of sequence, a stop
+        token or string, a complete structured-output constraint as the last stage saw
+        it, or no decode stage to continue on)."""
 
         p, tok = req.params, self.ctx.tokenizer
         detok = IncrementalDetokenizer(tok, p.stop, p.include_stop_str_in_output)
         text = detok.add(token)
-        finished, reason, stop_reason = True, "stop", None      # as LLMEngine._check_stop
-        if not p.ignore_eos and token in tok.eos_token_ids:
-            pass
-        elif token in (p.stop_token_ids or ()):
-            stop_reason = token
-        elif detok.stopped is not None:
-            stop_reason = detok.stopped
-        elif not req.stage:
-            reason = "length"
-        else:
-            finished, reason = False, None
+        reason, stop_reason = finish_reason(token, p, tok.eos_token_ids, detok.stopped,
+                                            grammar_done, 1, p.max_tokens if req.stage else 1)
+        finished = reason is not None
         lps = None if logprob is None else (logprob_from_json(logprob, "stages[-1].logprob"),)
         return OutputDelta((token,), text, lps, finished, reason, stop_reason, 1, 0, None,
                            time.time())

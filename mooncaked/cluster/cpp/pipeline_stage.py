@@ -7,7 +7,7 @@ Protocol (every call a ControlServer method; hidden states never travel over RPC
                                       sampling, keys, fetch}
                          -> {token_id, num_tokens, cached_tokens, stages: [{node, layers,
                              compute_s, chunks, kv_pushed_bytes, kv_push_wait_s,
-                             logprob (last)}...]}: per stage, compute_s its compute seconds,
+                             logprob and grammar_done (last)}...]}: per stage, compute_s its compute seconds,
                             chunks each chunk's compute seconds in order, kv_pushed_bytes
                             the bytes its KV push wrote, kv_push_wait_s the seconds its
                             answer waited for that push after its part was done
@@ -93,7 +93,7 @@ from mooncaked.wire.errors import PeerUnavailable, RpcError
 from mooncaked.wire.rpc import ControlClient, ControlServer
 from mooncaked.model.sampling import SamplingRow, sample
 from mooncaked.wire.messages import logprob_to_json, params_from_json
-from mooncaked.engine.structured import mask_logits
+from mooncaked.engine.structured import grammar_accept, grammar_finished, mask_logits
 from mooncaked.config import StoreSettings
 from mooncaked.store.remote import StoreNode
 from mooncaked.store.store import BlockStore
@@ -477,25 +477,27 @@ class StageServer:
             if self.stage.is_last:
                 if want_logits:
                     try:
-                        token, logprob = self._pick(req, out)
+                        token, logprob, grammar_done = self._pick(req, out)
                     except Exception as ex:  # noqa: BLE001 - bad sampling parameters
                         self._fail(rid, StageFailure(f"{self.name}: sampling {rid}: {ex}"))
                         continue
                     me["logprob"] = logprob
+                    me["grammar_done"] = grammar_done
                     req.send = asyncio.create_task(self._finish_last(req, token, me))
                 continue
             req.send = asyncio.create_task(self._send(rid, req, req.send, s, e, last, out, me))
 
-    def _pick(self, req: _Req, logits: torch.Tensor) -> tuple[int, list | None]:
+    def _pick(self, req: _Req, logits: torch.Tensor) -> tuple[int, list | None, bool]:
         """The first output token from the last prompt position's fp32 logits [vocab]:
         argmax without `sampling`, else the engine's sampler (model/sampling.py) with the
         request's SamplingParams over its prompt, after masking what its structured-output
         constraint forbids (a matcher replayed over the prompt's last `output_offset`
         tokens, as LLMEngine does). Returns (token, [token, logprob, top] or None when no
-        logprobs were asked for). Raises: ValueError without a grammar backend for a
+        logprobs were asked for, whether the constraint is complete after the token:
+        engine/stop.py stops the request then). Raises: ValueError without a grammar backend for a
         structured request; InvalidRequest when the earlier tokens break its constraint."""
         if req.sampling is None:
-            return int(torch.argmax(logits)), None
+            return int(torch.argmax(logits)), None, False
 
         params = params_from_json(req.sampling["params"])
         prompt = list(req.sampling.get("prompt") or [])
@@ -504,10 +506,13 @@ class StageServer:
             if self.grammars is None:
                 raise ValueError("this stage has no grammar backend for structured output")
             earlier = prompt[len(prompt) - params.output_offset:] if params.output_offset else []
-            mask_logits(row, [self.grammars.matcher(params.structured, earlier)])
+            matcher = self.grammars.matcher(params.structured, earlier)
+            mask_logits(row, [matcher])
         tokens, lps = sample(row, [SamplingRow(params, prompt, len(prompt))])
         lp = lps[0]
-        return tokens[0], None if lp is None else logprob_to_json(lp)
+        done = params.structured is not None and grammar_accept(matcher, tokens[0]) \
+            and grammar_finished(matcher)
+        return tokens[0], None if lp is None else logprob_to_json(lp), done
 
     def _run_chunk(self, rid: str, s: int, inputs: torch.Tensor, want_logits: bool,
                    blocks: tuple[int, int] | None) -> tuple[torch.Tensor, float, torch.Tensor | None]:
