@@ -23,7 +23,7 @@ from mooncaked.coord.coordinator import MemberEvent
 from mooncaked.coord.factory import make_coordinator
 from mooncaked.wire.errors import CoordinationError
 from mooncaked.coord.etcd_server import EtcdServer, etcd_binary, free_port
-from mooncaked.cluster.probe import ProbeProcess
+from cluster_probe import ProbeProcess
 from mooncaked.config import ClusterSettings, ConfigError
 
 TTL = 2.0

@@ -16,7 +16,7 @@ from aiohttp import web
 from mooncaked.wire.errors import PeerUnavailable, RpcError, RpcTimeout
 from mooncaked.wire.rpc import ControlClient, ControlServer
 from mooncaked.coord.etcd_server import free_port
-from mooncaked.cluster.probe import ProbeProcess
+from cluster_probe import ProbeProcess
 
 
 def make_server() -> ControlServer:

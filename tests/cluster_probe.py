@@ -1,6 +1,7 @@
-"""A minimal cluster member process, for tests and for checking a coordination setup.
+"""A minimal cluster member process, for the coordination and RPC tests (moved out of the
+product, issue 31: only tests used it).
 
-    python -m mooncaked.cluster.probe --node-id n1 --backend local --state-dir DIR \
+    python tests/cluster_probe.py --node-id n1 --backend local --state-dir DIR \
         [--etcd http://127.0.0.1:2379] [--ttl 2] [--heartbeat 0.5] [--campaign] \
         [--watch-members] [--rpc-port 0]
 
@@ -29,11 +30,12 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
 
-from ..config import ClusterSettings
+from mooncaked.config import ClusterSettings
 from mooncaked.coord.factory import make_coordinator
 from mooncaked.wire.rpc import ControlServer
 
@@ -109,7 +111,7 @@ async def run(args: argparse.Namespace) -> None:
 
 
 class ProbeProcess:
-    """Runs `python -m mooncaked.cluster.probe` as a child process and collects its events.
+    """Runs `python tests/cluster_probe.py` as a child process and collects its events.
 
     For tests of membership, failover and RPC with real processes. Always stop it
     (`with ProbeProcess(...) as p:` or `p.stop()`); `kill9()` simulates a crash.
@@ -121,7 +123,7 @@ class ProbeProcess:
                  poll: float = 0.1, campaign: bool = False, watch_members: bool = False,
                  rpc_port: int | None = None):
         self.node_id = node_id
-        self.cmd = [sys.executable, "-m", "mooncaked.cluster.probe", "--node-id", node_id,
+        self.cmd = [sys.executable, str(Path(__file__).resolve()), "--node-id", node_id,
                     "--backend", backend, "--ttl", str(ttl), "--heartbeat", str(heartbeat),
                     "--poll", str(poll), "--key-prefix", key_prefix]
         if state_dir:
@@ -212,7 +214,7 @@ class ProbeProcess:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m mooncaked.cluster.probe", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python tests/cluster_probe.py", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--node-id", required=True)
     ap.add_argument("--backend", choices=("local", "etcd"), default="local")
