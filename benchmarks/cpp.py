@@ -1,6 +1,6 @@
 """`mooncake bench cpp`: TTFT of a 2-stage prefill pipeline against one prefill node.
 
-Ours: two stage processes (mooncaked.cluster.cpp.pipeline_stage), each holding half of the
+Ours: two stage processes (mooncaked.benchmarks.stage_process), each holding half of the
 bundled model's layers and one torch thread; the prompt goes to stage 0 in chunks of
 `chunk_tokens`, each chunk's hidden states are WRITten into a slot stage 1 reserved, over
 the transfer engine (TCP on loopback), while stage 0 computes the next chunk. TTFT is the
@@ -31,7 +31,7 @@ import time
 
 import orjson
 
-from mooncaked.cluster.cpp.pipeline_stage import start_stage_process
+from mooncaked.benchmarks.stage_process import start_stage_process
 from mooncaked.wire.rpc import ControlClient
 
 PROMPTS = (1024, 2048, 4096, 7168)

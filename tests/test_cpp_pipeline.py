@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mooncaked.wire.errors import RpcError
-from mooncaked.cluster.cpp.pipeline_stage import start_stage_process
+from mooncaked.benchmarks.stage_process import start_stage_process
 from mooncaked.wire.rpc import ControlClient
 from mooncaked.engine.stage import StageEngine, prefill_through, split_layers
 from mooncaked.model.weights import bundled_model_path

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from mooncaked.cluster.cpp.pipeline_stage import start_stage_process
+from mooncaked.benchmarks.stage_process import start_stage_process
 from mooncaked.wire.rpc import ControlClient
 from mooncaked.config import StoreSettings
 from mooncaked.engine.stage import StageEngine, prefill_through, split_layers

@@ -72,7 +72,7 @@ from .stage_prefix import StagePrefix
 from mooncaked.cluster.role import Handler, NodeContext, RoleStatus
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.stop import finish_reason
-from mooncaked.engine.types import InvalidRequest, TokenLogprob
+from mooncaked.engine.types import InvalidRequest
 
 log = get_logger(__name__)
 
