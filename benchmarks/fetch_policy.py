@@ -1,10 +1,11 @@
 """Fetch or recompute by the measured bandwidth (issue 34): `mooncake bench trace --hosts
 --link-rate 1gbit --link-rate 100mbit`.
 
-For each link rate and each `conductor.fetch_policy` (adaptive: fetch when the predicted
-transfer at the measured path rate plus the shorter prefill beats recomputing; always;
-never), a fresh cluster of hosts on this machine (cluster/hosts.py: every node in a network
-namespace of its own, every link shaped to the rate by tc tbf) replays the same inputs:
+For each link rate, one cluster per `conductor.fetch_policy` (adaptive: fetch when the
+predicted transfer at the measured path rate plus the shorter prefill beats recomputing;
+always; never), all three up at once, each a cluster of hosts on this machine
+(cluster/hosts.py: every node in a network namespace of its own, every link shaped to the
+rate by tc tbf):
 
   cache0    the API front end and the conductor (it starts first and leads); a large
             store, where the conductor replicates hot prefixes (conductor.hot_block_hits);
@@ -15,11 +16,12 @@ namespace of its own, every link shaped to the rate by tc tbf) replays the same 
             (store.decode_offload), a fetch source for the next turn.
 
 So a request's prefix is mostly held by cache0 or decode0 and not by prefill0: the prefill
-node fetches it over its shaped link or recomputes it, as the policy decides. Each run
-first sends `WARMUP` requests of their own (not counted: they calibrate the conductor's
+node fetches it over its shaped link or recomputes it, as the policy decides. Each cluster
+first serves `WARMUP` requests of its own (not counted: they calibrate the conductor's
 prefill model and let the transfer engines measure the link, which the conductor places
-with), then the inputs, one request at a time by default (`--concurrency`), so that TTFT
-is the decision's cost and not a queue on two shared cores.
+with). Then every request of the inputs goes to the three clusters in turn, one request
+in flight at a time, the order rotating per request (`interleaved`): the policies see the
+same load of this shared machine, and TTFT is the decision's cost, not a queue.
 
 Inputs (each replayed and reported on its own, and pooled per rate):
   - a subset of the shared conversation trace with shared prefixes: whole conversations
@@ -61,8 +63,11 @@ from mooncaked.replay.trace import TraceRequest, load_trace, shared_trace_path
 from mooncaked.sim.gen import GenConfig, generate
 
 POLICIES = ("adaptive", "always", "never")
-WARMUP = 4                       # requests per run before the measured ones (not counted)
-WARMUP_TOKENS = 320              # their prompt length, tokens
+# requests per cluster before the measured ones (not counted), of lengths spread over
+# WARMUP_TOKENS: two calibrations of the conductor's prefill model (refit.CALIBRATE_EVERY
+# timed steps each) before the first measured placement, and the link measured
+WARMUP = 16
+WARMUP_TOKENS = (64, 1024)
 GROUP_MAX = 8                    # a block shared by more requests is a system prompt's
 TARGET = 1.05                    # adaptive's TTFT mean within 5% of the better fixed policy
 # the generated input: a few minutes of sessions, shorter think times than a chat user's so
@@ -137,10 +142,11 @@ def _status(cl: LocalCluster, nid: str) -> dict:
 
 
 def _warm_up(cl: LocalCluster, url: str, model: str, vocab: int, timeout_s: float) -> None:
-    """WARMUP requests of their own (distinct prompts), then waits until the conductor
-    places with a measured path rate."""
+    """WARMUP requests of their own (distinct prompts of lengths across WARMUP_TOKENS),
+    then waits until the conductor places with a measured path rate.
+    Raises: RuntimeError when one fails or no link is measured within 60 s."""
     rng = random.Random(1)
-    warm = [TraceRequest(index=i, timestamp_ms=0.0, input_length=WARMUP_TOKENS,
+    warm = [TraceRequest(index=i, timestamp_ms=0.0, input_length=rng.randint(*WARMUP_TOKENS),
                          output_length=2, hash_ids=(10**9 + rng.randrange(10**9),))
             for i in range(WARMUP)]
     cfg = ReplayConfig(url=url, model=model, vocab_size=vocab, time_scale=0.0,
@@ -154,6 +160,21 @@ def _warm_up(cl: LocalCluster, url: str, model: str, vocab: int, timeout_s: floa
         if time.monotonic() > deadline:
             raise RuntimeError("no measured link after the warm-up (60 s)")
         time.sleep(0.5)             # poll interval; the nodes report every report_interval_s
+
+
+async def interleaved(cfgs: dict[str, ReplayConfig], requests: list[TraceRequest]
+                      ) -> dict[str, list[RequestRecord]]:
+    """Each request sent to every cluster in turn (policy -> its replay config), one
+    request in flight at a time, the order of the clusters rotating by one per request:
+    the policies are compared under the same load of this shared machine, none always
+    first. Returns policy -> its records in request order."""
+    out: dict[str, list[RequestRecord]] = {p: [] for p in cfgs}
+    order = list(cfgs)
+    for k, r in enumerate(requests):
+        for p in order[k % len(order):] + order[:k % len(order)]:
+            records, _ = await replay(cfgs[p], [r])
+            out[p] += records
+    return out
 
 
 def _figures(records: list[RequestRecord], reusable: list[int], fetched_blocks: int,
@@ -181,54 +202,68 @@ def _figures(records: list[RequestRecord], reusable: list[int], fetched_blocks: 
             "_ttfts": ttfts}
 
 
-def run_one(args: argparse.Namespace, work: Path, rate: str, policy: str,
-            inputs: dict[str, list[TraceRequest]], log: Any) -> dict[str, Any]:
-    """One cluster at `rate` under `policy`: warm-up, then every input; its figures."""
+def _cluster(args: argparse.Namespace, work: Path, rate: str, policy: str) -> LocalCluster:
     settings = {"conductor.fetch_policy": policy, "conductor.ttft_slo_s": float("inf"),
                 "conductor.tbt_slo_s": float("inf"), "conductor.admission": "off",
                 "conductor.node_admission": "off", "model.num_threads": args.threads,
                 "engine.kv_cache_bytes": args.kv_bytes,
                 "server.request_timeout_s": args.timeout, **args.settings}
-    cl = LocalCluster(work / f"{rate}-{policy}", _nodes(args), settings=settings,
-                      hosts=True, link_rate=rate, log_level="warning")
-    out: dict[str, Any] = {"rate": rate, "policy": policy, "inputs": {}}
+    return LocalCluster(work / f"{rate}-{policy}", _nodes(args), settings=settings,
+                        hosts=True, link_rate=rate, log_level="warning")
+
+
+def run_rate(args: argparse.Namespace, work: Path, rate: str,
+             inputs: dict[str, list[TraceRequest]], log: Any) -> list[dict[str, Any]]:
+    """One cluster per policy at `rate`, all up at once: warm-up, then every input with
+    its requests interleaved over the clusters (`interleaved`); one result per policy."""
+    clusters = {p: _cluster(args, work, rate, p) for p in args.policies}
     try:
-        cl.start_backend()
-        cl.start_node("cache0")                  # first: it leads (runs the conductor)
-        cl.wait_ready(300, nodes=["cache0"])
-        cl.start_node("prefill0")
-        cl.start_node("decode0")
-        cl.wait_ready(600)
-        url = cl.api_url("cache0")
-        info = asyncio.run(discover_server(url))
+        for cl in clusters.values():
+            cl.start_backend()
+            cl.start_node("cache0")              # first: it leads (runs the conductor)
+        for cl in clusters.values():
+            cl.wait_ready(300, nodes=["cache0"])
+            cl.start_node("prefill0")
+            cl.start_node("decode0")
+        for cl in clusters.values():
+            cl.wait_ready(900)
+        urls = {p: cl.api_url("cache0") for p, cl in clusters.items()}
+        info = asyncio.run(discover_server(next(iter(urls.values()))))
         vocab = info["vocab_size"] or 49152
-        bb = int(_status(cl, "prefill0")["store"]["block_bytes"])
-        bs = int(settings.get("engine.block_size", Settings().engine.block_size))
-        _warm_up(cl, url, info["model"], vocab, args.timeout)
+        bb = int(_status(clusters[args.policies[0]], "prefill0")["store"]["block_bytes"])
+        bs = int(clusters[args.policies[0]].settings.get("engine.block_size",
+                                                          Settings().engine.block_size))
+        for p, cl in clusters.items():
+            _warm_up(cl, urls[p], info["model"], vocab, args.timeout)
+        out = {p: {"rate": rate, "policy": p, "inputs": {}} for p in clusters}
         for name, reqs in inputs.items():
             builder = PromptBuilder(vocab, args.length_scale)
             reusable = reusable_tokens([builder.prompt(r) for r in reqs], bs)
-            before = _status(cl, "prefill0")["kv_transfer"]["fetched_blocks"]
-            cfg = ReplayConfig(url=url, model=info["model"], vocab_size=vocab,
-                               time_scale=0.0, length_scale=args.length_scale,
-                               concurrency_limit=args.concurrency,
-                               max_output_tokens=args.max_output_tokens,
-                               timeout_s=args.timeout, cache_salt=name)
-            records, _ = asyncio.run(replay(cfg, reqs))
-            after = _status(cl, "prefill0")["kv_transfer"]
-            fig = _figures(records, reusable, after["fetched_blocks"] - before, bs, bb)
-            fig["fetch_failed"] = after["fetch_failed"]
-            out["inputs"][name] = fig
-            log(f"{rate:>8s} {policy:8s} {name:13s}: TTFT mean {fig['ttft_mean_s']} s p90 "
-                f"{fig['ttft_p90_s']} s; prefix fetched {fig['fetched_share']} recomputed "
-                f"{fig['recomputed_share']} local {fig['local_share']}; "
-                f"{fig['fetched_bytes'] / 1e6:.1f} MB fetched; failed {fig['failed']}")
-        bw = (cl.status() or {}).get("transfer_bandwidth") or {}
-        out["placed_with_bytes_per_s"] = bw.get("used_bytes_per_s")
-        out["measured_paths"] = bw.get("measured_paths")
+            before = {p: _status(cl, "prefill0")["kv_transfer"] for p, cl in clusters.items()}
+            cfgs = {p: ReplayConfig(url=urls[p], model=info["model"], vocab_size=vocab,
+                                    time_scale=0.0, length_scale=args.length_scale,
+                                    max_output_tokens=args.max_output_tokens,
+                                    timeout_s=args.timeout, cache_salt=name)
+                    for p in clusters}
+            records = asyncio.run(interleaved(cfgs, reqs))
+            for p, cl in clusters.items():
+                after = _status(cl, "prefill0")["kv_transfer"]
+                fig = _figures(records[p], reusable,
+                               after["fetched_blocks"] - before[p]["fetched_blocks"], bs, bb)
+                fig["fetch_failed"] = after["fetch_failed"] - before[p]["fetch_failed"]
+                out[p]["inputs"][name] = fig
+                log(f"{rate:>8s} {p:8s} {name:10s}: TTFT mean {fig['ttft_mean_s']} s p90 "
+                    f"{fig['ttft_p90_s']} s; prefix fetched {fig['fetched_share']} recomputed "
+                    f"{fig['recomputed_share']} local {fig['local_share']}; "
+                    f"{fig['fetched_bytes'] / 1e6:.1f} MB fetched; failed {fig['failed']}")
+        for p, cl in clusters.items():
+            bw = (cl.status() or {}).get("transfer_bandwidth") or {}
+            out[p]["placed_with_bytes_per_s"] = bw.get("used_bytes_per_s")
+            out[p]["measured_paths"] = bw.get("measured_paths")
+        return list(out.values())
     finally:
-        cl.stop()
-    return out
+        for cl in clusters.values():
+            cl.stop()
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -280,7 +315,6 @@ def parser() -> argparse.ArgumentParser:
                     help="the trace's first N requests the subset is taken from")
     ap.add_argument("--length-scale", type=float, default=16.0)
     ap.add_argument("--max-output-tokens", type=int, default=4)
-    ap.add_argument("--concurrency", type=int, default=1, help="requests in flight")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per model node")
     ap.add_argument("--kv-bytes", type=int, default=256 << 20, help="decode node's KV cache")
     ap.add_argument("--prefill-kv-bytes", type=int, default=96 << 20,
@@ -311,8 +345,7 @@ def run(args: argparse.Namespace, settings: dict[str, Any] | None = None) -> dic
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-fetch-") as tmp:
         for rate in rates:
-            for policy in args.policies:
-                runs.append(run_one(args, Path(tmp), rate, policy, inputs, log))
+            runs += run_rate(args, Path(tmp), rate, inputs, log)
     by_rate = {rate: {"runs": {r["policy"]: {k: v for k, v in r.items()
                                              if k not in ("rate", "policy")}
                                for r in runs if r["rate"] == rate},

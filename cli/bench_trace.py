@@ -55,7 +55,7 @@ def bench_trace(
     with --hosts, fetch or recompute by the measured bandwidth at each --link-rate."""
     if hosts:
         raise typer.Exit(_hosts(file, link_rate, fetch_policy, limit, length_scale,
-                                max_output_tokens, concurrency_limit, timeout, url, json_out))
+                                max_output_tokens, timeout, url, json_out))
     if file is None or url is None:
         raise typer.BadParameter("a trace FILE and --url are needed (or --hosts)")
     from mooncaked.replay.bench import run_bench_trace  # noqa: PLC0415
@@ -73,7 +73,7 @@ def bench_trace(
 
 def _hosts(file: Optional[Path], rates: Optional[list[str]], policies: Optional[list[str]],
            limit: Optional[int], length_scale: Optional[float],
-           max_output_tokens: Optional[int], concurrency: Optional[int], timeout: float,
+           max_output_tokens: Optional[int], timeout: float,
            url: Optional[str], json_out: bool) -> int:
     """`bench trace --hosts`: checks root and the rates, runs benchmarks/fetch_policy.py;
     returns the exit code (2: bad input or not root)."""
@@ -96,8 +96,7 @@ def _hosts(file: Optional[Path], rates: Optional[list[str]], policies: Optional[
     if policies:
         argv += ["--policies", *policies]
     for flag, value in (("--trace", file), ("--limit", limit), ("--length-scale", length_scale),
-                        ("--max-output-tokens", max_output_tokens),
-                        ("--concurrency", concurrency)):
+                        ("--max-output-tokens", max_output_tokens)):
         if value is not None:
             argv.append(f"{flag}={value}")
     argv.append(f"--timeout={timeout}")

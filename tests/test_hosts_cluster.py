@@ -4,15 +4,20 @@ LocalCluster(hosts=True), what `mooncake up --hosts --link-rate 1gbit` starts), 
 partitions that heal.
 
 One shared cluster for the module (etcd, cache0 = the API node, prefill0, decode0; cache0
-starts first and so leads), and a `--role all` reference process for greedy outputs.
-Every test starts on a whole cluster (the autouse fixture heals every cut and waits until
-every node is ready again), so the tests run in any order. Bounds: PLACEMENT_WAIT_S for a
-request that finds no conductor, UNHEALTHY_BOUND_S for a node cut from etcd to answer
-/health 503, REJOIN_BOUND_S for a healed cluster to serve again. Needs root and etcd.
+starts first and so leads; cache0's store is the largest, the pool's, and the conductor
+replicates a prefix onto it once two nodes hold it; decode0 takes failpoints), and a
+`--role all` reference process for greedy outputs. Every test starts on a whole cluster
+(the autouse fixture heals every cut and waits until every node is ready again), so the
+tests run in any order. Bounds: PLACEMENT_WAIT_S for a request that finds no conductor,
+UNHEALTHY_BOUND_S for a node cut from etcd to answer /health 503, CUT_KV_BOUND_S and
+CUT_FETCH_BOUND_S for a request across a cut link, REJOIN_BOUND_S for a healed cluster to
+serve again. Needs root and etcd.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import json
 import os
 import subprocess
@@ -48,7 +53,14 @@ STREAM_IDLE_S = 8.0
 # 34 s on the loaded two-core machine, about 25 s of it before the decode node's READ
 # starts (when the decode node also leads, the prefill node is cut from the conductor too)
 CUT_KV_BOUND_S = 60.0
+# a request whose prefix source is cut from its prefill node: the fetch's lease call times
+# out (rpc_timeout_s; the fetch is bounded by rpc_timeout_s + TRANSFER_TIMEOUT_S), then the
+# prefill recomputes the prefix (a few seconds on the loaded two-core machine)
+CUT_FETCH_BOUND_S = 45.0
 REJOIN_BOUND_S = 60.0
+# reports every second: a node cut from the conductor for a failed READ (5 s) is still live
+# to it (stale after 8 reports), so the request placed again after the heal finds it
+REPORT_INTERVAL_S = 1.0
 NODES = ("cache0", "prefill0", "decode0")
 MOONCAKE = str(Path(sys.executable).parent / "mooncake")
 # about 650 tokens: its KV (46 KB a token) is what the prefill pushes to the decode node
@@ -71,6 +83,50 @@ def http(method: str, url: str, body: dict | None = None, timeout: float = 120.0
 def complete(url: str, prompt: str = PROMPT, timeout: float = 120.0) -> tuple[int, dict]:
     return http("POST", f"{url}/v1/completions",
                 {"prompt": prompt, "max_tokens": 12, "temperature": 0}, timeout)
+
+
+def stream(url: str, prompt: str, timeout: float = 120.0) -> tuple[int, str, dict | None]:
+    """(status, the text streamed, the error: an error event's or the error body) of one
+    streamed greedy completion of 12 tokens."""
+    req = urllib.request.Request(
+        f"{url}/v1/completions", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                         "stream": True}).encode())
+    text, err = "", None
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            for raw in r:
+                line = raw.strip()
+                if not line.startswith(b"data: {"):
+                    continue                         # blank separators, data: [DONE]
+                event = json.loads(line[6:])
+                if "error" in event:
+                    err = event
+                else:
+                    text += event["choices"][0]["text"]
+            return r.status, text, err
+    except urllib.error.HTTPError as e:
+        return e.code, text, json.loads(e.read() or b"{}")
+
+
+def reference(url: str, prompt: str) -> str:
+    """The `--role all` process's greedy text of `prompt`."""
+    status, body = complete(url, prompt)
+    assert status == 200, body
+    return body["choices"][0]["text"]
+
+
+def kv_counters(cluster: LocalCluster, nid: str) -> dict:
+    """node.status "kv_transfer" of a node (fetches, fetch_failed, read, ...)."""
+    return control_call(cluster.control(nid), "node.status", timeout_s=5.0)["kv_transfer"]
+
+
+def failpoint(cluster: LocalCluster, nid: str, name: str, action: str | None = None,
+              **kw) -> dict:
+    """Sets failpoint `name` on a node (action given), or reads it; its state."""
+    payload = {"name": name, **({"action": action} if action else {}), **kw}
+    return control_call(cluster.control(nid), "debug.failpoint", payload,
+                        timeout_s=5.0)["failpoints"].get(name, {})
 
 
 def node_status(cluster: LocalCluster, nid: str) -> dict | None:
@@ -108,10 +164,14 @@ def env(tmp_path_factory):
                 "conductor.ttft_slo_s": 600.0, "conductor.tbt_slo_s": 600.0,
                 "server.request_timeout_s": 120.0,
                 "transfer.request_timeout_s": TRANSFER_TIMEOUT_S,
-                "cluster.stream_idle_timeout_s": STREAM_IDLE_S}
-    cl = LocalCluster(tmp, [NodeSpec("cache", "cache0"), NodeSpec("prefill", "prefill0"),
-                            NodeSpec("decode", "decode0")], backend="etcd", settings=settings,
-                      hosts=True, link_rate="1gbit")
+                "cluster.stream_idle_timeout_s": STREAM_IDLE_S,
+                "cluster.report_interval_s": REPORT_INTERVAL_S,
+                # a prefix the prefill and decode nodes hold is still copied onto cache0
+                "conductor.hot_block_replicas": 3}
+    cl = LocalCluster(tmp, [NodeSpec("cache", "cache0", settings={"store.dram_bytes": 256 << 20}),
+                            NodeSpec("prefill", "prefill0"),
+                            NodeSpec("decode", "decode0", env={"MOONCAKED_FAILPOINTS": ""})],
+                      backend="etcd", settings=settings, hosts=True, link_rate="1gbit")
     made: set[str] = set()
     try:
         cl.start_backend()
@@ -270,11 +330,10 @@ def test_decode_cut_from_prefill_fails_the_request_in_bounded_time_then_heals(en
     cut_status, body = complete(cluster.api_url("cache0"),
                                 PROMPT.replace("red pens", "blue pens"), timeout=120)
     elapsed = time.monotonic() - t0
-    # a clear error in bounded time: the transfer's failure (502/503/504), or an early 429
-    # when the conductor already counts the decode node's KV as held (seen once in a full
-    # run, shared module cluster; why it was held is not yet understood)
-    assert cut_status in (502, 503, 504) or (cut_status, body["error"]["code"]) == (429, "overloaded"), \
-        (cut_status, body)
+    # a clear error in bounded time: the transfer's failure. (A 429 decode_full seen once
+    # came from the conductor counting the request's own first placement when it placed it
+    # again: fixed, load.decoding_during.)
+    assert cut_status in (502, 503, 504), (cut_status, body)
     assert body["error"]["message"] and body["error"]["type"], body
     assert elapsed <= CUT_KV_BOUND_S, elapsed
     assert all(cluster.procs[n].poll() is None for n in NODES)
@@ -283,3 +342,103 @@ def test_decode_cut_from_prefill_fails_the_request_in_bounded_time_then_heals(en
                               REJOIN_BOUND_S, "served again after the heal")
     assert body["choices"][0]["text"] == ref
     print(f"decode cut from prefill: {cut_status} after {elapsed:.1f} s (bound {CUT_KV_BOUND_S} s)")
+
+
+def test_decode_cut_from_prefill_during_a_read_resumes_after_the_heal(env):
+    """The pull path: decode0 refuses the push (failpoint node.kv_reserve), so it READs the
+    staged KV; its READ is held (decode.kv_read) while the link to prefill0 is cut, then
+    runs across the cut and fails at transfer.request_timeout_s: decode0 never decodes
+    from partial KV. The client already has the first token; the API node places the
+    request again (prompt + that token) and, the link healed meanwhile, the stream ends
+    with the single process's greedy text, within a stated bound, no node restarted."""
+    cluster, ref_url, _ = env
+    prompt = PROMPT.replace("red pens", "black cards")
+    want = reference(ref_url, prompt)
+    before = kv_counters(cluster, "decode0")
+    since = time.time()
+    failpoint(cluster, "decode0", "node.kv_reserve", "error", times=1)
+    failpoint(cluster, "decode0", "decode.kv_read", "pause", times=1)
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    try:
+        fut = pool.submit(stream, cluster.api_url("cache0"), prompt)
+        wait_until(lambda: failpoint(cluster, "decode0", "decode.kv_read").get("fired")
+                   or fut.done(), 120, "decode0 holding its READ of the staged KV")
+        assert not fut.done(), fut.result()
+        cluster.hosts.cut("prefill0", "decode0")
+        t0 = time.monotonic()
+        failpoint(cluster, "decode0", "decode.kv_read", "off")      # the READ crosses the cut
+        wait_until(lambda: events(cluster, "decode0", "kv_read_failed", since) or fut.done(),
+                   TRANSFER_TIMEOUT_S + 10, "decode0's READ failing across the cut")
+        read_failed_s = time.monotonic() - t0
+        cluster.hosts.heal()
+        status, text, err = fut.result(timeout=CUT_KV_BOUND_S)
+        elapsed = time.monotonic() - t0
+    finally:
+        with contextlib.suppress(OSError, RuntimeError):
+            failpoint(cluster, "decode0", "decode.kv_read", "off")
+            failpoint(cluster, "decode0", "node.kv_reserve", "off")
+        pool.shutdown(wait=False, cancel_futures=True)
+    assert (status, err) == (200, None), (status, text, err)
+    assert text == want                          # the resumed stream: one process's output
+    assert elapsed <= CUT_KV_BOUND_S, elapsed
+    assert events(cluster, "decode0", "kv_read_failed", since)
+    assert "could not read the KV staged" in cluster.log_tail("cache0", 400_000)
+    after = kv_counters(cluster, "decode0")
+    assert after["read"] > before["read"]        # the pull path ran (after the heal)
+    assert all(cluster.procs[n].poll() is None for n in NODES)
+    print(f"READ across the cut failed after {read_failed_s:.1f} s; the request ended "
+          f"{elapsed:.1f} s after the cut (bound {CUT_KV_BOUND_S} s)")
+
+
+def test_cache_node_cut_while_it_is_the_source_of_a_fetch_the_prefill_recomputes(env):
+    """A prefix only cache0 holds (replicated there as hot, then evicted from prefill0 and
+    decode0 by other prompts) is placed as a fetch from cache0; cache0 is cut from
+    prefill0 meanwhile: the fetch fails within its bound, prefill0 recomputes, and the
+    stream (through decode0's API) is the single process's greedy text."""
+    cluster, ref_url, _ = env
+    prompt = PROMPT.replace("red pens", "green inks")
+    want = reference(ref_url, prompt)
+    held = (control_call(cluster.control("cache0"), "node.status", timeout_s=5.0)
+            ["store"]["dram_blocks"])
+    # used twice, the prefix is hot and the conductor copies it onto cache0 from a node
+    # its index knows to hold it (prefill0's store events come in its next report, so the
+    # second use may find no holder yet: the prompt is sent again until cache0 holds it,
+    # every answer the single process's)
+    def replicated() -> int:
+        assert stream(cluster.api_url("cache0"), prompt)[:2] == (200, want)
+        n = (control_call(cluster.control("cache0"), "node.status", timeout_s=5.0)
+             ["store"]["dram_blocks"] - held)
+        return n if n >= 30 else 0
+    blocks = wait_until(replicated, 60, "the prompt's blocks replicated onto cache0",
+                        state=lambda: (cluster.status() or {}).get("replication"),
+                        interval_s=REPORT_INTERVAL_S)
+    # other prompts push it out of prefill0's pages and store (and decode0's store); half
+    # as long as PROMPT, so that two fit in decode0's KV: the conductor counts a finished
+    # request until decode0's next report names it
+    for i in range(4):
+        r = stream(cluster.api_url("cache0"),
+                   PROMPT[:len(PROMPT) // 2].replace("red pens", f"filler {i} cups"))
+        assert r[0] == 200, r
+    before = kv_counters(cluster, "prefill0")
+    since = time.time()
+    cluster.hosts.cut("cache0", "prefill0")
+    t0 = time.monotonic()
+    status, text, err = stream(cluster.api_url("decode0"), prompt, timeout=CUT_FETCH_BOUND_S + 30)
+    elapsed = time.monotonic() - t0
+    after = kv_counters(cluster, "prefill0")
+    assert (status, err) == (200, None), (status, text, err)
+    assert text == want                                    # recomputed: same output
+    assert elapsed <= CUT_FETCH_BOUND_S, elapsed
+    # the placement fetched from cache0; the fetch failed; nothing was fetched
+    assert after["fetches"] - before["fetches"] == 1, (before, after)
+    assert after["fetch_failed"] - before["fetch_failed"] == 1, (before, after)
+    assert after["fetched_blocks"] == before["fetched_blocks"], (before, after)
+    assert events(cluster, "prefill0", "prefix_fetch_failed", since)
+    cluster.hosts.heal()
+    status, text, err = wait_until(
+        lambda: (r := stream(cluster.api_url("cache0"), prompt))[0] == 200 and r,
+        REJOIN_BOUND_S, "served again after the heal")
+    assert text == want
+    assert all(cluster.procs[n].poll() is None for n in NODES)
+    print(f"fetch source cut: {blocks} blocks on cache0; served in {elapsed:.1f} s "
+          f"(bound {CUT_FETCH_BOUND_S} s)")

@@ -59,6 +59,23 @@ def test_meter_samples_a_path_that_never_idles():
     assert m.estimate("b").bytes_per_s == pytest.approx(10 * MiB, rel=0.01)
 
 
+def test_meter_a_request_ending_just_after_a_cut_does_not_read_as_a_fast_link():
+    m = BandwidthMeter(alpha=0.3, min_sample_bytes=1, max_period_s=1.0)
+    # one transfer in two slices over a 10 MiB/s link, 6 MiB each, ending together after
+    # 1.2 s: the first ends the period (cut at max_period_s), the second 10 ms later lands
+    # all its 6 MiB in a 10 ms sample (600 MiB/s as a rate of its own)
+    for t in (0.0, 10.0, 20.0):
+        m.begin("b", t)
+        m.begin("b", t)
+        m.end("b", t + 1.19, 6 * MiB)
+        m.end("b", t + 1.2, 6 * MiB)
+    e = m.estimate("b")
+    assert e.samples == 6 and e.bytes == 36 * MiB
+    # bytes over seconds: within the smoothing's wobble of the link (a mean of the
+    # samples' rates read 314 MiB/s here)
+    assert 9 * MiB < e.bytes_per_s < 11 * MiB, e.bytes_per_s / MiB
+
+
 def _cost(bandwidth: float) -> CostModel:
     # prefill 2 ms a new token; 46 KB of KV a token (the bundled model, fp32)
     return CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.0, 0.002)),

@@ -5,10 +5,14 @@ bytes / seconds would read the link as k times slower than it is when k share it
 meter counts per peer busy periods instead: from the moment a first request to the peer
 starts until none is in flight (or at most `max_period_s`, so that a path that never
 idles still yields samples), it adds the bytes of the requests that completed; a period
-of at least `min_sample_bytes` is one sample, bytes / duration. The estimate is an
-exponentially weighted mean of the samples (weight `alpha` for the newest; the first
-sample is taken as is). Periods below `min_sample_bytes` are latency, not bandwidth, and
-are ignored.
+of at least `min_sample_bytes` is one sample (its bytes and its seconds). The estimate is
+the ratio of the exponentially weighted means of the samples' bytes and of their seconds
+(weight `alpha` for the newest; the first sample is taken as is), not a mean of the
+samples' rates: a request that ends just after a period was cut at `max_period_s`
+brings all its bytes into a sample of a few milliseconds (two slices of one transfer
+ending together read 100x the link), and a mean of rates keeps that; bytes over seconds
+count every byte and every busy second once, whichever sample they fell in. Periods
+below `min_sample_bytes` are latency, not bandwidth, and are ignored.
 
 Pure bookkeeping over times the caller passes (seconds, time.monotonic()), no I/O.
 """
@@ -37,7 +41,8 @@ class _Path:
     inflight: int = 0
     start: float = 0.0
     period_bytes: int = 0
-    estimate: float = 0.0
+    ewma_bytes: float = 0.0
+    ewma_s: float = 0.0
     samples: int = 0
     measured: int = 0
 
@@ -78,8 +83,12 @@ class BandwidthMeter:
         dur = now - p.start
         if p.period_bytes < self.min_sample_bytes or dur <= 0:
             return
-        rate = p.period_bytes / dur
-        p.estimate = rate if not p.samples else self.alpha * rate + (1 - self.alpha) * p.estimate
+        if not p.samples:
+            p.ewma_bytes, p.ewma_s = float(p.period_bytes), dur
+        else:
+            a = self.alpha
+            p.ewma_bytes = a * p.period_bytes + (1 - a) * p.ewma_bytes
+            p.ewma_s = a * dur + (1 - a) * p.ewma_s
         p.samples += 1
         p.measured += p.period_bytes
 
@@ -88,7 +97,7 @@ class BandwidthMeter:
         p = self._paths.get(peer)
         if p is None or not p.samples:
             return None
-        return PathEstimate(p.estimate, p.samples, p.measured)
+        return PathEstimate(p.ewma_bytes / p.ewma_s, p.samples, p.measured)
 
     def estimates(self) -> dict[str, PathEstimate]:
         """Every measured path: peer -> estimate."""
