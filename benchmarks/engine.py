@@ -233,7 +233,10 @@ def _llamacpp_load(threads: int):
 
 def _llamacpp_decode(llm, prompt: list[int], n: int) -> list[float]:
     """Greedy decode of exactly n tokens after `prompt` (EOS not checked, like ignore_eos).
-    Returns the perf_counter() time of each token."""
+    Returns the perf_counter() time of each token. The KV state is reset first: otherwise
+    llama-cpp-python's generate(reset=True) keeps the prefix shared with the previous call
+    and the first token's time would not be a cold TTFT."""
+    llm.reset()
     times: list[float] = []
     for _ in llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
                           reset=True):
