@@ -21,7 +21,7 @@ Cases (issue 2):
      (60 blocks of 16) were cached by an earlier request, against the same
      prompt cold (first token changed, so no block key matches). Target: warm /
      cold <= 0.2. Also ours cold against transformers' TTFT (`generate` of one
-     token) on the same prompt: ttft_cold_vs_transformers (issue 15: target <= 1.0). The
+     token) on the same prompt: ttft_cold_vs_transformers (issue 30: target <= 0.8; issue 15's was <= 1.0). The
      row also holds the engine steps the cold prompt took (`prefill_steps`: 1 when the
      idle budget, engine.idle_prefill_tokens, covers it) and the same comparison at the
      other `ttft_cold_lengths` (default 500 and 2,000 tokens), interleaved in the same reps,
@@ -454,7 +454,7 @@ def run(dtype: str = "auto", reps: int = 3, decode_tokens: int = 64, concurrent:
             "warm TTFT / cold TTFT",
             prompt_tokens=ttft_prompt, cached_tokens=ttft_cached),
         row("ttft_cold_vs_transformers", "s", med(c3["cold"]), med(c3["hf"]),
-            "transformers generate of 1 token (no prefix cache)", "<= 1.0",
+            "transformers generate of 1 token (no prefix cache)", "<= 0.8",
             "ours TTFT / baseline TTFT (lower is better)", prompt_tokens=ttft_prompt,
             paired_ratio_median=round(med([o / h for o, h in zip(c3["cold"], c3["hf"])]), 3),
             prefill_steps=max(c3["cold_steps"]),
