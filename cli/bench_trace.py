@@ -55,7 +55,7 @@ def bench_trace(
     with --hosts, fetch or recompute by the measured bandwidth at each --link-rate."""
     if hosts:
         raise typer.Exit(_hosts(file, link_rate, fetch_policy, limit, length_scale,
-                                max_output_tokens, timeout, url, json_out))
+                                max_output_tokens, timeout, url, json_out, concurrency_limit))
     if file is None or url is None:
         raise typer.BadParameter("a trace FILE and --url are needed (or --hosts)")
     from mooncaked.replay.bench import run_bench_trace  # noqa: PLC0415
@@ -74,7 +74,7 @@ def bench_trace(
 def _hosts(file: Optional[Path], rates: Optional[list[str]], policies: Optional[list[str]],
            limit: Optional[int], length_scale: Optional[float],
            max_output_tokens: Optional[int], timeout: float,
-           url: Optional[str], json_out: bool) -> int:
+           url: Optional[str], json_out: bool, concurrency_limit: Optional[int] = None) -> int:
     """`bench trace --hosts`: checks root and the rates, runs benchmarks/fetch_policy.py;
     returns the exit code (2: bad input or not root)."""
     from mooncaked.benchmarks.fetch_policy import POLICIES, main  # noqa: PLC0415
@@ -83,6 +83,9 @@ def _hosts(file: Optional[Path], rates: Optional[list[str]], policies: Optional[
     try:
         if url:
             raise ValueError("--hosts starts its own clusters: drop --url")
+        if concurrency_limit is not None:
+            raise ValueError("--hosts sends one request at a time, interleaved over the "
+                             "policies' clusters: drop --concurrency-limit")
         require_root()
         for r in rates or []:
             parse_rate(r)

@@ -56,6 +56,9 @@ def test_cli_hosts_refusals():
     cp = subprocess.run([MOONCAKE, "bench", "trace", "--hosts", "--url", "http://x:1"],
                         capture_output=True, text=True, timeout=60)
     assert cp.returncode == 2 and "drop --url" in cp.stderr, cp.stderr
+    cp = subprocess.run([MOONCAKE, "bench", "trace", "--hosts", "--concurrency-limit", "4"],
+                        capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 2 and "drop --concurrency-limit" in cp.stderr, cp.stderr
     cp = subprocess.run([MOONCAKE, "bench", "trace", "--hosts", "--link-rate", "fast"],
                         capture_output=True, text=True, timeout=60)
     assert cp.returncode == 2 and "link rate 'fast'" in cp.stderr, cp.stderr
