@@ -13,7 +13,7 @@ import pytest
 
 from mooncaked.wire.errors import RpcError
 from mooncaked.wire.rpc import ControlClient, ControlServer
-from mooncaked.wire.messages import (DecodeFailure, DecodeLoad, DecodeRequest, FetchPlan, KVHandle,
+from mooncaked.wire.messages import (CppChunk, CppPrefill, CppRequestRef, CppReserve, DecodeFailure, DecodeLoad, DecodeRequest, FetchPlan, KVHandle,
                                      KVReservation, KVReserved, MessageError, NodeRef, NodeReport,
                                      OutputDelta, PlaceRejected, PlaceReply, PlaceRequest,
                                      PrefillDone, PrefillRequest, Release, StoreEventMsg,
@@ -49,6 +49,13 @@ def wire(msg) -> dict:
     PrefillDone("r2", 1.5, 600, 0, False, ((0.25, 0.5), (0.125, 0.75))),   # a CPP group's stages
     StoreEventMsg("stored", "dram", 4, KEYS),
     DecodeLoad(("r1", "r2"), 2, 300, 1000),
+    CppPrefill("r1", (1, 2, 3), 64, False, {"descriptor": {"segment": "d1/recv/r1"}},
+               {"params": {"max_tokens": 4}, "prompt": [1, 2, 3]}, KEYS,
+               {"control": "127.0.0.1:5", "blocks": 2}),
+    CppPrefill("r1", (1, 2, 3)),                                   # greedy, no KV target
+    CppReserve("r1", 40, True, None, None, KEYS, None),
+    CppChunk("r1", 32, 40, True),
+    CppRequestRef("r1"),
 ])
 def test_round_trip(msg):
     assert type(msg).from_json(wire(msg)) == msg
@@ -110,6 +117,12 @@ def test_decode_failure_line():
     (NodeReport, {"role": "prefill"}, "node"),
     (Release, {"owner": "x"}, "rid"),
     (Release, ["r1"], "JSON object"),
+    (CppPrefill, {"request_id": "r", "token_ids": [1, "2"]}, "token_ids"),
+    (CppPrefill, {"request_id": "r", "token_ids": [1], "keys": ["zz"]}, "keys"),
+    (CppPrefill, {"request_id": "r", "token_ids": [1], "sampling": "greedy"}, "sampling"),
+    (CppReserve, {"request_id": "r"}, "num_tokens"),
+    (CppChunk, {"request_id": "r", "start": 0, "end": 8, "last": "yes"}, "last"),
+    (CppRequestRef, {}, "request_id"),
 ])
 def test_malformed_bodies_name_the_field(cls, body, field):
     with pytest.raises(MessageError, match=field):

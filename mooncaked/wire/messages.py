@@ -689,7 +689,121 @@ class NodeReport:
                    _get(d, "stalled", str, ""))
 
 
-__all__ = ["DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",
+# ---- chunked pipeline parallelism: a CPP group's stages (cluster/cpp/pipeline_stage.py)
+
+
+def _opt_object(d: Any, name: str) -> dict | None:
+    """An optional JSON-object field (kept as a dict: its parts are read where they are
+    used). Raises: MessageError when present and not an object."""
+    v = _get(d, name, dict, None)
+    return None if v is None else dict(v)
+
+
+@dataclass(frozen=True)
+class CppPrefill:
+    """`cpp.prefill` on stage 0: run `token_ids` through the group in chunks of
+    `chunk_tokens`; the last stage picks the first token.
+
+    Attributes:
+        request_id: the request's id.
+        token_ids: the prompt (vocabulary ids).
+        chunk_tokens: tokens per pipeline chunk (>= 1, checked by the stage).
+        keep: keep the request's pages on every stage after it finishes (tests, bench).
+        kv_target: {"descriptor": ...}, the decode node's layer-major receive buffer that
+            every stage pushes its layers' KV into, or None.
+        sampling: {"params": SamplingParams JSON, "prompt": ids} for the last stage's pick,
+            or None (greedy argmax).
+        keys: the prompt's block keys (store/keys.py) for the stages' prefix caches.
+        fetch: {"control": addr, "blocks": n}: a node holding the prefix's full blocks.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    chunk_tokens: int = 512
+    keep: bool = False
+    kv_target: dict | None = None
+    sampling: dict | None = None
+    keys: tuple[bytes, ...] = ()
+    fetch: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"request_id": self.request_id, "token_ids": list(self.token_ids),
+                "chunk_tokens": self.chunk_tokens, "keep": self.keep,
+                "kv_target": self.kv_target, "sampling": self.sampling,
+                "keys": hex_keys(self.keys), "fetch": self.fetch}
+
+    @classmethod
+    def from_json(cls, d: Any) -> CppPrefill:
+        return cls(_get(d, "request_id", str), _ints(_get(d, "token_ids", list), "token_ids"),
+                   _get(d, "chunk_tokens", int, 512), _get(d, "keep", bool, False),
+                   _opt_object(d, "kv_target"), _opt_object(d, "sampling"),
+                   unhex_keys(_get(d, "keys", list, [])), _opt_object(d, "fetch"))
+
+
+@dataclass(frozen=True)
+class CppReserve:
+    """`cpp.reserve` from stage k on stage k+1: a receive slot for `num_tokens` hidden-state
+    rows of the request, and (with `keys`) the prefix match down the chain. The other
+    fields travel on from stage 0's CppPrefill."""
+
+    request_id: str
+    num_tokens: int
+    keep: bool = False
+    kv_target: dict | None = None
+    sampling: dict | None = None
+    keys: tuple[bytes, ...] = ()
+    fetch: dict | None = None
+
+    def to_json(self) -> dict:
+        return {"request_id": self.request_id, "num_tokens": self.num_tokens, "keep": self.keep,
+                "kv_target": self.kv_target, "sampling": self.sampling,
+                "keys": hex_keys(self.keys), "fetch": self.fetch}
+
+    @classmethod
+    def from_json(cls, d: Any) -> CppReserve:
+        return cls(_get(d, "request_id", str), _get(d, "num_tokens", int),
+                   _get(d, "keep", bool, False), _opt_object(d, "kv_target"),
+                   _opt_object(d, "sampling"), unhex_keys(_get(d, "keys", list, [])),
+                   _opt_object(d, "fetch"))
+
+
+@dataclass(frozen=True)
+class CppChunk:
+    """`cpp.chunk` from stage k on stage k+1: hidden-state rows start..end-1 of the request
+    are in its receive slot; `last` for the prompt's final chunk (the call then answers
+    with the request's result)."""
+
+    request_id: str
+    start: int
+    end: int
+    last: bool
+
+    def to_json(self) -> dict:
+        return {"request_id": self.request_id, "start": self.start, "end": self.end,
+                "last": self.last}
+
+    @classmethod
+    def from_json(cls, d: Any) -> CppChunk:
+        return cls(_get(d, "request_id", str), _get(d, "start", int), _get(d, "end", int),
+                   _get(d, "last", bool))
+
+
+@dataclass(frozen=True)
+class CppRequestRef:
+    """`cpp.hold` (kept open for the request's life: the upstream stage is alive) and
+    `cpp.release` (free it): the request's id only."""
+
+    request_id: str
+
+    def to_json(self) -> dict:
+        return {"request_id": self.request_id}
+
+    @classmethod
+    def from_json(cls, d: Any) -> CppRequestRef:
+        return cls(_get(d, "request_id", str))
+
+
+__all__ = ["CppChunk", "CppPrefill", "CppRequestRef", "CppReserve", "DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",
            "KVReservation", "KVReserved", "MessageError", "NodeRef", "NodeReport", "OutputDelta",
            "PlaceRejected", "PlaceReply", "PlaceRequest", "PrefillDone", "PrefillReply",
            "PrefillRequest", "Release", "StoreEventMsg", "float_from_json", "float_to_json",

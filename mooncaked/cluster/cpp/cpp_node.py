@@ -59,9 +59,9 @@ from mooncaked.log import get_logger
 from mooncaked.utils import cdiv
 
 from mooncaked.wire.errors import RpcError
-from mooncaked.wire.messages import (KVHandle, KVReservation, KVReserved, OutputDelta, PrefillDone,
-                                     PrefillReply, PrefillRequest, Release, logprob_from_json,
-                                     params_to_json)
+from mooncaked.wire.messages import (CppPrefill, KVHandle, KVReservation, KVReserved,
+                                     OutputDelta, PrefillDone, PrefillReply, PrefillRequest,
+                                     Release, logprob_from_json, params_to_json)
 from mooncaked.cluster.node_state import NodeDraining, ReceiveBuffersFull, release_on
 from .pipeline_stage import StageFailure, StageServer
 from mooncaked.cluster.prefill_worker import PrefillLoad
@@ -241,12 +241,11 @@ class CppStageWorker:
             greedy = p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 \
                 and not p.presence_penalty and not p.frequency_penalty and p.structured is None
             keys = self._keys(prompt, req)
-            body = {"request_id": rid, "token_ids": prompt, "chunk_tokens": self.cpp.chunk_tokens,
-                    "kv_target": kv_target, "keys": [k.hex() for k in keys],
-                    "fetch": self._fetch(req, keys),
-                    "sampling": None if greedy else {"params": params_to_json(p), "prompt": prompt}}
+            msg = CppPrefill(rid, tuple(prompt), self.cpp.chunk_tokens, False, kv_target,
+                             None if greedy else {"params": params_to_json(p), "prompt": prompt},
+                             tuple(keys), self._fetch(req, keys))
             try:
-                r = await self.server.prefill(body)
+                r = await self.server.prefill(msg)
             except StageFailure as ex:
                 raise StageFailure(f"CPP group {self.cpp.group} failed ({self._names(str(ex))}): "
                                    f"{ex}") from ex

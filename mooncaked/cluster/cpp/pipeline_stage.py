@@ -1,7 +1,8 @@
 """A pipeline stage server: one StageEngine behind control RPCs, chunks flowing stage to
 stage over the transfer engine (chunked pipeline parallelism, Mooncake section 3.3).
 
-Protocol (every call a ControlServer method; hidden states never travel over RPC):
+Protocol (every call a ControlServer method; hidden states never travel over RPC; the
+bodies are wire/messages.py's CppPrefill, CppReserve, CppChunk and CppRequestRef):
 
     caller -> stage 0    cpp.prefill {request_id, token_ids, chunk_tokens, keep, kv_target,
                                       sampling, keys, fetch}
@@ -85,7 +86,8 @@ from mooncaked.transfer.engine import TransferEngine
 from mooncaked.wire.errors import PeerUnavailable, RpcError
 from mooncaked.wire.rpc import ControlClient, ControlServer
 from mooncaked.model.sampling import SamplingRow, sample
-from mooncaked.wire.messages import logprob_to_json, params_from_json
+from mooncaked.wire.messages import (CppChunk, CppPrefill, CppRequestRef, CppReserve,
+                                     logprob_to_json, params_from_json)
 from mooncaked.engine.structured import grammar_accept, grammar_finished, mask_logits
 
 log = get_logger(__name__)
@@ -312,22 +314,21 @@ class StageServer:
         self.reqs[rid] = req
         return req
 
-    async def prefill(self, body: dict) -> dict:
-        """`cpp.prefill` called in-process (a cluster node's stage 0): same body and answer."""
-        return await self._on_prefill(body)
+    async def prefill(self, msg: CppPrefill) -> dict:
+        """`cpp.prefill` called in-process (a cluster node's stage 0): same answer."""
+        return await self._prefill(msg)
 
     async def _on_prefill(self, body: dict) -> dict:
+        return await self._prefill(CppPrefill.from_json(body))
+
+    async def _prefill(self, msg: CppPrefill) -> dict:
         if not self.stage.is_first:
             raise ValueError(f"{self.name} is not the first stage")
-        rid, ids = str(body["request_id"]), list(body["token_ids"])
-        chunk = int(body.get("chunk_tokens", 512))
+        rid, ids, chunk, keys = msg.request_id, list(msg.token_ids), msg.chunk_tokens, list(msg.keys)
         if chunk < 1:
             raise ValueError("chunk_tokens must be >= 1")
-        keys = _keys(body)
-        req = self._new(rid, len(ids), bool(body.get("keep", False)))
-        req.kv_target = body.get("kv_target")
-        req.sampling = body.get("sampling")
-        req.fetch = body.get("fetch")
+        req = self._new(rid, len(ids), msg.keep)
+        req.kv_target, req.sampling, req.fetch = msg.kv_target, msg.sampling, msg.fetch
         req.waiting = True
         try:
             start = 0
@@ -348,7 +349,8 @@ class StageServer:
     async def _on_reserve(self, body: dict) -> dict:
         if self.hidden is None:
             raise ValueError(f"{self.name} is the first stage: it takes tokens, not hidden states")
-        rid, n = str(body["request_id"]), int(body["num_tokens"])
+        msg = CppReserve.from_json(body)
+        rid, n = msg.request_id, msg.num_tokens
         # Stage 0 admits at most `slots` requests, but a finished request's slot here may
         # be freed just after stage 0 admitted the next one: wait a little for it.
         deadline = time.monotonic() + SLOT_WAIT_S
@@ -358,11 +360,9 @@ class StageServer:
                 await asyncio.wait_for(self._slot_freed.wait(), max(0.0, deadline - time.monotonic()))
             except TimeoutError:
                 raise StageFailure(f"{self.name}: no free receive slot within {SLOT_WAIT_S:g} s") from None
-        keys = _keys(body)
-        req = self._new(rid, n, bool(body.get("keep", False)))
-        req.kv_target = body.get("kv_target")
-        req.sampling = body.get("sampling")
-        req.fetch = body.get("fetch")
+        keys = list(msg.keys)
+        req = self._new(rid, n, msg.keep)
+        req.kv_target, req.sampling, req.fetch = msg.kv_target, msg.sampling, msg.fetch
         req.slot = self.free_slots.pop()
         cached = None
         if keys:    # match here, then down the chain: the answer is the least any stage holds
@@ -375,7 +375,7 @@ class StageServer:
                 "offset": req.slot * self.max_tokens * self.row_bytes, "cached_blocks": cached}
 
     async def _on_hold(self, body: dict) -> dict:
-        rid = str(body["request_id"])
+        rid = CppRequestRef.from_json(body).request_id
         req = self.reqs.get(rid)
         if req is None:
             raise StageFailure(f"{self.name}: no reservation for request {rid}")
@@ -391,11 +391,12 @@ class StageServer:
         return {"done": True}
 
     async def _on_chunk(self, body: dict) -> dict:
-        rid = str(body["request_id"])
+        msg = CppChunk.from_json(body)
+        rid = msg.request_id
         req = self.reqs.get(rid)
         if req is None or req.slot is None:
             raise StageFailure(f"{self.name}: no reservation for request {rid}")
-        s, e, last = int(body["start"]), int(body["end"]), bool(body["last"])
+        s, e, last = msg.start, msg.end, msg.last
         if not 0 <= s < e <= req.total:
             raise ValueError(f"chunk {s}:{e} outside 0:{req.total}")
         req.touched = time.monotonic()
@@ -410,7 +411,7 @@ class StageServer:
                 self._release(rid, _ending(req))
 
     async def _on_release(self, body: dict) -> dict:
-        return {"released": self._release(str(body["request_id"]), "asked")}
+        return {"released": self._release(CppRequestRef.from_json(body).request_id, "asked")}
 
     async def _on_configure(self, body: dict) -> dict:
         nxt = body.get("next")
@@ -570,7 +571,8 @@ class StageServer:
         """Keeps cpp.hold open on the next stage for the request's life; a dead next stage
         ends the request here at once."""
         try:
-            await self.client.call(self.next_addr, "cpp.hold", {"request_id": rid}, timeout_s=24 * 3600.0)
+            await self.client.call(self.next_addr, "cpp.hold", CppRequestRef(rid).to_json(),
+                                   timeout_s=24 * 3600.0)
         except PeerUnavailable as ex:  # the next stage died: end the request now
             self._fail(rid, StageFailure(f"{self.name} -> {self.next_addr}: {ex}"))
         except RpcError:
@@ -597,7 +599,7 @@ class StageServer:
                 await self._reserve_next(rid, req)
             await self.transfer.write(req.next_segment, req.next_offset + s * self.row_bytes,
                                       hidden.contiguous())
-            body = {"request_id": rid, "start": s, "end": e, "last": last}
+            body = CppChunk(rid, s, e, last).to_json()
             timeout = max(self.rpc_timeout_s, 600.0) if last else self.rpc_timeout_s
             r = await self.client.call(self.next_addr, "cpp.chunk", body, timeout_s=timeout)
             req.touched = time.monotonic()
@@ -617,10 +619,8 @@ class StageServer:
             self.next_addr = self.next_resolver() or self.next_addr
         if not self.next_addr:
             raise StageFailure(f"{self.name}: the next stage has not joined")
-        body = {"request_id": rid, "num_tokens": req.total, "keep": req.keep,
-                "kv_target": req.kv_target, "sampling": req.sampling, "fetch": req.fetch}
-        if keys:
-            body["keys"] = [k.hex() for k in keys]
+        body = CppReserve(rid, req.total, req.keep, req.kv_target, req.sampling,
+                          tuple(keys or ()), req.fetch).to_json()
         try:
             r = await self.client.call(self.next_addr, "cpp.reserve", body)
         except PeerUnavailable:
@@ -631,7 +631,7 @@ class StageServer:
             # released here while the reservation was in flight: nobody would hold it there
             # (the leak of issue 32, fault 4), so release it on the next stage now
             with contextlib.suppress(Exception):
-                await self.client.call(self.next_addr, "cpp.release", {"request_id": rid})
+                await self.client.call(self.next_addr, "cpp.release", CppRequestRef(rid).to_json())
             raise StageFailure(f"{self.name}: request {rid} was released during its reservation")
         req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
         req.next_offset = int(r["offset"])
@@ -667,12 +667,3 @@ def _retrieved(task: asyncio.Task) -> None:
     carries the failure; a push nobody awaits after a failure must not log a warning)."""
     if not task.cancelled():
         task.exception()
-
-
-def _keys(body: dict) -> list[bytes]:
-    """The optional `keys` of a cpp.prefill / cpp.reserve body: the prompt's block keys
-    (hex) for the stages' prefix cache. Raises ValueError for a malformed list."""
-    raw = body.get("keys") or []
-    if not isinstance(raw, list) or not all(isinstance(k, str) for k in raw):
-        raise ValueError("keys must be a list of hex strings")
-    return [bytes.fromhex(k) for k in raw]
