@@ -113,8 +113,10 @@ def up(
                      if "cpp.group" in n.settings else "")
             typer.echo(f"  {n.node_id:10s} {n.role:8s} {cluster.api_url(n.node_id)}  "
                        f"log {cluster.log_path(n.node_id)}{stage}")
-        typer.echo("every node above serves the same API (any one may die; the others "
-                   "keep answering, and a new conductor is elected)")
+        typer.echo("every node above serves the same API; a node that dies is not restarted. "
+                   "A new conductor is elected if the leader dies; requests need at least one "
+                   "live prefill and one live decode node (add more with --prefill/--decode "
+                   "to survive the loss of one)")
         typer.echo(f"inspect: mooncake ctl status -c {ctl}")
         typer.echo("Ctrl-C stops the cluster.")
         dead: set[str] = set()

@@ -77,7 +77,9 @@ class ModelSettings:
     tokenizer: str = opt("", "Tokenizer source (GGUF file or directory with tokenizer.json); empty "
                              "means the model's own (the bundled model's with load_format = dummy).")
     max_model_len: int = opt(0, "Longest prompt + output in tokens; 0 means the model's context "
-                                "length.", min=0)
+                                "length. Either is capped to what engine.kv_cache_bytes holds "
+                                "(one request must fit in the pages; the log says "
+                                "max_model_len_capped).", min=0)
     num_threads: int = opt(0, "torch intra-op threads; 0 means one per core minus one (kept for "
                               "the event loop), at least 1.", min=0)
     weight_format: str = opt("auto", "Linear weights: auto keeps a GGUF file's Q4_0/Q4_1 (as packed "

@@ -141,6 +141,10 @@ def _stop(body: dict) -> list[str]:
         return [v]
     if isinstance(v, list) and all(isinstance(s, str) for s in v):
         return list(v)
+    if isinstance(v, list):       # say which item, not only "got list"
+        bad = next(s for s in v if not isinstance(s, str))
+        raise _type_error("stop", "a string or a list of strings (token ids go in "
+                          "stop_token_ids)", bad)
     raise _type_error("stop", "a string or a list of strings", v)
 
 

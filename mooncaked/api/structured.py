@@ -161,7 +161,7 @@ def parse_constraint(body: dict) -> tuple[StructuredSpec | None, str | None]:
         for key in _SO_KEYS:
             if so.get(key) is not None:
                 found.append((_one(key, so[key], f"structured_outputs.{key}"),
-                              "structured_outputs"))
+                              f"structured_outputs.{key}"))
     for legacy, key in _LEGACY.items():
         if body.get(legacy) is not None:
             found.append((_one(key, body[legacy], legacy), legacy))

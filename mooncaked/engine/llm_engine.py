@@ -97,6 +97,10 @@ class LLMEngine:
                              f"of {self.block_bytes} bytes")
         # A lone request must always fit in the pages, so preemption can always make progress.
         self.max_model_len = min(ctx, num_blocks * es.block_size)
+        if self.max_model_len < ctx:
+            log.warning("max_model_len_capped", max_model_len=self.max_model_len, context=ctx,
+                        kv_cache_bytes=es.kv_cache_bytes,
+                        hint="raise engine.kv_cache_bytes for the model's whole context")
         self.model_name = settings.server.served_model_name or path.stem
         self.model_id = f"{path.name}:{path.stat().st_size if path.is_file() else 'dir'}"
         self.runner = ModelRunner(self.model, num_blocks, es.block_size)
