@@ -803,8 +803,8 @@ class CppRequestRef:
         return cls(_get(d, "request_id", str))
 
 
-__all__ = ["CppChunk", "CppPrefill", "CppRequestRef", "CppReserve", "DecodeFailure", "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle",
-           "KVReservation", "KVReserved", "MessageError", "NodeRef", "NodeReport", "OutputDelta",
+__all__ = ["CppChunk", "CppPrefill", "CppRequestRef", "CppReserve", "DecodeFailure",
+           "DecodeLoad", "DecodeRequest", "FetchPlan", "KVHandle", "KVReservation", "KVReserved", "MessageError", "NodeRef", "NodeReport", "OutputDelta",
            "PlaceRejected", "PlaceReply", "PlaceRequest", "PrefillDone", "PrefillReply",
            "PrefillRequest", "Release", "StoreEventMsg", "float_from_json", "float_to_json",
            "hex_keys", "logprob_from_json", "logprob_to_json", "params_from_json",
