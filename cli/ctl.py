@@ -125,9 +125,11 @@ def _bytes(n: float | None) -> str:
 
 
 def _rate(bytes_per_s: float) -> str:
-    """bytes/s as a link rate: '943 Mbit/s', '1.2 Gbit/s'."""
+    """bytes/s as a link rate: '80 kbit/s', '943 Mbit/s', '1.20 Gbit/s'."""
     bits = bytes_per_s * 8
-    return f"{bits / 1e9:.2f} Gbit/s" if bits >= 1e9 else f"{bits / 1e6:.0f} Mbit/s"
+    if bits >= 1e9:
+        return f"{bits / 1e9:.2f} Gbit/s"
+    return f"{bits / 1e6:.0f} Mbit/s" if bits >= 1e6 else f"{bits / 1e3:.0f} kbit/s"
 
 
 def _link_rate(links: dict | None) -> str | None:
@@ -249,8 +251,11 @@ def _print_conductor(c: dict) -> None:
     if bw.get("used_bytes_per_s"):
         src = (f"median of {bw['measured_paths']} measured paths" if bw["measured_paths"]
                else "nothing measured yet")
+        paths = bw.get("fetch_paths") or {}
         typer.echo(f"transfer bandwidth in the cost model: {_rate(bw['used_bytes_per_s'])} "
-                   f"({src}; configured {_rate(bw['configured_bytes_per_s'])})")
+                   f"({src}; configured {_rate(bw['configured_bytes_per_s'])})"
+                   + ("; fetches over a measured path at its rate: " + ", ".join(
+                       f"{p} {_rate(r)}" for p, r in paths.items()) if paths else ""))
     typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}] from "
                f"{(cm.get('meta') or {}).get('origin', '-')}, refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")

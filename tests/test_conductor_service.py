@@ -323,3 +323,37 @@ def test_not_ready_until_a_prefill_and_a_decode_node_have_reported():
     coupled = service()
     report(coupled, "a1", "all")
     assert coupled.not_ready() is not None          # a coupled node needs its control address
+
+
+def test_a_fetch_is_predicted_at_its_paths_measured_rate_not_the_median(capsys):
+    # c1 (a cache node) holds a 6-block prefix; p1 is 50 s busy, p2 idle and without it.
+    # Recomputing 99 tokens costs 0.1 + 0.99 s; fetching 96 of them costs 96 kB / rate.
+    svc = service(ttft_slo=100.0)
+    svc.settings.conductor.hot_block_hits = 0            # no replication in the way
+    keys = [bytes([i]) * 16 for i in range(6)]
+    report(svc, "d1", "decode")
+    report(svc, "c1", "cache")
+    svc.nodes["c1"].control = "127.0.0.1:c1"
+    svc.nodes["c1"].info["store"] = {"segment": {}}
+    svc.index.stored("c1", keys)
+    report(svc, "p1", "prefill", pending={"busy": [5000, 0]}, links={"c1": 1e9})
+    # p2's engine measured c1 -> p2 at 10 kB/s (9.6 s for the prefix): p2 recomputes,
+    # though the median of the measured paths (p1's 1 GB/s and p2's 10 kB/s) is fast
+    report(svc, "p2", "prefill", links={"c1": 1e4})
+    r = place(svc, "slow", n=6 * 16 + 3, keys=keys)
+    assert r["prefill"]["node"] == "p2" and r.get("fetch") is None, r
+    assert r["prefix_tokens"] == 0
+    st = svc.status()["transfer_bandwidth"]
+    assert st["fetch_paths"] == {"c1->p1": 1_000_000_000, "c1->p2": 10_000}
+    assert st["used_bytes_per_s"] == statistics.median([1e9, 1e4]) and st["measured_paths"] == 2
+    from mooncaked.cli.ctl import _print_conductor     # what `mooncake ctl status` says
+    _print_conductor(svc.status())
+    out = capsys.readouterr().out
+    assert ("transfer bandwidth in the cost model: 4.00 Gbit/s (median of 2 measured paths; "
+            "configured 8.00 Gbit/s); fetches over a measured path at its rate: "
+            "c1->p1 8.00 Gbit/s, c1->p2 80 kbit/s") in out, out
+    # the same path measured fast: p2 fetches from c1
+    report(svc, "p2", "prefill", links={"c1": 1e9})
+    r = place(svc, "fast", n=6 * 16 + 3, keys=keys)
+    assert r["prefill"]["node"] == "p2" and r["fetch"]["source"] == "c1", r
+    assert r["prefix_tokens"] == 96

@@ -97,7 +97,9 @@ class NodeView:
     inflight_prefill: dict[str, InflightPrefill] = field(default_factory=dict)
     inflight_decode: dict[str, InflightDecode] = field(default_factory=dict)
     placed: int = 0                          # requests placed here (prefill or decode)
-    links: dict[str, float] = field(default_factory=dict)   # peer -> measured bytes/s
+    # peer -> bytes/s its transfer engine measured on the transfers it started with the
+    # peer (READs: peer -> node, WRITEs: node -> peer; ConductorService.path_rates)
+    links: dict[str, float] = field(default_factory=dict)
     stalled: str = ""                        # why it cannot take requests now ("" : it can)
 
 

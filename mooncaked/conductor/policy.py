@@ -14,7 +14,10 @@ Policies (Mooncake paper, sections 4.1 and 4.2, Figure 5):
   if transfer + prefill(best_len) beats prefill(own_len) (else it recomputes);
   TTFT = transfer + queue + prefill; the lowest TTFT wins. Holders that do not
   prefill (cache nodes) count as sources too. Fetching replicates hot blocks onto
-  more nodes (section 4.2).
+  more nodes (section 4.2). Transfers run at the cost model's rate, or over a path
+  measured into the node (`Snapshot.path_bytes_per_s`) at that path's rate; each node
+  then fetches from the holder of best_len behind its fastest path (the cost rule
+  below: the holder with its lowest busy + transfer).
 
 - ``cost_aware`` (beyond Algorithm 1): the global policy with its three hand-set or
   blind parts replaced by predictions, each also available alone as an option of
@@ -56,8 +59,8 @@ import bisect
 import itertools
 import math
 import random as _random
-from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from .cost_model import CostModel
@@ -265,6 +268,14 @@ class Snapshot:
     (PolicyConfig.pipeline_stages): 0 when idle, the running request's remainder when
     nothing is queued behind it, inf when requests are queued (they keep their order); a
     cluster that cannot pipeline leaves it empty.
+    `path_bytes_per_s`: measured bandwidth of node paths, (source, destination) -> bytes/s
+    (the live conductor: destination's transfer engine's estimate for its transfers with
+    source, `NodeReport.links`; see `ConductorService.path_rates`). A fetch from source s
+    to prefill node i is predicted at the rate of (s, i) when measured (finite, > 0), else
+    at the cost model's rate; so the best source of a prefix may differ per node (a busier
+    holder behind a fast path can beat an idle one behind a slow path). Empty (the
+    default, and the simulator): every path at the cost model's rate, the decisions
+    exactly those made without it.
     """
 
     prefill_nodes: Sequence[Hashable]
@@ -282,6 +293,7 @@ class Snapshot:
     pending_prefix_blocks: Sequence[int] = ()
     pending_ready_s: Sequence[float] = ()
     prefill_free_s: Sequence[float] = ()
+    path_bytes_per_s: Mapping[tuple[Hashable, Hashable], float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         n, m = len(self.prefill_nodes), len(self.decode_nodes)
@@ -364,7 +376,8 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
     Raises: ValueError for the ``random`` policy without `rng`, or a negative prompt length.
     Cost: O(prefill nodes + decode nodes); the prefill model is evaluated once per
     distinct prefix length (fetch_rule "cost": O(prefill nodes x distinct prefix lengths);
-    prefill_order "spf": plus O(queued requests)).
+    prefill_order "spf": plus O(queued requests)); with measured paths into a prefill node
+    (`Snapshot.path_bytes_per_s`) its fetch is priced per source: times O(sources).
     """
     n = req.prompt_tokens
     if n < 0:
@@ -420,26 +433,47 @@ def place(req: PlacementRequest, snap: Snapshot, cost: CostModel, cfg: PolicyCon
             # or fetch up to best_len) depends only on its own prefix length, not on its
             # queue: transfer + prefill(best) < prefill(own) is the same test on every node.
             # So decide once per distinct prefix length, then scan the nodes.
+            # With measured paths (Snapshot.path_bytes_per_s) the transfer, and so the
+            # test, also depends on the node's paths from the holders: such a node decides
+            # for itself, from the holder of best_len it reaches soonest.
             fetching = global_ and cfg.fetch_policy != "never"
             holders = snap.holder_prefix_blocks if fetching else ()
             best = max(max(own), max(holders, default=0))
             thr = cfg.cache_balance_threshold
-            fetches: dict[int, float] = {}   # own blocks -> transfer s, where fetching wins
-            cost_of: dict[int, float] = {}   # own blocks -> transfer + prefill s
-            for mine in set(own):
-                cost_of[mine] = prefill_s(mine)
+            into = _paths_into(snap) if fetching else {}
+            # the nodes holding best_len, in Algorithm 1's order (it fetches from the first)
+            cands = ([h for h, b in zip(snap.holder_nodes, holders) if b == best]
+                     + [v for v, b in zip(nodes, own) if b == best]) if best > 0 else []
+
+            def decide(mine: int, rates: dict | None) -> tuple[float, float, Hashable | None]:
+                # (transfer + prefill s, transfer s, source) where fetching wins, else
+                # (prefill s, 0, None)
+                c = prefill_s(mine)
                 if fetching and best > mine and (always or mine == 0 or best > thr * mine):
-                    x = cost.transfer_s(min(best * bs, n) - min(mine * bs, n))
+                    tokens = min(best * bs, n) - min(mine * bs, n)
+                    if rates is None:
+                        x, s = cost.transfer_s(tokens), cands[0]
+                    else:                    # the holder reached soonest, the first on a tie
+                        x, _, s = min((_transfer_s(cost, tokens, rates.get(h)), k, h)
+                                      for k, h in enumerate(cands))
                     # fetching beats recomputing (or the fixed policy always fetches)
-                    if always or x + prefill_s(best) < cost_of[mine]:
-                        cost_of[mine] = x + prefill_s(best)
-                        fetches[mine] = x
-            ttfts = [q + cost_of[m] for q, m in zip(queue, own)]
+                    if always or x + prefill_s(best) < c:
+                        return x + prefill_s(best), x, s
+                return c, 0.0, None
+
+            plans: dict[tuple[int, int], tuple[float, float, Hashable | None]] = {}
+            plan_of = []                     # (own blocks, -1 or the node's index if it has paths)
+            for k, m in enumerate(own):
+                rates = into.get(nodes[k])
+                key = (m, -1 if rates is None else k)
+                if key not in plans:
+                    plans[key] = decide(m, rates)
+                plan_of.append(key)
+            ttfts = [q + plans[key][0] for q, key in zip(queue, plan_of)]
             i = ttfts.index(min(ttfts))
-            if own[i] in fetches:
-                xfer, used = fetches[own[i]], best
-                fetch_from = (snap.holder_nodes[list(holders).index(best)] if best in holders
-                              else nodes[own.index(best)])
+            _, x, source = plans[plan_of[i]]
+            if source is not None:
+                xfer, used, fetch_from = x, best, source
     if used < 0:
         used = own[i]
     pf = prefill_s(used)
@@ -591,6 +625,10 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
     a prefill node when equally busy: it spares compute). Node i with own prefix m and wait
     w either recomputes, TTFT = w + prefill(m), or fetches the blocks m..L while it waits,
     TTFT = max(w, busy(source) + transfer(L - m)) + prefill(L). No ratio threshold.
+    With measured paths into node i (`snap.path_bytes_per_s`), transfer(source -> i) runs
+    at each path's rate (unmeasured ones at the cost model's) and node i's source is the
+    holder of at least L with the lowest busy + transfer (`_fetch_source`): the source
+    may differ per node. Without, every node's source is the least busy holder.
     With `overtakes` (shortest-first queues: how many queued requests on each node the
     new one would run before), each overtaken request waits the new one's prefill longer,
     so a node scores TTFT + overtaken x prefill: the total delay the placement causes.
@@ -604,7 +642,9 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
     node or None, pending ready seconds when the choice waits for a pending prefix else
     None); the node with the lowest score wins (the first among equals).
     """
-    lengths, src = _prefix_sources(own, snap) if fetch_policy != "never" else ([], {})
+    lengths, src, every = (_prefix_sources(own, snap) if fetch_policy != "never"
+                           else ([], {}, []))
+    into = _paths_into(snap) if lengths else {}
     always = fetch_policy == "always"
     tokens = [min(L * bs, n) for L in lengths]
     best_t, best = math.inf, (0, own[0] if own else 0, 0.0, None, None)
@@ -615,45 +655,57 @@ def _cost_choice(n: int, bs: int, waits: Sequence[float], own: Sequence[int], sn
         t = w + prefill_s(m) * (1 + over)
         choice = None
         mt = min(m * bs, n)
+        rates = into.get(snap.prefill_nodes[i])      # measured paths into node i
         for L, tok in zip(lengths, tokens):
             if L <= m or tok <= mt:
                 break
-            x = plan.get((m, L))
-            if x is None:
-                x = plan[(m, L)] = src[L][0] + cost.transfer_s(tok - mt)
+            if rates is None:            # every path at the cost model's rate
+                s = src[L]
+                x = plan.get((m, L))
+                if x is None:
+                    x = plan[(m, L)] = s[0] + cost.transfer_s(tok - mt)
+            else:
+                x, s = _fetch_source(every, L, tok - mt, rates, cost, snap)
             tt = max(w, x) + prefill_s(L) * (1 + over)
             if always:                   # the longest prefix, fetched whatever it costs
-                t, choice = tt, (L, x)
+                t, choice = tt, (L, x, s)
                 break
             if tt < t:
-                t, choice = tt, (L, x)
+                t, choice = tt, (L, x, s)
         if pend and pend[i] > m and not always:
             tt = max(w, pend_s[i]) + prefill_s(pend[i]) * (1 + over)
             if tt < t:
-                t, choice = tt, (pend[i], None)
+                t, choice = tt, (pend[i], None, None)
         if t < best_t:
             if choice is None:
                 best_t, best = t, (i, m, 0.0, None, None)
             elif choice[1] is None:
                 best_t, best = t, (i, choice[0], 0.0, None, pend_s[i])
             else:
-                L, x = choice
-                best_t, best = t, (i, L, x, _source_node(src[L], snap), None)
+                L, x, s = choice
+                best_t, best = t, (i, L, x, _source_node(s, snap), None)
     return best
 
 
 def _prefix_sources(own: Sequence[int], snap: Snapshot
-                    ) -> tuple[list[int], dict[int, tuple[float, int, int]]]:
-    """The prefix lengths (blocks) held anywhere, longest first, and for each length L the
-    least busy node holding at least L as (busy s, 0 cache node / 1 prefill node, index);
-    a cache node goes before an equally busy prefill node (it spares compute)."""
+                    ) -> tuple[list[int], dict[int, tuple[float, int, int]],
+                               list[tuple[int, tuple[float, int, int]]]]:
+    """The prefix lengths (blocks) held anywhere, longest first; for each length L the
+    least busy node holding at least L as (busy s, 0 cache node / 1 prefill node, index),
+    a cache node before an equally busy prefill node (it spares compute); and every node
+    holding a prefix as (its blocks, (busy s, kind, index)), for `_fetch_source`."""
     pbusy = snap.prefill_busy_s or [0.0] * len(own)
     hbusy = snap.holder_busy_s or [0.0] * len(snap.holder_nodes)
     by_len: dict[int, tuple[float, int, int]] = {}   # L -> (busy, 0 cache / 1 prefill, index)
+    every: list[tuple[int, tuple[float, int, int]]] = []
     for k, (L, b) in enumerate(zip(snap.holder_prefix_blocks, hbusy)):
+        if L > 0:
+            every.append((L, (b, 0, k)))
         if L > 0 and (L not in by_len or (b, 0, k) < by_len[L]):
             by_len[L] = (b, 0, k)
     for k, (L, b) in enumerate(zip(own, pbusy)):
+        if L > 0:
+            every.append((L, (b, 1, k)))
         if L > 0 and (L not in by_len or (b, 1, k) < by_len[L]):
             by_len[L] = (b, 1, k)
     lengths = sorted(by_len, reverse=True)
@@ -663,7 +715,42 @@ def _prefix_sources(own: Sequence[int], snap: Snapshot
         if run is None or by_len[L] < run:
             run = by_len[L]
         src[L] = run
-    return lengths, src
+    return lengths, src, every
+
+
+def _paths_into(snap: Snapshot) -> dict[Hashable, dict[Hashable, float]]:
+    """`snap.path_bytes_per_s` as destination -> {source: bytes/s}, the usable rates only
+    (finite and > 0; any other counts as not measured)."""
+    into: dict[Hashable, dict[Hashable, float]] = {}
+    for (s, d), r in snap.path_bytes_per_s.items():
+        if r > 0 and math.isfinite(r):
+            into.setdefault(d, {})[s] = r
+    return into
+
+
+def _transfer_s(cost: CostModel, tokens: float, rate: float | None) -> float:
+    """Predicted seconds to move the KV of `tokens` tokens over a path delivering `rate`
+    bytes/s: the cost model's latency + bytes / rate, as `TransferModel.seconds` (0 for
+    nothing to move); `rate` None: the cost model's own rate (`cost.transfer_s`)."""
+    if rate is None:
+        return cost.transfer_s(tokens)
+    nbytes = tokens * cost.kv_bytes_per_token
+    return cost.transfer.latency_s + nbytes / rate if nbytes > 0 else 0.0
+
+
+def _fetch_source(every: Sequence[tuple[int, tuple[float, int, int]]], blocks: int,
+                  tokens: float, rates: Mapping[Hashable, float], cost: CostModel,
+                  snap: Snapshot) -> tuple[float, tuple[float, int, int]]:
+    """The source a node fetches `tokens` tokens of a `blocks`-block prefix from, given
+    the measured rates of its paths from the sources (`rates`: source node -> bytes/s;
+    a path not in it runs at the cost model's rate): among the nodes of `every`
+    (`_prefix_sources`) holding at least `blocks`, the lowest busy + transfer seconds,
+    then the least busy, a cache node before a prefill node, the lower index (with every
+    path at one rate that is `_prefix_sources`' least busy holder).
+    Returns: (busy + transfer seconds, (busy s, kind, index) of the source).
+    Raises: ValueError when no node holds `blocks`."""
+    return min((s[0] + _transfer_s(cost, tokens, rates.get(_source_node(s, snap))), s)
+               for L, s in every if L >= blocks)
 
 
 def _source_node(s: tuple[float, int, int], snap: Snapshot) -> Hashable:
@@ -679,9 +766,11 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
 
     Stage 0 (the primary, which stores the request's blocks as a single node would) is any
     node with nothing queued, reusing its own prefix or, when `can_fetch`, fetching a longer
-    one held elsewhere (from the least busy holder). The other stages are the k - 1 other
-    such nodes free soonest (`Snapshot.prefill_free_s`); they hold their slice of the
-    layers of the reused prefix only after copying it, (k - 1) / k of its KV bytes.
+    one held elsewhere (from the least busy holder; with measured paths into the primary,
+    `Snapshot.path_bytes_per_s`, the holder with the lowest busy + transfer over its path,
+    `_fetch_source`). The other stages are the k - 1 other such nodes free soonest
+    (`Snapshot.prefill_free_s`); they hold their slice of the layers of the reused prefix
+    only after copying it, (k - 1) / k of its KV bytes (at the cost model's rate).
     With step = (latency - occupancy) / (k - 1) (the longest chunk's stage time plus a
     hop), stage j joins j steps after stage 0 starts, when its first chunk arrives, and
     is busy for the occupancy; so it may still finish other work until then. The
@@ -704,7 +793,8 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
     kmax = min(cfg.pipeline_stages, len(cand))
     if kmax < 2:
         return None
-    lengths, src = _prefix_sources(own, snap) if can_fetch else ([], {})
+    lengths, src, every = _prefix_sources(own, snap) if can_fetch else ([], {}, [])
+    into = _paths_into(snap) if lengths else {}
     memo: dict[tuple[int, int], PipelineTiming] = {}
     queued = sum(1 for f in free if f == math.inf)   # nodes with requests waiting
     slo = cfg.pipeline_under_load_ttft_s
@@ -718,8 +808,12 @@ def _pipeline_choice(n: int, bs: int, own: Sequence[int], snap: Snapshot, cost: 
         m = own[i]
         mt = min(m * bs, n)
         opts = [(m, 0.0, None)]
-        opts += [(L, src[L][0] + cost.transfer_s(min(L * bs, n) - mt), src[L])
-                 for L in lengths if L > m and min(L * bs, n) > mt]
+        rates = into.get(snap.prefill_nodes[i])      # measured paths into node i
+        for L in lengths:
+            tok = min(L * bs, n) - mt
+            if L > m and tok > 0:
+                opts.append((L, src[L][0] + cost.transfer_s(tok), src[L]) if rates is None
+                            else (L, *_fetch_source(every, L, tok, rates, cost, snap)))
         for L, x, s in opts:
             c = min(L * bs, n)
             if n - c < max(1, cfg.pipeline_min_tokens):

@@ -300,8 +300,32 @@ class ConductorService:
         return self.model.cost
 
     def link_rates(self) -> list[float]:
-        """Every peer path's measured bandwidth (bytes/s) the nodes reported."""
+        """Every peer path's measured bandwidth (bytes/s) the nodes reported; their median
+        is the cost model's transfer rate (`with_measured_bandwidth`), which a fetch over a
+        path not measured is predicted with."""
         return [r for v in self.nodes.values() for r in v.links.values()]
+
+    def path_rates(self) -> dict[tuple[str, str], float]:
+        """The measured node paths as (peer, node) -> bytes/s: what `node`'s transfer
+        engine measured on the transfers it made with `peer` (NodeReport.links), taken as
+        the rate of bytes moving from `peer` to `node` (Snapshot.path_bytes_per_s).
+
+        Which direction that is: a node meters the transfers it starts, READs (bytes
+        peer -> node) and WRITEs (node -> peer) alike, per peer. A prefill node READs the
+        prefix blocks it fetches from a holder (`store.fetch`, bytes holder -> prefill:
+        the direction a fetch decision needs) and WRITEs its layer-wise KV push to the
+        decode node (prefill -> decode); a decode node READs a prefill node's staged KV
+        when the push did not deliver it (prefill -> decode); a replica's destination
+        READs from its source (hot-block copies). So (s, i) for a prefill node i is i's
+        fetches from s, mixed with i's pushes to s when s is also a decode node i pushes
+        to (the same link the other way; shaped both ways alike under `--hosts`)."""
+        return {(peer, nid): r for nid, v in self.nodes.items() for peer, r in v.links.items()}
+
+    def fetch_path_rates(self) -> dict[tuple[str, str], float]:
+        """The measured paths a fetch decision reads: `path_rates` into prefill nodes
+        (source, prefill node) -> bytes/s."""
+        return {(s, d): r for (s, d), r in self.path_rates().items()
+                if d in self.nodes and self.nodes[d].role == "prefill"}
 
     def not_ready(self) -> str | None:
         """Why a request sent now would not be placed, or None when it would: this
@@ -418,7 +442,7 @@ class ConductorService:
         snap = Snapshot(*snap_pre, decode_nodes=[v.node_id for v in dec], decode_batch=dbatch,
                         decode_context_tokens=dctx, decode_free_kv_tokens=dfree,
                         holder_nodes=holders, holder_prefix_blocks=self.index.match(keys, holders),
-                        prefill_queued_s=queued)
+                        prefill_queued_s=queued, path_bytes_per_s=self.path_rates())
         preq = PlacementRequest(keys, n, max_new)
         stage_prefix = {g.name: self._stage_prefix(g, keys) for g in groups}
 
@@ -614,11 +638,16 @@ class ConductorService:
                           "warmup_steps": self.settings.conductor.admission_warmup,
                           **self.admission.status()},
             "policy": self.settings.conductor.policy,
+            # a fetch over a measured path into a prefill node is predicted at that path's
+            # rate (fetch_paths, "source->prefill node": bytes/s); any other transfer at
+            # used_bytes_per_s, the median of the measured paths (else the configured rate)
             "transfer_bandwidth": {
                 "configured_bytes_per_s": cost.transfer.bandwidth_bytes_per_s if cost else None,
                 "used_bytes_per_s": (with_measured_bandwidth(cost, self.link_rates())
                                      .transfer.bandwidth_bytes_per_s if cost else None),
-                "measured_paths": len(self.link_rates())},
+                "measured_paths": len(self.link_rates()),
+                "fetch_paths": {f"{s}->{d}": round(r)
+                                for (s, d), r in sorted(self.fetch_path_rates().items())}},
             "cpp_groups": self._groups_status(),
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},

@@ -14,6 +14,14 @@ ending together read 100x the link), and a mean of rates keeps that; bytes over 
 count every byte and every busy second once, whichever sample they fell in. Periods
 below `min_sample_bytes` are latency, not bandwidth, and are ignored.
 
+Direction: the TransferEngine meters the requests it starts (`TransferEngine._run`), per
+peer node, READs (bytes peer -> this node) and WRITEs (this node -> peer) in one path; a
+node's estimate for a peer is that link as its own transfers used it. In a cluster a
+prefill node READs fetched prefix blocks from their holder and WRITEs its KV push to the
+decode node; a decode node READs a prefill node's staged KV when no push delivered it;
+the destination of a replica READs it from its source (docs/cluster.md, "Measured
+bandwidth"; the conductor reads them as ConductorService.path_rates).
+
 Pure bookkeeping over times the caller passes (seconds, time.monotonic()), no I/O.
 """
 

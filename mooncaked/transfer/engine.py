@@ -67,7 +67,8 @@ class TransferEngine:
 
     Attributes: `backend` ("rdma" or "tcp", after `start`), `rdma_unavailable_reason`
     (why RDMA is not used, "" otherwise), `bytes_moved` (bytes of completed requests),
-    `bandwidth` (bandwidth.BandwidthMeter: what each peer path delivered, per peer node id).
+    `bandwidth` (bandwidth.BandwidthMeter: what each peer path delivered to the requests
+    this engine started, READs and WRITEs together, per peer node id).
     """
 
     def __init__(self, settings: TransferSettings | None = None, *, node_id: str = "",

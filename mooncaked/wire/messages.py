@@ -637,8 +637,12 @@ class NodeReport:
     by the node's spf queue); `prefill_steps`: timed steps of prefill chunks only ((new
     tokens, tokens cached before them, seconds): the conductor calibrates from them);
     `links`: what its transfer engine measured on each peer path, peer node id -> bytes/s
-    (transfer/bandwidth.py); `stalled`: why the node cannot take a request now ("" when
-    it can: a CPP stage whose slots are all held without progress, or hung)."""
+    (transfer/bandwidth.py): the transfers this node started with the peer, READs (bytes
+    peer -> node: a prefill node's prefix fetches, a decode node's READ of staged KV, a
+    replica's copy) and WRITEs (node -> peer: a prefill node's KV push to its decode
+    node, a CPP stage's hidden states) together (ConductorService.path_rates);
+    `stalled`: why the node cannot take a request now ("" when it can: a CPP stage whose
+    slots are all held without progress, or hung)."""
 
     node: str
     role: str = ""
