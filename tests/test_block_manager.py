@@ -364,3 +364,27 @@ def test_pool_size_is_respected(n_blocks):
     assert not bm.allocate(s, s.num_tokens)
     assert bm.allocate(s, BS * n_blocks)
     assert sorted(s.block_table) == list(range(n_blocks)) and bm.num_free_blocks == 0
+
+
+def test_key_level_books_pin_publish_release_as_a_cpp_stage_uses_them():
+    """The by-key API a CPP stage (engine/stage.py) keeps its pages with: pages taken,
+    published under keys, released (tail first into the LRU), pinned again by key up to the
+    first miss, and a full pool is an IndexError, not a silent eviction of a used page."""
+    bm = BlockManager(3, BS)
+    keys = block_keys(list(range(12)), BS, SALT)
+    pages = [bm.take_block() for _ in range(3)]
+    assert bm.num_free_blocks == 0
+    with pytest.raises(IndexError):
+        bm.take_block()
+    assert [bm.publish(p, k) for p, k in zip(pages[:2], keys)] == [True, True]
+    assert not bm.publish(pages[2], keys[0])       # another page holds the key
+    assert not bm.publish(pages[0], keys[2])       # the page has a key already
+    bm.release(pages)
+    assert bm.num_free_blocks == 3
+    assert bm.pin_cached([keys[0], keys[2], keys[1]]) == [pages[0]]   # stops at the miss
+    assert bm.num_free_blocks == 2
+    # the unkeyed page goes first, then the LRU's oldest: the tail block keys[1]
+    assert bm.take_block() == pages[2]
+    assert bm.take_block() == pages[1]
+    assert bm.pin_cached(keys[:2]) == [pages[0]]   # keys[1] was evicted
+    assert bm.ref_count[pages[0]] == 2

@@ -90,20 +90,64 @@ class BlockManager:
     def allocate_prefix(self, seq: Sequence, num_blocks: int) -> None:
         """Gives `seq` the first `num_blocks` cached blocks of its prefix (from match_prefix)."""
         assert not seq.block_table
-        for key in seq.block_keys[:num_blocks]:
-            b = self.key_to_block[key]
-            if self.ref_count[b] == 0:
-                del self.cached_free[key]
-            self.ref_count[b] += 1
-            seq.block_table.append(b)
+        seq.block_table = self.pin_cached(seq.block_keys[:num_blocks])
+        assert len(seq.block_table) == num_blocks
         seq.num_computed_tokens = num_blocks * self.block_size
         seq.num_committed_blocks = num_blocks
 
+    # -- by block key: the sequence-level methods above and below are built on these, and a
+    # CPP stage (engine/stage.py), which keeps its own per-request books, uses them directly
+
+    def pin_cached(self, keys: list[bytes]) -> list[int]:
+        """The cached blocks of the longest run of `keys` (in order) that this cache holds,
+        each given one more reference (a block nobody used leaves the eviction LRU).
+        [] with prefix caching off."""
+        if not self.enable_prefix_caching:
+            return []
+        blocks = []
+        for key in keys:
+            b = self.key_to_block.get(key)
+            if b is None:
+                break
+            if self.ref_count[b] == 0:
+                del self.cached_free[key]
+            self.ref_count[b] += 1
+            blocks.append(b)
+        return blocks
+
+    def publish(self, block: int, key: bytes) -> bool:
+        """Keys `block` (its K/V computed) under `key` so later requests share it. False (the
+        block stays a plain page) when prefix caching is off, the block has a key already,
+        or another page holds `key` (computed twice concurrently: the first copy is kept)."""
+        if not self.enable_prefix_caching or self.block_key[block] is not None \
+                or key in self.key_to_block:
+            return False
+        self.block_key[block] = key
+        self.key_to_block[key] = block
+        return True
+
+    def release(self, blocks: list[int]) -> None:
+        """Drops one reference to each of `blocks`, last first: a keyed block nobody uses
+        stays cached (evictable, so the tail of a prefix goes before its head), any other
+        becomes free."""
+        for b in reversed(blocks):
+            self.ref_count[b] -= 1
+            if self.ref_count[b] == 0:
+                key = self.block_key[b]
+                if key is not None:
+                    self.cached_free[key] = b
+                else:
+                    self.free.append(b)
+
     # -- allocation
 
-    def _take_block(self) -> int:
+    def take_block(self) -> int:
+        """A page with one reference: a free one, else the least recently freed cached one
+        (its key dropped: an eviction). Raises IndexError when every page is in use."""
         if self.free:
             b = self.free.popleft()
+        elif not self.cached_free:
+            raise IndexError("every KV page is in use")
         else:
             key, b = self.cached_free.popitem(last=False)  # least recently freed
             del self.key_to_block[key]
@@ -118,7 +162,7 @@ class BlockManager:
         if need > self.num_free_blocks:
             return False
         for _ in range(need):
-            seq.block_table.append(self._take_block())
+            seq.block_table.append(self.take_block())
         return True
 
     def commit_full_blocks(self, seq: Sequence) -> None:
@@ -132,26 +176,12 @@ class BlockManager:
             return
         self.ensure_keys(seq)
         for i in range(seq.num_committed_blocks, n_full):
-            b = seq.block_table[i]
-            if self.block_key[b] is not None:
-                continue
-            key = seq.block_keys[i]
-            if key in self.key_to_block:
-                continue  # computed twice concurrently: keep the first copy shared
-            self.block_key[b] = key
-            self.key_to_block[key] = b
+            self.publish(seq.block_table[i], seq.block_keys[i])
         seq.num_committed_blocks = n_full
 
     def free_seq(self, seq: Sequence) -> None:
         """Drops `seq`'s references; keyed blocks stay cached, last block evicted first."""
-        for b in reversed(seq.block_table):
-            self.ref_count[b] -= 1
-            if self.ref_count[b] == 0:
-                key = self.block_key[b]
-                if key is not None:
-                    self.cached_free[key] = b
-                else:
-                    self.free.append(b)
+        self.release(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_committed_blocks = 0

@@ -19,7 +19,6 @@ import itertools
 import os
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +30,8 @@ from mooncaked.model.weights import ModelConfig, load_weights
 from mooncaked.utils import cdiv
 from mooncaked.model.gguf_index import read_index
 from mooncaked.model.weights import ModelLoadError
+
+from .block_manager import BlockManager
 
 RELEASE_WAIT_S = 5.0   # bound on a chunk's wait for pages being released (copied out: ms)
 
@@ -141,15 +142,12 @@ class StageEngine:
                              f"{self.block_bytes} bytes")
         self.kv_cache = torch.zeros((num_blocks, n, 2, block_size, cfg.num_kv_heads, cfg.head_dim),
                                     dtype=self.dtype, device=dev)
-        self.free_blocks = list(range(num_blocks - 1, -1, -1))
         self.seqs: dict[str, _StageSeq] = {}
-        # The stage's prefix cache: its layers of finished full blocks, by block key. A
-        # cached block is shared by reference count; at 0 it waits in `lru` (oldest
-        # first) and is reused for new pages only when no free page is left.
-        self.cached: dict[bytes, int] = {}
-        self.key_of: dict[int, bytes] = {}
-        self.refs: dict[int, int] = {}
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        # The page books are the engine's (block_manager.py): reference-counted pages and
+        # the stage's prefix cache, its layers of finished full blocks by block key (a
+        # cached block nobody uses is evicted least recently freed first, only when no free
+        # page is left). The stage keeps its own per-request view (_StageSeq) over them.
+        self.block_manager = BlockManager(num_blocks, block_size)
         # pages are taken in the compute thread (run_chunk) and matched / released from the
         # caller's event loop: one lock over the page books
         self._pages = threading.RLock()
@@ -166,15 +164,7 @@ class StageEngine:
 
     def num_free_blocks(self) -> int:
         """Pages a request may take: free ones and cached ones nobody uses."""
-        return len(self.free_blocks) + len(self.lru)
-
-    def _take_page(self) -> int:
-        if self.free_blocks:
-            return self.free_blocks.pop()
-        block, _ = self.lru.popitem(last=False)          # evict the least recently used
-        del self.cached[self.key_of.pop(block)]
-        self.refs.pop(block, None)
-        return block
+        return self.block_manager.num_free_blocks
 
     def _ensure_pages(self, seq: _StageSeq, end: int) -> None:
         with self._pages:
@@ -191,16 +181,7 @@ class StageEngine:
         if need > self.num_free_blocks():
             raise StageOutOfPages(f"need {need} pages, {self.num_free_blocks()} free")
         for _ in range(need):
-            seq.blocks.append(self._take_page())
-
-    def _unref(self, block: int) -> None:
-        """Drops one use of a page: a cached page goes to the LRU at 0, any other is freed."""
-        if block in self.key_of:
-            self.refs[block] -= 1
-            if self.refs[block] == 0:
-                self.lru[block] = None
-        else:
-            self.free_blocks.append(block)
+            seq.blocks.append(self.block_manager.take_block())
 
     def match(self, request_id: str, keys: list[bytes]) -> int:
         """Starts request_id on the cached pages of its longest cached prefix (block keys of
@@ -214,13 +195,7 @@ class StageEngine:
         if request_id in self.seqs:
             raise ValueError(f"{request_id} already has pages on this stage")
         seq = self.seqs[request_id] = _StageSeq(keys=list(keys))
-        for key in keys:
-            block = self.cached.get(key)
-            if block is None:
-                break
-            self.refs[block] += 1
-            self.lru.pop(block, None)
-            seq.blocks.append(block)
+        seq.blocks = self.block_manager.pin_cached(seq.keys)
         seq.num_tokens = len(seq.blocks) * self.block_size
         return len(seq.blocks)
 
@@ -246,7 +221,7 @@ class StageEngine:
             n = min(blocks.shape[0], self.num_free_blocks(), len(seq.keys) - len(seq.blocks))
             if n <= 0:
                 return 0
-            pages = [self._take_page() for _ in range(n)]
+            pages = [self.block_manager.take_block() for _ in range(n)]
             self.kv_cache[torch.tensor(pages, dtype=torch.long, device=self.kv_cache.device)] = \
                 blocks[:n].to(device=self.kv_cache.device, dtype=self.dtype)
             seq.blocks += pages
@@ -293,8 +268,7 @@ class StageEngine:
             # matched more than another stage: recompute from `start` like every stage
             keep = start // self.block_size
             with self._pages:
-                for block in seq.blocks[keep:]:
-                    self._unref(block)
+                self.block_manager.release(seq.blocks[keep:])
                 del seq.blocks[keep:]
             seq.num_tokens = start
         if start != seq.num_tokens:
@@ -371,12 +345,9 @@ class StageEngine:
             self.releasing -= seq.releasing
         self._freed.notify_all()
         full = min(len(seq.keys), seq.num_tokens // self.block_size)
-        for i, block in enumerate(seq.blocks):
-            if i < full and block not in self.key_of and seq.keys[i] not in self.cached:
-                self.cached[seq.keys[i]] = block            # newly computed: cache it
-                self.key_of[block] = seq.keys[i]
-                self.refs[block] = 1
-            self._unref(block)
+        for block, key in zip(seq.blocks[:full], seq.keys):
+            self.block_manager.publish(block, key)   # newly computed: cache it
+        self.block_manager.release(seq.blocks)
         return True
 
 
