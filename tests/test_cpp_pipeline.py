@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mooncaked.wire.errors import RpcError
+from cluster_harness import wait_until
 from mooncaked.benchmarks.stage_process import start_stage_process
 from mooncaked.wire.rpc import ControlClient
 from mooncaked.engine.stage import StageEngine, prefill_through, split_layers
@@ -126,6 +127,7 @@ def test_stages_push_each_chunks_kv_into_one_receive_buffer(group, prompt, refer
     # 100 is not a multiple of the 16-token block: blocks 6 and 12 are split between two
     # chunks, each sent part-filled by one push and complete by the next.
     _, want, kv_ref = reference  # [30 layers, 19 blocks, 2, 16, kv_heads, head_dim]
+    peers = [asyncio.run(_call(a, "cpp.status"))["peer_segments"] for a in (group.a0, group.a1)]
     r, buf = _push(group, prompt, f"push-{chunk}", chunk, kv_ref.shape)
     assert r["token_id"] == want
     block_layer = kv_ref[0, 0].numel() * 4
@@ -144,6 +146,11 @@ def test_stages_push_each_chunks_kv_into_one_receive_buffer(group, prompt, refer
 
     assert not torch.isnan(tokens(buf)).any()  # every prompt position written
     torch.testing.assert_close(tokens(buf), tokens(kv_ref), atol=1e-4, rtol=1e-4)
+    # the stages forget the receive buffer once the request is done (they kept one peer
+    # segment per pushed request before)
+    wait_until(lambda: [asyncio.run(_call(a, "cpp.status"))["peer_segments"]
+                        for a in (group.a0, group.a1)] == peers, WAIT_S,
+               "the stages to drop the receive buffer's peer segment")
 
 
 def test_a_prefix_hit_pushes_the_cached_blocks_too(group, prompt, reference):

@@ -18,6 +18,12 @@ that little transfer time is left once the prefill ends. Here:
 
 A failed write is not fatal to the request: the decode node then READs the
 staged KV from the prefill node instead, so it never decodes on partial KV.
+
+The same pusher carries a CPP stage's KV (cluster/cpp/pipeline_stage.py): there
+the source is each chunk's own layer-major copy of the stage's layers, queued
+with `push_runs` (byte runs at their offsets in the receive buffer) instead of
+`on_layer`, and a failed write fails the request (the stage checks `finish`'s
+stats), since no staged copy exists to READ instead.
 """
 
 from __future__ import annotations
@@ -64,23 +70,26 @@ class PushStats:
 
 
 class KVPusher:
-    """WRITEs the layers of a LayerwiseKV stage to a peer's receive segment as they fill.
+    """WRITEs KV byte runs to a peer's receive segment, in the order they were queued.
 
     Args:
         transfer: this node's TransferEngine.
-        stage: the LayerwiseKV whose `stage` tensor is the source; the receive buffer has
-            the same shape, so every range is written at its own byte offset.
-        reserve: coroutine function returning the decode node's receive-segment descriptor
-            (node.kv_reserve); called once, before the first write. Its failure means no
-            push (the decode node READs instead).
+        stage: the LayerwiseKV whose `stage` tensor is the source of `on_layer`'s ranges;
+            the receive buffer has the same shape, so every range is written at its own
+            byte offset. None when only `push_runs` is used (a CPP stage).
+        reserve: coroutine function returning {"descriptor": ...} of the receive segment
+            (node.kv_reserve; a CPP stage returns the one it was given); called once,
+            before the first write. Its failure means no push (the decode node READs
+            instead).
         timeout_s: bound on the reservation and on each WRITE.
     Attributes: attempted (a reservation was asked for: the decode node may hold a buffer),
         stats (PushStats).
-    Use: pass `on_layer` as the LayerwiseKV callback, `start()` on the event loop before the
-    prefill, `await finish(compute_end)` after it; `aclose()` in every case.
+    Use: `start()` on the event loop; queue with `on_layer` (as the LayerwiseKV callback,
+    from the engine thread) or `push_runs` (on the loop); `await finish(compute_end)` after
+    the compute; `aclose()` in every case.
     """
 
-    def __init__(self, transfer: Any, stage: Any, reserve: Callable[[], Awaitable[dict]],
+    def __init__(self, transfer: Any, stage: Any | None, reserve: Callable[[], Awaitable[dict]],
                  timeout_s: float):
         self.transfer = transfer
         self.kv = stage
@@ -90,7 +99,8 @@ class KVPusher:
         self.timeout_s = timeout_s
         self.stats = PushStats()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._items: deque[tuple] = deque()     # (start byte, end byte, ready event)
+        # (destination start byte, end byte, source tensor, source start byte, ready event)
+        self._items: deque[tuple] = deque()
         self._wake = asyncio.Event()
         self._closed = False
         self._task: asyncio.Task | None = None
@@ -103,11 +113,18 @@ class KVPusher:
 
     def on_layer(self, layer: int, lo: int, hi: int, ready: Any) -> None:
         """LayerCallback: queues blocks [lo, hi) of `layer` (engine thread, thread-safe)."""
-        item = (self.kv.layer_offset(layer, lo), self.kv.layer_offset(layer, hi), ready)
+        start = self.kv.layer_offset(layer, lo)
+        item = (start, self.kv.layer_offset(layer, hi), self.kv.stage, start, ready)
         try:
             self._loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:        # the loop is closing (shutdown): nobody will send it
             pass
+
+    def push_runs(self, src: Any, runs: list[tuple[int, int, int]]) -> None:
+        """Queues byte runs of `src` (a host tensor kept alive by the queue until written),
+        each (destination offset, source offset, length) in bytes. Event loop only."""
+        for dst, off, length in runs:
+            self._put((dst, dst + length, src, off, None))
 
     def _put(self, item: tuple | None) -> None:
         if item is None:
@@ -124,11 +141,13 @@ class KVPusher:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            start, end, ready = self._items.popleft()
-            # Coalesce what queued up meanwhile and continues this byte run (a one-chunk
-            # prefill's layers are adjacent): fewer, larger WRITEs when the sender lags.
-            while self._items and self._items[0][0] == end:
-                _, end, nxt_ready = self._items.popleft()
+            start, end, src, off, ready = self._items.popleft()
+            # Coalesce what queued up meanwhile and continues this byte run on both sides (a
+            # one-chunk prefill's layers are adjacent): fewer, larger WRITEs when the sender
+            # lags.
+            while self._items and self._items[0][0] == end and self._items[0][2] is src \
+                    and self._items[0][3] == off + (end - start):
+                _, end, _, _, nxt_ready = self._items.popleft()
                 ready = nxt_ready or ready
             if self.segment is None and self.stats.ok:
                 await self._connect()
@@ -140,8 +159,8 @@ class KVPusher:
             try:
                 failpoints.hit("kv_push.write")
                 # the stage exists: the engine allocated it before its first on_layer
-                await asyncio.wait_for(self.transfer.write(self.segment, start, self.kv.stage,
-                                                           end - start, start), self.timeout_s)
+                await asyncio.wait_for(self.transfer.write(self.segment, start, src,
+                                                           end - start, off), self.timeout_s)
                 self.stats.bytes += end - start
                 self.stats.writes += 1
             except Exception as e:  # noqa: BLE001 - TransferError, timeout: fall back to READ

@@ -48,16 +48,17 @@ its hold on the next stage dropped, so every later stage frees it at once.
 KV push (optional `kv_target` = {descriptor}: a receive segment in the decode node's
 layer-major layout [num_layers, num_blocks, 2, block_size, kv_heads, head_dim], num_blocks
 = ceil(prompt tokens / block_size)): as soon as a stage has computed a chunk, its compute
-thread gathers the chunk's blocks of its own layers (layer-major, one copy) and a push
-task WRITEs them, one byte run per layer (layer l, blocks lo..hi-1: offset
-(l * num_blocks + lo) * L, L = one layer of one block's bytes), while the stage computes
-the next chunk. Push tasks are chained per request, so a block that a chunk ended in the
-middle of (chunk sizes that are not a multiple of the block size) is sent again, complete,
-by the next chunk's push and lands after the earlier copy; the first chunk's push also
-carries the cached prefix blocks the stage matched. A stage answers only after its last
-push is done (`kv_push_wait_s`: how long that wait was), so the receive buffer takes layer
-ranges from several senders and is complete when the token comes back. A failed push
-fails the request (StageFailure).
+thread gathers the chunk's blocks of its own layers (layer-major, one copy) and the
+request's KVPusher (cluster/kv_push.py, the prefill nodes' pusher) WRITEs them, one byte
+run per layer (layer l, blocks lo..hi-1: offset (l * num_blocks + lo) * L, L = one layer
+of one block's bytes), while the stage computes the next chunk. The pusher writes in the
+order runs were queued, so a block that a chunk ended in the middle of (chunk sizes that
+are not a multiple of the block size) is sent again, complete, by the next chunk's push
+and lands after the earlier copy; the first chunk's push also carries the cached prefix
+blocks the stage matched. A stage answers only after its pusher is done
+(`kv_push_wait_s`: how long that wait was), so the receive buffer takes layer ranges from
+several senders and is complete when the token comes back. A failed push fails the
+request (StageFailure) when the stage answers.
 
 Greedy only: the last stage returns the argmax token of the last prompt position
 (the bench's and tests' contract; a cluster prefill node would sample with the request's
@@ -79,8 +80,8 @@ import torch
 
 from mooncaked.config import TransferSettings
 from mooncaked.engine.stage import StageEngine
+from mooncaked.cluster.kv_push import KVPusher
 from mooncaked.log import get_logger
-from mooncaked.transfer.batch import TransferOp, TransferRequest
 from mooncaked.transfer.engine import TransferEngine
 
 from mooncaked.wire.errors import PeerUnavailable, RpcError
@@ -114,15 +115,13 @@ class _Req:
     keep: bool = False
     waiting: bool = False                # a caller awaits the result (never swept)
     kv_target: dict | None = None        # {descriptor} of a layer-major receive buffer
-    push: asyncio.Task | None = None     # the newest KV push task (chained)
+    pusher: KVPusher | None = None       # WRITEs this stage's layers into kv_target
     held: bool = False                   # the upstream stage holds a cpp.hold call open
     hold: asyncio.Task | None = None     # our cpp.hold call on the next stage
     sampling: dict | None = None         # {params, prompt} for the last stage's pick; None: greedy
     fetch: dict | None = None            # {control, blocks}: full blocks of the prefix elsewhere
     chunks: list[float] = field(default_factory=list)   # each chunk's compute seconds, in order
     pushed_blocks: int = 0               # full blocks whose KV a push already carries
-    kv_segment: str = ""                 # kv_target as a peer segment (after the first push)
-    kv_bytes: int = 0                    # bytes this stage's pushes wrote
 
 
 class StageServer:
@@ -178,6 +177,7 @@ class StageServer:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._compute = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stage")
         self._tasks: list[asyncio.Task] = []
+        self._closing: set[asyncio.Task] = set()   # pushers of released requests, closing
         self.address = ""
         self.prefix = None   # StagePrefix (cluster/cpp/stage_prefix.py): the stage's own store
         for method in ("prefill", "reserve", "hold", "chunk", "release", "status", "configure"):
@@ -265,8 +265,8 @@ class StageServer:
             self._progress = time.monotonic()
         if req.hold is not None and why != "done":
             req.hold.cancel()  # drops the connection: the next stage releases too
-        if req.push is not None and why != "done":
-            req.push.cancel()  # the chain: a push still waiting for an earlier one goes too
+        if req.pusher is not None:      # done: its writes finished before the answer
+            self._close_pusher(req.pusher)
         if req.send is not None and why != "done":
             req.send.cancel()  # the chain of sends (a cpp.reserve in flight among them)
         if req.result is not None and not req.result.done():
@@ -427,6 +427,7 @@ class StageServer:
                 "held": sorted(r for r, q in self.reqs.items() if q.held),
                 "stage_pages": sorted(st.seqs), "free_blocks": st.num_free_blocks(),
                 "free_slots": len(self.free_slots), "weight_bytes": st.weight_bytes,
+                "peer_segments": self.transfer.stats()["peer_segments"],
                 "stalled": self.stalled(),
                 "prefix": self.prefix.status() if self.prefix is not None else None}
 
@@ -459,8 +460,7 @@ class StageServer:
             req.touched = time.monotonic()
             if kv is not None:      # this chunk's KV leaves now, while the next chunk computes
                 req.pushed_blocks = e // bs
-                req.push = asyncio.create_task(self._push_kv(rid, req, req.push, blocks[0], kv))
-                req.push.add_done_callback(_retrieved)
+                self._push_kv(req, blocks[0], kv)
             me = {"node": self.name, "layers": [self.stage.layers.start, self.stage.layers.stop],
                   "compute_s": round(req.compute_s, 6), "chunks": [round(c, 6) for c in req.chunks],
                   "kv_pushed_bytes": 0, "kv_push_wait_s": 0.0}
@@ -519,13 +519,15 @@ class StageServer:
         return out, seconds, kv
 
     async def _await_push(self, req: _Req, me: dict) -> None:
-        """Waits for the request's last push (the chain); records the wait and the bytes in
-        `me`. Raises what a push raised."""
+        """Waits for the request's pusher to write everything queued; records the wait and
+        the bytes in `me`. Raises StageFailure when a write failed or timed out."""
         t0 = time.perf_counter()
-        if req.push is not None:
-            await req.push
+        if req.pusher is not None:
+            stats = await req.pusher.finish(time.monotonic())
+            me["kv_pushed_bytes"] = stats.bytes
+            if not stats.ok:
+                raise StageFailure(f"{self.name}: {stats.error}")
         me["kv_push_wait_s"] = round(time.perf_counter() - t0, 6)
-        me["kv_pushed_bytes"] = req.kv_bytes
 
     async def _finish_last(self, req: _Req, token: int, me: dict) -> None:
         try:
@@ -536,36 +538,41 @@ class StageServer:
         if not req.result.done():
             req.result.set_result({"token_id": token, "num_tokens": req.total, "stages": [me]})
 
-    async def _push_kv(self, rid: str, req: _Req, prev: asyncio.Task | None, lo: int,
-                       kv: torch.Tensor) -> None:
-        """After the previous push (`prev`), WRITEs one chunk's KV of this stage's layers,
-        kv = [stage_layers, nb, 2, bs, h, d] for blocks lo..lo+nb-1, into kv_target's
-        layer-major buffer [num_layers, num_blocks, ...]: one byte run per layer (adjacent
-        runs merged, so a one-chunk prompt is one WRITE). A failure fails the request."""
+    def _push_kv(self, req: _Req, lo: int, kv: torch.Tensor) -> None:
+        """Queues one chunk's KV of this stage's layers on the request's pusher (made on the
+        first chunk): kv = [stage_layers, nb, 2, bs, h, d] for blocks lo..lo+nb-1, written
+        into kv_target's layer-major buffer [num_layers, num_blocks, ...] as one byte run
+        per layer (adjacent runs merged, so a one-chunk prompt is one WRITE)."""
+        if req.pusher is None:
+            target = req.kv_target
+
+            async def reserved() -> dict:     # reserved upstream: the caller named it
+                return target
+            req.pusher = KVPusher(self.transfer, None, reserved, self.rpc_timeout_s)
+            req.pusher.start()
+        n, nb = kv.shape[0], kv.shape[1]
+        block_layer = kv[0, 0].numel() * kv.element_size()       # one layer of one block
+        per_layer = -(-req.total // self.stage.block_size) * block_layer
+        runs: list[list[int]] = []                                # [dst, src, length]
+        for j in range(n):
+            dst = (self.stage.layers.start + j) * per_layer + lo * block_layer
+            src, length = j * nb * block_layer, nb * block_layer
+            if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
+                runs[-1][2] += length
+            else:
+                runs.append([dst, src, length])
+        req.pusher.push_runs(kv, [tuple(r) for r in runs])
+
+    def _close_pusher(self, pusher: KVPusher) -> None:
+        """Stops a released request's pusher and forgets its peer segment, in the
+        background (closing waits for a write in flight to end)."""
+        pusher.cancel()
         try:
-            if prev is not None:
-                await prev
-            if req.result.done():
-                return      # failed meanwhile: nobody reads the buffer
-            if not req.kv_segment:
-                req.kv_segment = self.transfer.add_peer_segment(req.kv_target["descriptor"])
-            n, nb = kv.shape[0], kv.shape[1]
-            block_layer = kv[0, 0].numel() * kv.element_size()       # one layer of one block
-            per_layer = -(-req.total // self.stage.block_size) * block_layer
-            runs: list[list[int]] = []                                # [dst, src, length]
-            for j in range(n):
-                dst = (self.stage.layers.start + j) * per_layer + lo * block_layer
-                src, length = j * nb * block_layer, nb * block_layer
-                if runs and runs[-1][0] + runs[-1][2] == dst and runs[-1][1] + runs[-1][2] == src:
-                    runs[-1][2] += length
-                else:
-                    runs.append([dst, src, length])
-            await self.transfer.transfer([TransferRequest(TransferOp.WRITE, req.kv_segment, d, kv, o, ln)
-                                          for d, o, ln in runs])
-            req.kv_bytes += kv.numel() * kv.element_size()
-        except Exception as ex:
-            self._fail(rid, StageFailure(f"{self.name}: KV push of {rid} failed: {ex}"))
-            raise
+            task = asyncio.get_running_loop().create_task(pusher.aclose())
+        except RuntimeError:            # no loop (a synchronous close): cancelled is enough
+            return
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def _hold(self, rid: str, req: _Req) -> None:
         """Keeps cpp.hold open on the next stage for the request's life; a dead next stage
@@ -660,10 +667,3 @@ def _ending(req: _Req) -> str:
     go at once, not after HELD_IDLE_FACTOR idle timeouts (measured 12 s a request)."""
     r = req.result
     return "done" if r is not None and r.done() and not r.cancelled() else "aborted"
-
-
-def _retrieved(task: asyncio.Task) -> None:
-    """Done callback of a push task: marks its exception retrieved (the request's result
-    carries the failure; a push nobody awaits after a failure must not log a warning)."""
-    if not task.cancelled():
-        task.exception()
