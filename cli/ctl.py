@@ -266,6 +266,16 @@ def _print_conductor(c: dict) -> None:
             f"{k} x{scale[k]:.3g} from {seen.get(k, 0)} steps"
             f"{'' if cal.get(k) else ' (not calibrated yet: admission in shadow)'}"
             for k in ("prefill", "decode")))
+    by = cm.get("calibrated_by") or {}
+    if by:
+        typer.echo("calibrated by: " + ", ".join(f"{k} {by.get(k) or '-'}"
+                                                 for k in ("prefill", "decode")))
+    profiles = c.get("startup_profiles") or {}
+    if profiles:
+        typer.echo("startup profiles: " + "; ".join(
+            f"{nid} {p['seconds']:.1f} s of {p['budget_s']:g} s, {p['prefill_steps']} prefill "
+            f"+ {p['decode_steps']} decode steps{'' if p['complete'] else ' (budget ended it)'}"
+            for nid, p in profiles.items()))
     adm = c.get("admission") or {}
     if adm:
         typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "

@@ -175,7 +175,10 @@ class ClusterNode:
                 "kv_capacity_tokens": g.num_blocks * g.block_size,
                 "cpu": cpu_name(),            # the calibrated cost model's key
                 "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim],
-                "kernels": e.kernels()}
+                "kernels": e.kernels(),
+                # the conductor calibrates its cost model from these (engine/startup_profile.py)
+                "startup_profile": (e.startup_profile.to_json()
+                                    if e.startup_profile is not None else None)}
 
     @property
     def members(self) -> dict[str, Member]:
@@ -547,6 +550,9 @@ class ClusterNode:
                 "conductor": self.conductor is not None, "api": self.api_url,
                 "control": self.control_addr, "backend": self.settings.cluster.backend,
                 "engine": eng, "store": self.store.stats() if self.store is not None else None,
+                "startup_profile": (self.engine.startup_profile.summary() if self.engine
+                                    is not None and self.engine.startup_profile is not None
+                                    else None),
                 "transfer": self.transfer.stats() if self.transfer is not None else None,
                 "requests": {"prefill": self._running("prefill"),
                              "decode": self._running("decode"),

@@ -9,7 +9,10 @@ model drives placement, so it must track the hardware).
   the model's prediction; after each `CALIBRATE_EVERY` steps of a kind whose median
   ratio observed / predicted is off by more than `CALIBRATE_TOLERANCE`, that
   polynomial is scaled by the ratio. A model from another CPU (or the built-in
-  default) is right within a few seconds of serving, before any refit could run;
+  default) is right within a few seconds of serving, before any refit could run. A
+  model node's start-up profile (engine/startup_profile.py) arrives the same way before
+  it serves (source STARTUP_PROFILE; the conductor takes it from the node's member
+  record), so the built-in default is calibrated before the first request;
 - refit: finished prefills that ran alone on their node and the prefill steps refit
   the prefill polynomial; timed decode steps refit the decode-step model; a refit
   replaces the model only when it predicts the recent samples 20% better (and, for
@@ -41,6 +44,8 @@ ERROR_WINDOW = 200          # prediction errors kept for `status()`
 CALIBRATE_EVERY = 8         # timed steps of a kind between two calibrations
 CALIBRATE_TOLERANCE = 0.15  # a median observed/predicted ratio within 1 +- this is left alone
 TAIL_MIN_STEPS = 20         # timed decode steps before the TBT tail factor departs from 1
+SERVED = "served steps"     # where a timed step came from: a request the node served,
+STARTUP_PROFILE = "startup profile"   # or its start-up profile (engine/startup_profile.py)
 
 
 def scaled(m: PolyModel, factor: float) -> PolyModel:
@@ -103,6 +108,10 @@ class CostModelRefitter:
         self.observed = {"prefill": 0, "decode": 0}
         self.scale = {"prefill": 1.0, "decode": 1.0}
         self.calibrations = 0
+        # which steps brought each kind to conductor.admission_warmup (SERVED or
+        # STARTUP_PROFILE; None before), and how many came from start-up profiles
+        self.warmed_by: dict[str, str | None] = {"prefill": None, "decode": None}
+        self.profile_steps = {"prefill": 0, "decode": 0}
         self._step_ratios: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / predicted
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
@@ -169,10 +178,28 @@ class CostModelRefitter:
         top = r[-max(1, len(r) // 10):]
         return max(1.0, statistics.fmean(top) / statistics.median(r))
 
-    def _calibrate(self, kind: str, predicted_s: float, seconds: float) -> None:
-        """One timed step of `kind`: after CALIBRATE_EVERY of them, scales that polynomial by
-        their median observed/predicted ratio when it is off by more than the tolerance."""
+    def calibration_source(self, kind: str) -> str | None:
+        """What `calibrated(kind)` rests on: the model's own source when it is not the
+        built-in default ("profile" for `mooncaked profile`'s file, "calibrated" for the
+        cached calibration of this machine, ...), else which steps reached
+        conductor.admission_warmup (STARTUP_PROFILE or SERVED); None while uncalibrated."""
+        if not self.calibrated(kind):
+            return None
+        if self.cost is not None and self.cost.meta.get("source") != "default":
+            return str(self.cost.meta.get("source", ""))
+        return self.warmed_by[kind] or SERVED
+
+    def _calibrate(self, kind: str, predicted_s: float, seconds: float,
+                   source: str = SERVED) -> None:
+        """One timed step of `kind` (from `source`): after CALIBRATE_EVERY of them, scales
+        that polynomial by their median observed/predicted ratio when it is off by more
+        than the tolerance."""
         self.observed[kind] += 1
+        if source == STARTUP_PROFILE:
+            self.profile_steps[kind] += 1
+        if (self.warmed_by[kind] is None
+                and self.observed[kind] >= self.settings.conductor.admission_warmup):
+            self.warmed_by[kind] = source
         if self.cost is None or predicted_s <= 0 or not self.settings.conductor.refit_cost_model:
             return
         ratios = self._ratios[kind]
@@ -198,15 +225,17 @@ class CostModelRefitter:
         self.scale[kind] = 1.0
         self._ratios[kind].clear()
 
-    def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+    def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float,
+                             source: str = SERVED) -> None:
         """Folds one timed prefill step in (the new tokens of its chunks, the tokens cached
-        before them, seconds): prediction error, calibration, and a refit sample."""
+        before them, seconds; SERVED or STARTUP_PROFILE): prediction error, calibration,
+        and a refit sample."""
         if seconds <= 0 or new_tokens < 1 or self.cost is None:
             return
         pred = self.cost.prefill_s(new_tokens, cached_tokens)
         if pred > 0:
             self.prefill_step_errors.append((pred - seconds) / seconds)
-        self._calibrate("prefill", pred, seconds)
+        self._calibrate("prefill", pred, seconds, source)
         if self.settings.conductor.refit_cost_model:
             self.samples.append((int(new_tokens), int(cached_tokens), float(seconds)))
             self._new_samples += 1
@@ -214,9 +243,10 @@ class CostModelRefitter:
                 self._new_samples = 0
                 self._maybe_refit()
 
-    def observe_step(self, batch: int, context_tokens: int, seconds: float) -> None:
-        """Folds one timed decode step in: prediction error, calibration, and a refit now
-        and then."""
+    def observe_step(self, batch: int, context_tokens: int, seconds: float,
+                     source: str = SERVED) -> None:
+        """Folds one timed decode step in (batch size, context tokens, seconds; SERVED or
+        STARTUP_PROFILE): prediction error, calibration, and a refit now and then."""
         if seconds <= 0 or batch < 1:
             return
         if self.cost is not None:
@@ -224,7 +254,7 @@ class CostModelRefitter:
             self.decode_errors.append((pred - seconds) / seconds)
             if pred > 0:
                 self._step_ratios.append(seconds / pred)
-            self._calibrate("decode", pred, seconds)
+            self._calibrate("decode", pred, seconds, source)
         if not self.settings.conductor.refit_cost_model:
             return
         self.decode_samples.append((int(batch), int(context_tokens), float(seconds)))
@@ -261,6 +291,10 @@ class CostModelRefitter:
                     "tbt_factor": round(self.tbt_factor(), 4),
                     "observed_steps": dict(self.observed),
                     "calibrated": {k: self.calibrated(k) for k in ("prefill", "decode")},
+                    "calibrated_by": {k: self.calibration_source(k)
+                                      for k in ("prefill", "decode")},
+                    "warmed_by": dict(self.warmed_by),
+                    "profile_steps": dict(self.profile_steps),
                     "meta": cost.meta},
                 "ttft_prediction": _error_summary(list(self.errors)),
                 "prefill_step_prediction": _error_summary(list(self.prefill_step_errors)),
@@ -276,4 +310,4 @@ def _error_summary(errs: list[float]) -> dict:
 
 
 __all__ = ["CALIBRATE_EVERY", "CALIBRATE_TOLERANCE", "CostModelRefitter", "REFIT_MIN_SAMPLES",
-           "TAIL_MIN_STEPS", "scaled"]
+           "SERVED", "STARTUP_PROFILE", "TAIL_MIN_STEPS", "scaled"]

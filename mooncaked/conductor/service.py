@@ -40,6 +40,7 @@ from typing import Any
 from mooncaked.wire.messages import (FetchPlan, NodeRef, NodeReport, PlaceRejected, PlaceReply,
                                      PlaceRequest, StoreEventMsg, unhex_keys)
 from mooncaked.config import Settings, state_dir
+from mooncaked.engine.types import StartupProfile
 from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
 from mooncaked.store.types import Inventory
@@ -54,7 +55,7 @@ from .cpp_place import (Group, GroupLearner, group_chunk_prediction, place_with_
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
                    inflight_decode,
                    queue_s, queued_work)
-from .refit import CostModelRefitter
+from .refit import STARTUP_PROFILE, CostModelRefitter
 from .replication import HotBlockReplicator
 from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Rejection, Snapshot,
                      place)
@@ -100,6 +101,8 @@ class ConductorService:
         self._cost_task: asyncio.Task | None = None
         self._saved_at = -math.inf           # the calibrated model's last save (monotonic)
         self._saved_version = 0
+        self._profiled: dict[str, Any] = {}    # node -> `started` of the profile taken
+        self.profiles: dict[str, dict] = {}    # node -> its start-up profile's summary
 
     # the parts tests and `ctl` read
     @property
@@ -179,7 +182,33 @@ class ConductorService:
         v.control = str(info.get("control", ""))
         v.api = str(info.get("api", ""))
         v.draining = bool(info.get("draining", False))
+        self._take_startup_profile(v)
         return v
+
+    def _take_startup_profile(self, v: NodeView) -> None:
+        """Feeds a model node's start-up profile (its member record's
+        model.startup_profile: engine/startup_profile.py) to the cost model as timed steps,
+        once per node process (its record's `started`): the model is calibrated from them
+        before that node serves a request (a placement on it needs this record first)."""
+        raw = (v.info.get("model") or {}).get("startup_profile")
+        started = v.info.get("started")
+        if not raw or self._profiled.get(v.node_id) == started:
+            return
+        self._profiled[v.node_id] = started
+        try:
+            profile = StartupProfile.from_json(raw)
+        except ValueError as e:
+            log.warning("startup_profile_invalid", node=v.node_id, error=str(e))
+            return
+        self.profiles[v.node_id] = profile.summary()
+        self._cost()
+        for step in profile.prefill_steps:
+            self.model.observe_prefill_step(*step, source=STARTUP_PROFILE)
+        for step in profile.decode_steps:
+            self.model.observe_step(*step, source=STARTUP_PROFILE)
+        log.info("startup_profile_taken", node=v.node_id, **profile.summary(),
+                 calibrated={k: self.model.calibrated(k) for k in ("prefill", "decode")},
+                 scale=self.model.scale)
 
     def _schedule_pull(self, node_id: str) -> None:
         t = self._pulls.get(node_id)
@@ -649,6 +678,8 @@ class ConductorService:
                 "fetch_paths": {f"{s}->{d}": round(r)
                                 for (s, d), r in sorted(self.fetch_path_rates().items())}},
             "cpp_groups": self._groups_status(),
+            # each model node's start-up profile (seconds, steps) the cost model took
+            "startup_profiles": dict(sorted(self.profiles.items())),
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},
             "replication": {**self.replicated, "in_flight": self.replicator.in_flight(),
