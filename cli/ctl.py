@@ -290,6 +290,13 @@ def _print_conductor(c: dict) -> None:
                f"{derr.get('samples', 0)} steps, prefill step "
                f"{_rel((c.get('prefill_step_prediction') or {}).get('median_abs_rel_error'))} "
                f"over {(c.get('prefill_step_prediction') or {}).get('samples', 0)} steps")
+    e2e = c.get("ttft_e2e_prediction") or {}
+    if e2e.get("samples"):
+        comp = c.get("ttft_e2e_prediction_compute_only") or {}
+        typer.echo(f"TTFT as clients saw it (median |rel| over {e2e['samples']} requests): "
+                   f"{_rel(e2e.get('median_abs_rel_error'))} with the learned overhead "
+                   f"{c.get('ttft_overhead_s', 0):.3f} s, "
+                   f"{_rel(comp.get('median_abs_rel_error'))} without it")
 
 
 def _rel(x: float | None) -> str:

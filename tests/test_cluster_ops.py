@@ -319,3 +319,16 @@ def test_cost_model_is_calibrated_by_the_startup_profiles_before_any_request(clu
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("startup profiles: "))
     assert "p1 " in line and "d1 " in line and "prefill" in line
     assert "calibrated by: prefill " in out.stdout
+
+
+def test_api_node_reports_observed_ttfts_to_the_conductor(cluster):
+    """issue 33: c1's front end sends the TTFT it saw for each request in its next report
+    (NodeReport.ttfts); the conductor scores its end-to-end TTFT prediction with them."""
+    def e2e_samples() -> int:
+        leader = control_call(cluster.control("c1"), "node.status")["leader"]
+        st = control_call(cluster.control(leader), "conductor.status")
+        return st["ttft_e2e_prediction_compute_only"]["samples"]
+    before = e2e_samples()
+    status, body = complete(cluster, "How far away is the moon?", 2)
+    assert status == 200, body
+    wait_until(lambda: e2e_samples() > before, WAIT_S, "the conductor to get c1's TTFT")

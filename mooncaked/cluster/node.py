@@ -258,6 +258,11 @@ class ClusterNode:
         with contextlib.suppress(ClusterError):
             await self.client.call(addr, "node.release", msg.to_json(), timeout_s=2.0)
 
+    def observed_ttft(self, rid: str, seconds: float) -> None:
+        """The TTFT this node's API front end saw for rid (seconds), for the next report
+        (NodeReport.ttfts: the conductor's TTFT overhead)."""
+        self.activity.ttfts.append((rid, seconds))
+
     @contextlib.contextmanager
     def serving(self):
         """Counts one request this node's API serves while the block runs (drain waits
@@ -488,7 +493,8 @@ class ClusterNode:
                           if self.engine is not None and self.role != "decode" else (),
                           {peer: e.bytes_per_s
                            for peer, e in self.transfer.bandwidth.estimates().items()},
-                          (self.worker.stalled() or "") if self.worker is not None else "")
+                          (self.worker.stalled() or "") if self.worker is not None else "",
+                          tuple(self.activity.ttfts))
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""

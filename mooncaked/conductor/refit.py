@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from mooncaked.wire.messages import PrefillDone
@@ -44,6 +45,7 @@ ERROR_WINDOW = 200          # prediction errors kept for `status()`
 CALIBRATE_EVERY = 8         # timed steps of a kind between two calibrations
 CALIBRATE_TOLERANCE = 0.15  # a median observed/predicted ratio within 1 +- this is left alone
 TAIL_MIN_STEPS = 20         # timed decode steps before the TBT tail factor departs from 1
+OVERHEAD_MIN_SAMPLES = 8    # observed TTFTs before the learned TTFT overhead departs from 0
 SERVED = "served steps"     # where a timed step came from: a request the node served,
 STARTUP_PROFILE = "startup profile"   # or its start-up profile (engine/startup_profile.py)
 
@@ -52,6 +54,18 @@ def scaled(m: PolyModel, factor: float) -> PolyModel:
     """`m` with every coefficient multiplied by `factor` (> 0): the same shape, predicting
     `factor` times the time."""
     return PolyModel(m.terms, tuple(c * factor for c in m.coef))
+
+
+def ttft_overhead_s(gaps: Sequence[float], min_samples: int = OVERHEAD_MIN_SAMPLES) -> float:
+    """The time a request's TTFT spends outside the engine steps the cost model predicts
+    (the RPCs, waiting on the node before its step, the KV push tail, tokenization, the
+    first token's trip back), learned from `gaps`: each a placed request's observed TTFT
+    (at its API node) minus the TTFT the conductor predicted for it, seconds. Their median,
+    not below 0 (over-predicted compute is the calibration's to fix, not a negative
+    overhead); 0 with fewer than `min_samples` gaps."""
+    if len(gaps) < max(1, min_samples):
+        return 0.0
+    return max(0.0, statistics.median(gaps))
 
 
 def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = False
@@ -113,17 +127,51 @@ class CostModelRefitter:
         self.warmed_by: dict[str, str | None] = {"prefill": None, "decode": None}
         self.profile_steps = {"prefill": 0, "decode": 0}
         self._step_ratios: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / predicted
+        # end-to-end TTFT: rid -> (predicted compute s, overhead s added, monotonic) until the
+        # API node reports the observed TTFT; observed - predicted gaps; relative errors of
+        # the prediction with and without the learned overhead (> 0 over-predicts)
+        self._ttft_placed: dict[str, tuple[float, float, float]] = {}
+        self.ttft_gaps: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.e2e_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.e2e_compute_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
         self.predicted_ttft_sum_s = 0.0
         self.observed_ttft_sum_s = 0.0
 
     def predicted(self, rid: str, ttft_s: float, now: float) -> None:
-        """Remembers the TTFT predicted for rid (seconds) until its prefill reports back."""
+        """Remembers the TTFT predicted for rid (seconds: the modelled compute and queues,
+        without the overhead) until its prefill reports back, and until its API node
+        reports the TTFT it observed (`observe_ttft`)."""
         self._predicted[rid] = (ttft_s, now)
+        self._ttft_placed[rid] = (ttft_s, self.ttft_overhead_s(), now)
         if len(self._predicted) > 10_000:          # placements that never reported back
             for old in [r for r, (_, t) in self._predicted.items() if now - t > 600]:
                 del self._predicted[old]
+        if len(self._ttft_placed) > 10_000:
+            for old in [r for r, (*_, t) in self._ttft_placed.items() if now - t > 600]:
+                del self._ttft_placed[old]
+
+    def ttft_overhead_s(self) -> float:
+        """The learned per-request TTFT overhead (seconds, `ttft_overhead_s` of the recent
+        gaps) that admission adds to the predicted TTFT; 0 with
+        conductor.refit_cost_model false (predictions stay what the loaded model says)."""
+        if not self.settings.conductor.refit_cost_model:
+            return 0.0
+        return ttft_overhead_s(list(self.ttft_gaps))
+
+    def observe_ttft(self, rid: str, observed_s: float) -> None:
+        """Folds in the TTFT rid's API node observed (seconds, from the request's arrival
+        to its first token): a gap sample for the overhead, and the end-to-end prediction
+        errors with and without the overhead that was in use when rid was placed. A rid
+        this conductor did not place (or placed decode-only) is ignored."""
+        placed = self._ttft_placed.pop(rid, None)
+        if placed is None or observed_s <= 0:
+            return
+        compute, overhead, _ = placed
+        self.ttft_gaps.append(observed_s - compute)
+        self.e2e_compute_errors.append((compute - observed_s) / observed_s)
+        self.e2e_errors.append((compute + overhead - observed_s) / observed_s)
 
     def observe_prefill(self, d: PrefillDone) -> None:
         """Folds one finished prefill in: prediction error, and a refit sample if it ran alone."""
@@ -297,6 +345,13 @@ class CostModelRefitter:
                     "profile_steps": dict(self.profile_steps),
                     "meta": cost.meta},
                 "ttft_prediction": _error_summary(list(self.errors)),
+                # what admission checks against the TTFT SLO: predicted + this overhead
+                "ttft_overhead_s": round(self.ttft_overhead_s(), 4),
+                # against the TTFT the API node observed: as admission predicts it (with
+                # the overhead in use at placement), and the compute alone
+                "ttft_e2e_prediction": _error_summary(list(self.e2e_errors)),
+                "ttft_e2e_prediction_compute_only": _error_summary(
+                    list(self.e2e_compute_errors)),
                 "prefill_step_prediction": _error_summary(list(self.prefill_step_errors)),
                 "decode_step_prediction": _error_summary(list(self.decode_errors))}
 
@@ -310,4 +365,5 @@ def _error_summary(errs: list[float]) -> dict:
 
 
 __all__ = ["CALIBRATE_EVERY", "CALIBRATE_TOLERANCE", "CostModelRefitter", "REFIT_MIN_SAMPLES",
-           "SERVED", "STARTUP_PROFILE", "TAIL_MIN_STEPS", "scaled"]
+           "OVERHEAD_MIN_SAMPLES", "SERVED", "STARTUP_PROFILE", "TAIL_MIN_STEPS", "scaled",
+           "ttft_overhead_s"]

@@ -250,6 +250,8 @@ class ConductorService:
             self.model.observe_step(*step)
         for step in r.prefill_steps:
             self.model.observe_prefill_step(*step)
+        for rid, seconds in r.ttfts:          # what the API nodes saw: the TTFT overhead
+            self.model.observe_ttft(rid, seconds)
         self._save_calibration(time.monotonic())
 
     def _machine_key(self) -> dict | None:
@@ -419,7 +421,9 @@ class ConductorService:
         checks = cs.admission != "off"
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,
-                           ttft_slo_s=math.inf if decode_only or not checks else cs.ttft_slo_s,
+                           # predicted TTFT + the learned overhead vs the SLO
+                           ttft_slo_s=math.inf if decode_only or not checks
+                           else self._ttft_budget_s(),
                            # predicted step x tbt_factor (the tail of the gaps) vs the SLO
                            tbt_slo_s=cs.tbt_slo_s / self.model.tbt_factor() if checks
                            else math.inf,
@@ -531,7 +535,7 @@ class ConductorService:
         keys, n, max_new = list(req.keys), req.prompt_tokens, req.max_new_tokens
         cs = self.settings.conductor
         cfg = PolicyConfig(policy="load_balancing", block_size=self._block_size(nodes[0]),
-                           ttft_slo_s=cs.ttft_slo_s, tbt_slo_s=cs.tbt_slo_s,
+                           ttft_slo_s=self._ttft_budget_s(), tbt_slo_s=cs.tbt_slo_s,
                            min_retry_after_s=cs.min_retry_after_s)
         ids = [v.node_id for v in nodes]
         snap = Snapshot(ids, [queue_s(v, cost) for v in nodes], self.index.match(keys, ids))
@@ -565,6 +569,16 @@ class ConductorService:
             self._record(req.rid, ADMIT, "", result)
         return self._accept(req.rid, result, n, max_new, False, now)
 
+    def _ttft_budget_s(self) -> float:
+        """The TTFT SLO less the learned per-request overhead (refit.ttft_overhead_s: time
+        outside the modelled steps), what the modelled TTFT must stay under (> 0)."""
+        return max(1e-3, self.settings.conductor.ttft_slo_s - self.model.ttft_overhead_s())
+
+    def _e2e_ttft(self, predicted_ttft_s: float) -> float:
+        """A modelled TTFT (seconds) plus the learned overhead: the TTFT a client is
+        predicted to see (what the ledger, replies and rejections say; NaN stays NaN)."""
+        return predicted_ttft_s + self.model.ttft_overhead_s()
+
     def _verdict(self, rid: str, miss: Rejection, decode_only: bool) -> str:
         """What `conductor.admission` makes of a predicted miss (admission_ledger.decide):
         REJECT, or SHADOW (recorded; the request is placed without the SLO checks). A
@@ -578,14 +592,16 @@ class ConductorService:
                      calibrated=calibrated, predicted_ttft_s=miss.predicted_ttft_s,
                      predicted_tbt_s=miss.predicted_tbt_s)
         if not decode_only:
-            self.admission.record(rid, Decision(verdict, miss.reason, miss.predicted_ttft_s,
+            self.admission.record(rid, Decision(verdict, miss.reason,
+                                                self._e2e_ttft(miss.predicted_ttft_s),
                                                 miss.predicted_tbt_s, calibrated))
         return verdict
 
     def _record(self, rid: str, verdict: str, reason: str, p: Any) -> None:
         """Records an admitted placement's predictions (seconds) under rid."""
         if isinstance(p, Placement):
-            self.admission.record(rid, Decision(verdict, reason, p.predicted_ttft_s,
+            self.admission.record(rid, Decision(verdict, reason,
+                                                self._e2e_ttft(p.predicted_ttft_s),
                                                 p.predicted_tbt_s, True))
 
     def admissions(self, rids: list[str] | None = None) -> dict[str, Any]:
@@ -599,6 +615,7 @@ class ConductorService:
         return int(m.get("block_size") or self.settings.engine.block_size)
 
     def _reject(self, r: Rejection) -> PlaceRejected:
+        r = dataclasses.replace(r, predicted_ttft_s=self._e2e_ttft(r.predicted_ttft_s))
         self.rejected[r.reason] = self.rejected.get(r.reason, 0) + 1
         log.info("placement_rejected", reason=r.reason, retry_after_s=r.retry_after_s,
                  predicted_ttft_s=r.predicted_ttft_s, predicted_tbt_s=r.predicted_tbt_s)
@@ -632,7 +649,7 @@ class ConductorService:
         return PlaceReply(NodeRef(pv.node_id, pv.control, pv.api),
                           NodeRef(dv.node_id, dv.control, dv.api), fetch, p.prefix_tokens,
                           min(p.local_prefix_blocks * self._block_size(pv), n),
-                          p.predicted_ttft_s, p.predicted_tbt_s)
+                          self._e2e_ttft(p.predicted_ttft_s), p.predicted_tbt_s)
 
     # ------------------------------------------------------------------ inspection
 
