@@ -266,6 +266,16 @@ def _print_conductor(c: dict) -> None:
             f"{k} x{scale[k]:.3g} from {seen.get(k, 0)} steps"
             f"{'' if cal.get(k) else ' (not calibrated yet: admission in shadow)'}"
             for k in ("prefill", "decode")))
+    by = cm.get("calibrated_by") or {}
+    if by:
+        typer.echo("calibrated by: " + ", ".join(f"{k} {by.get(k) or '-'}"
+                                                 for k in ("prefill", "decode")))
+    profiles = c.get("startup_profiles") or {}
+    if profiles:
+        typer.echo("startup profiles: " + "; ".join(
+            f"{nid} {p['seconds']:.1f} s of {p['budget_s']:g} s, {p['prefill_steps']} prefill "
+            f"+ {p['decode_steps']} decode steps{'' if p['complete'] else ' (budget ended it)'}"
+            for nid, p in profiles.items()))
     adm = c.get("admission") or {}
     if adm:
         typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "
@@ -280,6 +290,13 @@ def _print_conductor(c: dict) -> None:
                f"{derr.get('samples', 0)} steps, prefill step "
                f"{_rel((c.get('prefill_step_prediction') or {}).get('median_abs_rel_error'))} "
                f"over {(c.get('prefill_step_prediction') or {}).get('samples', 0)} steps")
+    e2e = c.get("ttft_e2e_prediction") or {}
+    if e2e.get("samples"):
+        comp = c.get("ttft_e2e_prediction_compute_only") or {}
+        typer.echo(f"TTFT as clients saw it (median |rel| over {e2e['samples']} requests): "
+                   f"{_rel(e2e.get('median_abs_rel_error'))} with the learned overhead "
+                   f"{c.get('ttft_overhead_s', 0):.3f} s, "
+                   f"{_rel(comp.get('median_abs_rel_error'))} without it")
 
 
 def _rel(x: float | None) -> str:

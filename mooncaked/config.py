@@ -132,6 +132,16 @@ class EngineSettings:
                                          "sequences replay CUDA graphs captured at start (batch "
                                          "buckets 1, 2, 4, 8, 16, 24, ...; larger batches run "
                                          "eagerly); 0 turns graphs off.", min=0)
+    startup_profile_s: float = opt(10.0, "A cluster model node's start-up profile, seconds at "
+                                         "most: before it reports ready it times a few prefill "
+                                         "steps (32-512 new tokens, with and without a cached "
+                                         "prefix) and decode steps (batch 1-8) on its engine, "
+                                         "and the conductor and its TBT check calibrate the "
+                                         "cost model from them, so admission enforces from the "
+                                         "first request (engine/startup_profile.py); 0 skips "
+                                         "it (the model then calibrates from served steps), "
+                                         "as does conductor.refit_cost_model = false.",
+                                   min=0.0)
 
 
 @dataclass

@@ -50,7 +50,12 @@ def cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ops")
     settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
                 "cluster.poll_interval_s": 0.1, "cluster.drain_timeout_s": 5.0,
-                "engine.kv_cache_bytes": 32 << 20, "store.dram_bytes": 32 << 20}
+                "engine.kv_cache_bytes": 32 << 20, "store.dram_bytes": 32 << 20,
+                # the start-up profile's whole plan even when three model loads and the
+                # rest of the suite share two cores (about 7 s alone on this CPU)
+                "engine.startup_profile_s": 30.0,
+                # finite, so d1's TBT check runs (and calibrates), yet never refuses here
+                "conductor.tbt_slo_s": 60.0}
     cl = LocalCluster(tmp / "c", [NodeSpec("cache", "c1"), NodeSpec("prefill", "p1"),
                                   NodeSpec("decode", "d1")], settings=settings)
     with cl:
@@ -279,3 +284,51 @@ def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
     assert out.returncode == 0, out.stderr
     table = out.stdout[out.stdout.index("kernels"):]
     assert cpu_isa.isa_level() in table and f"{want_dtype} (auto)" in table
+
+
+def test_cost_model_is_calibrated_by_the_startup_profiles_before_any_request(cluster):
+    """issue 33: this cluster starts with the built-in default cost model and no
+    calibration cached (a fresh state dir). Each model node profiled its engine before it
+    registered (engine/startup_profile.py), so the conductor took p1's prefill steps and
+    d1's decode steps from their member records before it could place anything on them:
+    both kinds reached conductor.admission_warmup from the profiles (`warmed_by`, which no
+    served step changes afterwards), within the profile's bounds; d1's own TBT check too."""
+    from mooncaked.conductor.refit import STARTUP_PROFILE
+    from mooncaked.engine.startup_profile import DECODE_BATCHES, DECODE_STEPS_PER_BATCH, PREFILL_PLAN
+
+    leader = control_call(cluster.control("c1"), "node.status")["leader"]
+    st = control_call(cluster.control(leader), "conductor.status")
+    cm, warmup = st["cost_model"], st["admission"]["warmup_steps"]
+    assert cm["warmed_by"] == {"prefill": STARTUP_PROFILE, "decode": STARTUP_PROFILE}, cm
+    assert cm["profile_steps"]["prefill"] >= warmup and cm["profile_steps"]["decode"] >= warmup
+    profiles = st["startup_profiles"]
+    assert sorted(profiles) == ["d1", "p1"]
+    for nid, p in profiles.items():
+        assert 0 < p["seconds"] <= p["budget_s"] + 1.0, (nid, p)
+    assert profiles["p1"]["decode_steps"] == 0
+    assert warmup <= profiles["p1"]["prefill_steps"] <= len(PREFILL_PLAN) + 1
+    assert profiles["d1"]["prefill_steps"] == 0
+    assert warmup <= profiles["d1"]["decode_steps"] <= len(DECODE_BATCHES) * DECODE_STEPS_PER_BATCH
+    d1 = control_call(cluster.control("d1"), "node.status")
+    assert d1["startup_profile"] == profiles["d1"]
+    assert d1["admission"]["calibrated"] and d1["admission"]["calibrated_by"] == STARTUP_PROFILE
+    out = subprocess.run([str(BIN / "mooncake"), "ctl", "status", "-c",
+                          str(cluster.write_ctl_config())],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if ln.startswith("startup profiles: "))
+    assert "p1 " in line and "d1 " in line and "prefill" in line
+    assert "calibrated by: prefill " in out.stdout
+
+
+def test_api_node_reports_observed_ttfts_to_the_conductor(cluster):
+    """issue 33: c1's front end sends the TTFT it saw for each request in its next report
+    (NodeReport.ttfts); the conductor scores its end-to-end TTFT prediction with them."""
+    def e2e_samples() -> int:
+        leader = control_call(cluster.control("c1"), "node.status")["leader"]
+        st = control_call(cluster.control(leader), "conductor.status")
+        return st["ttft_e2e_prediction_compute_only"]["samples"]
+    before = e2e_samples()
+    status, body = complete(cluster, "How far away is the moon?", 2)
+    assert status == 200, body
+    wait_until(lambda: e2e_samples() > before, WAIT_S, "the conductor to get c1's TTFT")

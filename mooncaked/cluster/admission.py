@@ -28,7 +28,7 @@ from typing import Any
 from mooncaked.conductor.admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from mooncaked.conductor.cost_model import CostModel, step_with_request_s
 from mooncaked.conductor.cost_store import load_cost_model
-from mooncaked.conductor.refit import CostModelRefitter
+from mooncaked.conductor.refit import SERVED, CostModelRefitter
 from mooncaked.config import Settings
 
 
@@ -56,13 +56,14 @@ class DecodeAdmission:
             self.model.cost = load_cost_model(self._settings, self._kvb)
         return self.model.cost
 
-    def observe(self, steps: Iterable[tuple[int, int, float]]) -> None:
-        """Folds in timed decode steps (batch size, context tokens, seconds)."""
+    def observe(self, steps: Iterable[tuple[int, int, float]], source: str = SERVED) -> None:
+        """Folds in timed decode steps (batch size, context tokens, seconds) from `source`
+        (refit.SERVED, or refit.STARTUP_PROFILE: this node's start-up profile)."""
         if not math.isfinite(self.slo_s):
             return
         self._cost()
         for b, c, s in steps:
-            self.model.observe_step(b, c, s)
+            self.model.observe_step(b, c, s, source)
 
     def check(self, batch: int, context_tokens: int, prompt_tokens: int, rid: str = ""
               ) -> dict[str, Any] | None:
@@ -96,10 +97,11 @@ class DecodeAdmission:
         m = self.model.status()
         return {"mode": self.mode, **self.ledger.status(),
                 "calibrated": self.model.calibrated("decode"),
+                "calibrated_by": self.model.calibration_source("decode"),
                 "decode_step_prediction": m["decode_step_prediction"],
                 "cost_model": None if m["cost_model"] is None else {
                     k: m["cost_model"][k] for k in ("name", "source", "scale", "observed_steps",
-                                                    "decode_refits")}}
+                                                    "profile_steps", "decode_refits")}}
 
 
 __all__ = ["DecodeAdmission"]

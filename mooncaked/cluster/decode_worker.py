@@ -23,6 +23,7 @@ import orjson
 from aiohttp import web
 
 from mooncaked import failpoints
+from mooncaked.conductor.refit import STARTUP_PROFILE
 from mooncaked.log import get_logger
 
 from .admission import DecodeAdmission
@@ -78,6 +79,8 @@ class DecodeWorker:
         self.tokens_out = 0        # output tokens streamed (the throughput line)
         g = self.engine.kv_geometry()
         self.admission = DecodeAdmission(self.settings, g.block_bytes // max(1, g.block_size))
+        if self.engine.startup_profile is not None:    # calibrated before the first request
+            self.admission.observe(self.engine.startup_profile.decode_steps, STARTUP_PROFILE)
         self.prompts: dict[str, tuple[int, int]] = {}   # coupled: rid -> (new, cached) queued
 
     # ------------------------------------------------------------------ receive buffers

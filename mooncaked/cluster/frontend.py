@@ -44,7 +44,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
 import aiohttp
@@ -90,6 +90,7 @@ class FrontendPort(Protocol):
     async def release(self, addr: str, msg: Release) -> None: ...
     def spawn(self, coro: Any) -> Any: ...
     def serving(self) -> contextlib.AbstractContextManager: ...
+    def observed_ttft(self, rid: str, seconds: float) -> None: ...
 
 
 class Overloaded(ApiError):
@@ -362,7 +363,8 @@ class ClusterFrontend:
         # at shutdown the API server itself refuses new requests.
         staged: tuple[str, Release] | None = None    # the prefill node's stage, to release
         pushed: tuple[str, Release] | None = None    # the decode node's receive buffer
-        done = _RequestLine(request_id, len(prompt_token_ids))    # one info line at the end
+        # one info line at the end; the TTFT goes to the conductor (its overhead term)
+        done = _RequestLine(request_id, len(prompt_token_ids), port.observed_ttft)
         with port.serving():
             try:
                 deadline = time.monotonic() + self.request_timeout_s
@@ -630,10 +632,12 @@ def _stream_line(line: bytes, node: str) -> tuple[DecodeFailure | None, OutputDe
 class _RequestLine:
     """The `request_done` info line of one request (issue: one line per finished request):
     id, chosen prefill and decode nodes, prompt, cached and output tokens, TTFT and TBT
-    (mean gap between output tokens after the first, seconds), as this API node saw them."""
+    (mean gap between output tokens after the first, seconds), as this API node saw them.
+    `on_first(rid, ttft_s)` runs when the first token arrives."""
 
-    def __init__(self, rid: str, prompt_tokens: int):
-        self.rid, self.prompt_tokens = rid, prompt_tokens
+    def __init__(self, rid: str, prompt_tokens: int,
+                 on_first: Callable[[str, float], None] | None = None):
+        self.rid, self.prompt_tokens, self.on_first = rid, prompt_tokens, on_first
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.last = self.t0
@@ -648,6 +652,8 @@ class _RequestLine:
         now = time.monotonic()
         if self.first is None and n:
             self.first = now
+            if self.on_first is not None:
+                self.on_first(self.rid, now - self.t0)
         self.last, self.cached, self.finished = now, cached, finished
         self.output += n
 

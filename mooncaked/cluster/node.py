@@ -175,7 +175,10 @@ class ClusterNode:
                 "kv_capacity_tokens": g.num_blocks * g.block_size,
                 "cpu": cpu_name(),            # the calibrated cost model's key
                 "kv_shape": [g.num_layers, 2, g.block_size, g.num_kv_heads, g.head_dim],
-                "kernels": e.kernels()}
+                "kernels": e.kernels(),
+                # the conductor calibrates its cost model from these (engine/startup_profile.py)
+                "startup_profile": (e.startup_profile.to_json()
+                                    if e.startup_profile is not None else None)}
 
     @property
     def members(self) -> dict[str, Member]:
@@ -254,6 +257,11 @@ class ClusterNode:
         """Best-effort `node.release` on addr (2 s bound; the TTLs free it otherwise)."""
         with contextlib.suppress(ClusterError):
             await self.client.call(addr, "node.release", msg.to_json(), timeout_s=2.0)
+
+    def observed_ttft(self, rid: str, seconds: float) -> None:
+        """The TTFT this node's API front end saw for rid (seconds), for the next report
+        (NodeReport.ttfts: the conductor's TTFT overhead)."""
+        self.activity.ttfts.append((rid, seconds))
 
     @contextlib.contextmanager
     def serving(self):
@@ -485,7 +493,8 @@ class ClusterNode:
                           if self.engine is not None and self.role != "decode" else (),
                           {peer: e.bytes_per_s
                            for peer, e in self.transfer.bandwidth.estimates().items()},
-                          (self.worker.stalled() or "") if self.worker is not None else "")
+                          (self.worker.stalled() or "") if self.worker is not None else "",
+                          tuple(self.activity.ttfts))
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""
@@ -547,6 +556,9 @@ class ClusterNode:
                 "conductor": self.conductor is not None, "api": self.api_url,
                 "control": self.control_addr, "backend": self.settings.cluster.backend,
                 "engine": eng, "store": self.store.stats() if self.store is not None else None,
+                "startup_profile": (self.engine.startup_profile.summary() if self.engine
+                                    is not None and self.engine.startup_profile is not None
+                                    else None),
                 "transfer": self.transfer.stats() if self.transfer is not None else None,
                 "requests": {"prefill": self._running("prefill"),
                              "decode": self._running("decode"),

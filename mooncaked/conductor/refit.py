@@ -9,7 +9,10 @@ model drives placement, so it must track the hardware).
   the model's prediction; after each `CALIBRATE_EVERY` steps of a kind whose median
   ratio observed / predicted is off by more than `CALIBRATE_TOLERANCE`, that
   polynomial is scaled by the ratio. A model from another CPU (or the built-in
-  default) is right within a few seconds of serving, before any refit could run;
+  default) is right within a few seconds of serving, before any refit could run. A
+  model node's start-up profile (engine/startup_profile.py) arrives the same way before
+  it serves (source STARTUP_PROFILE; the conductor takes it from the node's member
+  record), so the built-in default is calibrated before the first request;
 - refit: finished prefills that ran alone on their node and the prefill steps refit
   the prefill polynomial; timed decode steps refit the decode-step model; a refit
   replaces the model only when it predicts the recent samples 20% better (and, for
@@ -26,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 from mooncaked.wire.messages import PrefillDone
@@ -41,12 +45,27 @@ ERROR_WINDOW = 200          # prediction errors kept for `status()`
 CALIBRATE_EVERY = 8         # timed steps of a kind between two calibrations
 CALIBRATE_TOLERANCE = 0.15  # a median observed/predicted ratio within 1 +- this is left alone
 TAIL_MIN_STEPS = 20         # timed decode steps before the TBT tail factor departs from 1
+OVERHEAD_MIN_SAMPLES = 8    # observed TTFTs before the learned TTFT overhead departs from 0
+SERVED = "served steps"     # where a timed step came from: a request the node served,
+STARTUP_PROFILE = "startup profile"   # or its start-up profile (engine/startup_profile.py)
 
 
 def scaled(m: PolyModel, factor: float) -> PolyModel:
     """`m` with every coefficient multiplied by `factor` (> 0): the same shape, predicting
     `factor` times the time."""
     return PolyModel(m.terms, tuple(c * factor for c in m.coef))
+
+
+def ttft_overhead_s(gaps: Sequence[float], min_samples: int = OVERHEAD_MIN_SAMPLES) -> float:
+    """The time a request's TTFT spends outside the engine steps the cost model predicts
+    (the RPCs, waiting on the node before its step, the KV push tail, tokenization, the
+    first token's trip back), learned from `gaps`: each a placed request's observed TTFT
+    (at its API node) minus the TTFT the conductor predicted for it, seconds. Their median,
+    not below 0 (over-predicted compute is the calibration's to fix, not a negative
+    overhead); 0 with fewer than `min_samples` gaps."""
+    if len(gaps) < max(1, min_samples):
+        return 0.0
+    return max(0.0, statistics.median(gaps))
 
 
 def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = False
@@ -103,18 +122,56 @@ class CostModelRefitter:
         self.observed = {"prefill": 0, "decode": 0}
         self.scale = {"prefill": 1.0, "decode": 1.0}
         self.calibrations = 0
+        # which steps brought each kind to conductor.admission_warmup (SERVED or
+        # STARTUP_PROFILE; None before), and how many came from start-up profiles
+        self.warmed_by: dict[str, str | None] = {"prefill": None, "decode": None}
+        self.profile_steps = {"prefill": 0, "decode": 0}
         self._step_ratios: deque[float] = deque(maxlen=ERROR_WINDOW)   # measured / predicted
+        # end-to-end TTFT: rid -> (predicted compute s, overhead s added, monotonic) until the
+        # API node reports the observed TTFT; observed - predicted gaps; relative errors of
+        # the prediction with and without the learned overhead (> 0 over-predicts)
+        self._ttft_placed: dict[str, tuple[float, float, float]] = {}
+        self.ttft_gaps: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.e2e_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        self.e2e_compute_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
         self.predicted_ttft_sum_s = 0.0
         self.observed_ttft_sum_s = 0.0
 
     def predicted(self, rid: str, ttft_s: float, now: float) -> None:
-        """Remembers the TTFT predicted for rid (seconds) until its prefill reports back."""
+        """Remembers the TTFT predicted for rid (seconds: the modelled compute and queues,
+        without the overhead) until its prefill reports back, and until its API node
+        reports the TTFT it observed (`observe_ttft`)."""
         self._predicted[rid] = (ttft_s, now)
+        self._ttft_placed[rid] = (ttft_s, self.ttft_overhead_s(), now)
         if len(self._predicted) > 10_000:          # placements that never reported back
             for old in [r for r, (_, t) in self._predicted.items() if now - t > 600]:
                 del self._predicted[old]
+        if len(self._ttft_placed) > 10_000:
+            for old in [r for r, (*_, t) in self._ttft_placed.items() if now - t > 600]:
+                del self._ttft_placed[old]
+
+    def ttft_overhead_s(self) -> float:
+        """The learned per-request TTFT overhead (seconds, `ttft_overhead_s` of the recent
+        gaps) that admission adds to the predicted TTFT; 0 with
+        conductor.refit_cost_model false (predictions stay what the loaded model says)."""
+        if not self.settings.conductor.refit_cost_model:
+            return 0.0
+        return ttft_overhead_s(list(self.ttft_gaps))
+
+    def observe_ttft(self, rid: str, observed_s: float) -> None:
+        """Folds in the TTFT rid's API node observed (seconds, from the request's arrival
+        to its first token): a gap sample for the overhead, and the end-to-end prediction
+        errors with and without the overhead that was in use when rid was placed. A rid
+        this conductor did not place (or placed decode-only) is ignored."""
+        placed = self._ttft_placed.pop(rid, None)
+        if placed is None or observed_s <= 0:
+            return
+        compute, overhead, _ = placed
+        self.ttft_gaps.append(observed_s - compute)
+        self.e2e_compute_errors.append((compute - observed_s) / observed_s)
+        self.e2e_errors.append((compute + overhead - observed_s) / observed_s)
 
     def observe_prefill(self, d: PrefillDone) -> None:
         """Folds one finished prefill in: prediction error, and a refit sample if it ran alone."""
@@ -169,10 +226,28 @@ class CostModelRefitter:
         top = r[-max(1, len(r) // 10):]
         return max(1.0, statistics.fmean(top) / statistics.median(r))
 
-    def _calibrate(self, kind: str, predicted_s: float, seconds: float) -> None:
-        """One timed step of `kind`: after CALIBRATE_EVERY of them, scales that polynomial by
-        their median observed/predicted ratio when it is off by more than the tolerance."""
+    def calibration_source(self, kind: str) -> str | None:
+        """What `calibrated(kind)` rests on: the model's own source when it is not the
+        built-in default ("profile" for `mooncaked profile`'s file, "calibrated" for the
+        cached calibration of this machine, ...), else which steps reached
+        conductor.admission_warmup (STARTUP_PROFILE or SERVED); None while uncalibrated."""
+        if not self.calibrated(kind):
+            return None
+        if self.cost is not None and self.cost.meta.get("source") != "default":
+            return str(self.cost.meta.get("source", ""))
+        return self.warmed_by[kind] or SERVED
+
+    def _calibrate(self, kind: str, predicted_s: float, seconds: float,
+                   source: str = SERVED) -> None:
+        """One timed step of `kind` (from `source`): after CALIBRATE_EVERY of them, scales
+        that polynomial by their median observed/predicted ratio when it is off by more
+        than the tolerance."""
         self.observed[kind] += 1
+        if source == STARTUP_PROFILE:
+            self.profile_steps[kind] += 1
+        if (self.warmed_by[kind] is None
+                and self.observed[kind] >= self.settings.conductor.admission_warmup):
+            self.warmed_by[kind] = source
         if self.cost is None or predicted_s <= 0 or not self.settings.conductor.refit_cost_model:
             return
         ratios = self._ratios[kind]
@@ -198,15 +273,17 @@ class CostModelRefitter:
         self.scale[kind] = 1.0
         self._ratios[kind].clear()
 
-    def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+    def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float,
+                             source: str = SERVED) -> None:
         """Folds one timed prefill step in (the new tokens of its chunks, the tokens cached
-        before them, seconds): prediction error, calibration, and a refit sample."""
+        before them, seconds; SERVED or STARTUP_PROFILE): prediction error, calibration,
+        and a refit sample."""
         if seconds <= 0 or new_tokens < 1 or self.cost is None:
             return
         pred = self.cost.prefill_s(new_tokens, cached_tokens)
         if pred > 0:
             self.prefill_step_errors.append((pred - seconds) / seconds)
-        self._calibrate("prefill", pred, seconds)
+        self._calibrate("prefill", pred, seconds, source)
         if self.settings.conductor.refit_cost_model:
             self.samples.append((int(new_tokens), int(cached_tokens), float(seconds)))
             self._new_samples += 1
@@ -214,9 +291,10 @@ class CostModelRefitter:
                 self._new_samples = 0
                 self._maybe_refit()
 
-    def observe_step(self, batch: int, context_tokens: int, seconds: float) -> None:
-        """Folds one timed decode step in: prediction error, calibration, and a refit now
-        and then."""
+    def observe_step(self, batch: int, context_tokens: int, seconds: float,
+                     source: str = SERVED) -> None:
+        """Folds one timed decode step in (batch size, context tokens, seconds; SERVED or
+        STARTUP_PROFILE): prediction error, calibration, and a refit now and then."""
         if seconds <= 0 or batch < 1:
             return
         if self.cost is not None:
@@ -224,7 +302,7 @@ class CostModelRefitter:
             self.decode_errors.append((pred - seconds) / seconds)
             if pred > 0:
                 self._step_ratios.append(seconds / pred)
-            self._calibrate("decode", pred, seconds)
+            self._calibrate("decode", pred, seconds, source)
         if not self.settings.conductor.refit_cost_model:
             return
         self.decode_samples.append((int(batch), int(context_tokens), float(seconds)))
@@ -261,8 +339,19 @@ class CostModelRefitter:
                     "tbt_factor": round(self.tbt_factor(), 4),
                     "observed_steps": dict(self.observed),
                     "calibrated": {k: self.calibrated(k) for k in ("prefill", "decode")},
+                    "calibrated_by": {k: self.calibration_source(k)
+                                      for k in ("prefill", "decode")},
+                    "warmed_by": dict(self.warmed_by),
+                    "profile_steps": dict(self.profile_steps),
                     "meta": cost.meta},
                 "ttft_prediction": _error_summary(list(self.errors)),
+                # what admission checks against the TTFT SLO: predicted + this overhead
+                "ttft_overhead_s": round(self.ttft_overhead_s(), 4),
+                # against the TTFT the API node observed: as admission predicts it (with
+                # the overhead in use at placement), and the compute alone
+                "ttft_e2e_prediction": _error_summary(list(self.e2e_errors)),
+                "ttft_e2e_prediction_compute_only": _error_summary(
+                    list(self.e2e_compute_errors)),
                 "prefill_step_prediction": _error_summary(list(self.prefill_step_errors)),
                 "decode_step_prediction": _error_summary(list(self.decode_errors))}
 
@@ -276,4 +365,5 @@ def _error_summary(errs: list[float]) -> dict:
 
 
 __all__ = ["CALIBRATE_EVERY", "CALIBRATE_TOLERANCE", "CostModelRefitter", "REFIT_MIN_SAMPLES",
-           "TAIL_MIN_STEPS", "scaled"]
+           "OVERHEAD_MIN_SAMPLES", "SERVED", "STARTUP_PROFILE", "TAIL_MIN_STEPS", "scaled",
+           "ttft_overhead_s"]

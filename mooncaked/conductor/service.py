@@ -40,6 +40,7 @@ from typing import Any
 from mooncaked.wire.messages import (FetchPlan, NodeRef, NodeReport, PlaceRejected, PlaceReply,
                                      PlaceRequest, StoreEventMsg, unhex_keys)
 from mooncaked.config import Settings, state_dir
+from mooncaked.engine.types import StartupProfile
 from mooncaked.log import get_logger
 from mooncaked.store.keys import slice_key
 from mooncaked.store.types import Inventory
@@ -54,7 +55,7 @@ from .cpp_place import (Group, GroupLearner, group_chunk_prediction, place_with_
 from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
                    inflight_decode,
                    queue_s, queued_work)
-from .refit import CostModelRefitter
+from .refit import STARTUP_PROFILE, CostModelRefitter
 from .replication import HotBlockReplicator
 from .policy import (Placement, PlacementRequest, PolicyConfig, QueuedWork, Rejection, Snapshot,
                      place)
@@ -100,6 +101,8 @@ class ConductorService:
         self._cost_task: asyncio.Task | None = None
         self._saved_at = -math.inf           # the calibrated model's last save (monotonic)
         self._saved_version = 0
+        self._profiled: dict[str, Any] = {}    # node -> `started` of the profile taken
+        self.profiles: dict[str, dict] = {}    # node -> its start-up profile's summary
 
     # the parts tests and `ctl` read
     @property
@@ -179,7 +182,33 @@ class ConductorService:
         v.control = str(info.get("control", ""))
         v.api = str(info.get("api", ""))
         v.draining = bool(info.get("draining", False))
+        self._take_startup_profile(v)
         return v
+
+    def _take_startup_profile(self, v: NodeView) -> None:
+        """Feeds a model node's start-up profile (its member record's
+        model.startup_profile: engine/startup_profile.py) to the cost model as timed steps,
+        once per node process (its record's `started`): the model is calibrated from them
+        before that node serves a request (a placement on it needs this record first)."""
+        raw = (v.info.get("model") or {}).get("startup_profile")
+        started = v.info.get("started")
+        if not raw or self._profiled.get(v.node_id) == started:
+            return
+        self._profiled[v.node_id] = started
+        try:
+            profile = StartupProfile.from_json(raw)
+        except ValueError as e:
+            log.warning("startup_profile_invalid", node=v.node_id, error=str(e))
+            return
+        self.profiles[v.node_id] = profile.summary()
+        self._cost()
+        for step in profile.prefill_steps:
+            self.model.observe_prefill_step(*step, source=STARTUP_PROFILE)
+        for step in profile.decode_steps:
+            self.model.observe_step(*step, source=STARTUP_PROFILE)
+        log.info("startup_profile_taken", node=v.node_id, **profile.summary(),
+                 calibrated={k: self.model.calibrated(k) for k in ("prefill", "decode")},
+                 scale=self.model.scale)
 
     def _schedule_pull(self, node_id: str) -> None:
         t = self._pulls.get(node_id)
@@ -221,6 +250,8 @@ class ConductorService:
             self.model.observe_step(*step)
         for step in r.prefill_steps:
             self.model.observe_prefill_step(*step)
+        for rid, seconds in r.ttfts:          # what the API nodes saw: the TTFT overhead
+            self.model.observe_ttft(rid, seconds)
         self._save_calibration(time.monotonic())
 
     def _machine_key(self) -> dict | None:
@@ -390,7 +421,9 @@ class ConductorService:
         checks = cs.admission != "off"
         cfg = PolicyConfig(policy=cs.policy, block_size=bs,
                            cache_balance_threshold=cs.cache_balance_threshold,
-                           ttft_slo_s=math.inf if decode_only or not checks else cs.ttft_slo_s,
+                           # predicted TTFT + the learned overhead vs the SLO
+                           ttft_slo_s=math.inf if decode_only or not checks
+                           else self._ttft_budget_s(),
                            # predicted step x tbt_factor (the tail of the gaps) vs the SLO
                            tbt_slo_s=cs.tbt_slo_s / self.model.tbt_factor() if checks
                            else math.inf,
@@ -502,7 +535,7 @@ class ConductorService:
         keys, n, max_new = list(req.keys), req.prompt_tokens, req.max_new_tokens
         cs = self.settings.conductor
         cfg = PolicyConfig(policy="load_balancing", block_size=self._block_size(nodes[0]),
-                           ttft_slo_s=cs.ttft_slo_s, tbt_slo_s=cs.tbt_slo_s,
+                           ttft_slo_s=self._ttft_budget_s(), tbt_slo_s=cs.tbt_slo_s,
                            min_retry_after_s=cs.min_retry_after_s)
         ids = [v.node_id for v in nodes]
         snap = Snapshot(ids, [queue_s(v, cost) for v in nodes], self.index.match(keys, ids))
@@ -536,6 +569,16 @@ class ConductorService:
             self._record(req.rid, ADMIT, "", result)
         return self._accept(req.rid, result, n, max_new, False, now)
 
+    def _ttft_budget_s(self) -> float:
+        """The TTFT SLO less the learned per-request overhead (refit.ttft_overhead_s: time
+        outside the modelled steps), what the modelled TTFT must stay under (> 0)."""
+        return max(1e-3, self.settings.conductor.ttft_slo_s - self.model.ttft_overhead_s())
+
+    def _e2e_ttft(self, predicted_ttft_s: float) -> float:
+        """A modelled TTFT (seconds) plus the learned overhead: the TTFT a client is
+        predicted to see (what the ledger, replies and rejections say; NaN stays NaN)."""
+        return predicted_ttft_s + self.model.ttft_overhead_s()
+
     def _verdict(self, rid: str, miss: Rejection, decode_only: bool) -> str:
         """What `conductor.admission` makes of a predicted miss (admission_ledger.decide):
         REJECT, or SHADOW (recorded; the request is placed without the SLO checks). A
@@ -549,14 +592,16 @@ class ConductorService:
                      calibrated=calibrated, predicted_ttft_s=miss.predicted_ttft_s,
                      predicted_tbt_s=miss.predicted_tbt_s)
         if not decode_only:
-            self.admission.record(rid, Decision(verdict, miss.reason, miss.predicted_ttft_s,
+            self.admission.record(rid, Decision(verdict, miss.reason,
+                                                self._e2e_ttft(miss.predicted_ttft_s),
                                                 miss.predicted_tbt_s, calibrated))
         return verdict
 
     def _record(self, rid: str, verdict: str, reason: str, p: Any) -> None:
         """Records an admitted placement's predictions (seconds) under rid."""
         if isinstance(p, Placement):
-            self.admission.record(rid, Decision(verdict, reason, p.predicted_ttft_s,
+            self.admission.record(rid, Decision(verdict, reason,
+                                                self._e2e_ttft(p.predicted_ttft_s),
                                                 p.predicted_tbt_s, True))
 
     def admissions(self, rids: list[str] | None = None) -> dict[str, Any]:
@@ -570,6 +615,7 @@ class ConductorService:
         return int(m.get("block_size") or self.settings.engine.block_size)
 
     def _reject(self, r: Rejection) -> PlaceRejected:
+        r = dataclasses.replace(r, predicted_ttft_s=self._e2e_ttft(r.predicted_ttft_s))
         self.rejected[r.reason] = self.rejected.get(r.reason, 0) + 1
         log.info("placement_rejected", reason=r.reason, retry_after_s=r.retry_after_s,
                  predicted_ttft_s=r.predicted_ttft_s, predicted_tbt_s=r.predicted_tbt_s)
@@ -603,7 +649,7 @@ class ConductorService:
         return PlaceReply(NodeRef(pv.node_id, pv.control, pv.api),
                           NodeRef(dv.node_id, dv.control, dv.api), fetch, p.prefix_tokens,
                           min(p.local_prefix_blocks * self._block_size(pv), n),
-                          p.predicted_ttft_s, p.predicted_tbt_s)
+                          self._e2e_ttft(p.predicted_ttft_s), p.predicted_tbt_s)
 
     # ------------------------------------------------------------------ inspection
 
@@ -649,6 +695,8 @@ class ConductorService:
                 "fetch_paths": {f"{s}->{d}": round(r)
                                 for (s, d), r in sorted(self.fetch_path_rates().items())}},
             "cpp_groups": self._groups_status(),
+            # each model node's start-up profile (seconds, steps) the cost model took
+            "startup_profiles": dict(sorted(self.profiles.items())),
             "slo": {"ttft_s": self.settings.conductor.ttft_slo_s,
                     "tbt_s": self.settings.conductor.tbt_slo_s},
             "replication": {**self.replicated, "in_flight": self.replicator.in_flight(),

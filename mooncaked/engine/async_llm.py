@@ -22,7 +22,8 @@ import torch
 from .llm_engine import LLMEngine
 from .kv_stream import LayerwiseKV
 from .staging import wait_ready
-from .types import EngineStats, KVExport, KVGeometry, KVImport, RequestOutput, SamplingParams
+from .types import (EngineStats, KVExport, KVGeometry, KVImport, RequestOutput, SamplingParams,
+                    StartupProfile)
 
 log = get_logger(__name__)
 
@@ -217,6 +218,12 @@ class AsyncLLM:
         e = self.engine
         return {"dtype": e.numerics.dtype, "requested_dtype": e.settings.model.dtype,
                 "weight_format": e.numerics.weight_format, **e.kernel_paths.to_json()}
+
+    @property
+    def startup_profile(self) -> StartupProfile | None:
+        """What the engine's start-up profile measured (engine/startup_profile.py), None
+        when it did not run."""
+        return self.engine.startup_profile
 
     def kv_geometry(self) -> KVGeometry:
         """The paged KV layout (layers, block size, heads, dtype, bytes and count of blocks)."""

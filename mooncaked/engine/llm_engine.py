@@ -32,7 +32,8 @@ from .scheduler_output import KVLoad, ScheduledSeq
 from .sequence import Sequence, SeqStatus
 from .stop import finish_reason
 from .structured import GrammarBackend, grammar_accept, grammar_finished
-from .types import EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams
+from .types import (EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams,
+                    StartupProfile)
 
 log = get_logger(__name__)
 
@@ -106,9 +107,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, es.block_size)
         graph_buckets = self.runner.enable_cuda_graphs(es.cuda_graph_max_batch, es.max_num_seqs,
                                                        self.max_model_len)
-        self.block_manager = BlockManager(num_blocks, es.block_size, es.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, es.max_num_seqs, es.max_num_batched_tokens,
-                                   es.idle_prefill_tokens)
+        self._num_blocks = num_blocks
+        self.block_manager, self.scheduler = self._new_scheduler()
         self.max_logprobs = es.max_logprobs
         self.grammars = GrammarBackend(self.tokenizer.hf, cfg.vocab_size, sorted(self.tokenizer.eos_token_ids))
         self.seqs: dict[str, Sequence] = {}
@@ -121,6 +121,8 @@ class LLMEngine:
         self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
         # (new tokens, tokens cached before them, seconds) of steps of prefill chunks only
         self.prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
+        # What the start-up profile measured (engine/startup_profile.py), once it ran.
+        self.startup_profile: StartupProfile | None = None
         # Export the full blocks of every finished request (to offload them into the store).
         self.offload_finished = False
         self.kernel_paths = kernel_paths(self.model)
@@ -137,6 +139,24 @@ class LLMEngine:
                  block_size=es.block_size, block_bytes=self.block_bytes, max_model_len=self.max_model_len,
                  load_s=round(time.monotonic() - t0, 2), device=str(device), load_format=ms.load_format,
                  cuda_graph_buckets=list(graph_buckets))
+
+    def _new_scheduler(self) -> tuple[BlockManager, Scheduler]:
+        """A fresh block manager (every page free, no prefix cached) and its scheduler."""
+        es = self.settings.engine
+        bm = BlockManager(self._num_blocks, es.block_size, es.enable_prefix_caching)
+        return bm, Scheduler(bm, es.max_num_seqs, es.max_num_batched_tokens,
+                             es.idle_prefill_tokens)
+
+    def reset_after_profile(self) -> None:
+        """Forgets what the start-up profile ran (engine/startup_profile.py): a fresh prefix
+        cache and scheduler (its counters at 0), no timed steps recorded.
+        Raises: ValueError when a request is still queued or running."""
+        if self.has_work() or self.seqs:
+            raise ValueError("reset_after_profile needs an idle engine")
+        self.block_manager, self.scheduler = self._new_scheduler()
+        self.prefill_steps.clear()
+        self.decode_steps.clear()
+        self.last_step = StepTiming()
 
     # -- requests
 

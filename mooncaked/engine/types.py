@@ -235,3 +235,49 @@ class KVGeometry:
         """Shape of a layer-major KV buffer of num_blocks blocks (a stage or receive buffer):
         [num_layers, num_blocks, 2, block_size, num_kv_heads, head_dim]."""
         return [self.num_layers, num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim]
+
+
+@dataclass(frozen=True)
+class StartupProfile:
+    """What a cluster model node's start-up profile measured (engine/startup_profile.py);
+    published in its member record, read by the conductor (plain data: the conductor's
+    floor may import it).
+
+    Attributes:
+        seconds: wall time of the whole profile, seconds.
+        budget_s: engine.startup_profile_s it ran under.
+        complete: whether it ran its whole plan (False: the budget ended it early).
+        prefill_steps: (new tokens, tokens cached before them, seconds) of each timed step
+            of prefill chunks only, as LLMEngine.prefill_steps.
+        decode_steps: (batch size, context tokens, seconds) of each pure decode step, as
+            LLMEngine.decode_steps.
+    """
+
+    seconds: float
+    budget_s: float
+    complete: bool
+    prefill_steps: tuple[tuple[int, int, float], ...] = ()
+    decode_steps: tuple[tuple[int, int, float], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        """The member record's form (see `from_json`)."""
+        return {"seconds": round(self.seconds, 3), "budget_s": self.budget_s,
+                "complete": self.complete,
+                "prefill_steps": [[n, c, round(s, 6)] for n, c, s in self.prefill_steps],
+                "decode_steps": [[b, c, round(s, 6)] for b, c, s in self.decode_steps]}
+
+    @classmethod
+    def from_json(cls, d: Any) -> StartupProfile:
+        """Inverse of `to_json`. Raises: ValueError on a malformed object."""
+        try:
+            return cls(float(d["seconds"]), float(d["budget_s"]), bool(d["complete"]),
+                       tuple((int(n), int(c), float(s)) for n, c, s in d["prefill_steps"]),
+                       tuple((int(b), int(c), float(s)) for b, c, s in d["decode_steps"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"malformed startup profile: {e}") from None
+
+    def summary(self) -> dict[str, Any]:
+        """Seconds, budget, completeness and step counts (no steps): for status."""
+        return {"seconds": round(self.seconds, 3), "budget_s": self.budget_s,
+                "complete": self.complete, "prefill_steps": len(self.prefill_steps),
+                "decode_steps": len(self.decode_steps)}

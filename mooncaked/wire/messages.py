@@ -642,7 +642,9 @@ class NodeReport:
     replica's copy) and WRITEs (node -> peer: a prefill node's KV push to its decode
     node, a CPP stage's hidden states) together (ConductorService.path_rates);
     `stalled`: why the node cannot take a request now ("" when it can: a CPP stage whose
-    slots are all held without progress, or hung)."""
+    slots are all held without progress, or hung); `ttfts`: (rid, seconds) of the requests
+    whose first token this node's API front end sent since the last report, from the
+    request's arrival there (the conductor learns the TTFT overhead from them)."""
 
     node: str
     role: str = ""
@@ -658,10 +660,12 @@ class NodeReport:
     prefill_steps: tuple[tuple[int, int, float], ...] = ()
     links: Mapping[str, float] = dataclasses.field(default_factory=dict)
     stalled: str = ""
+    ttfts: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
                 "links": dict(self.links), "stalled": self.stalled,
+                "ttfts": [[rid, s] for rid, s in self.ttfts],
                 "pending": {rid: list(v) for rid, v in self.pending.items()},
                 "waiting": list(self.waiting),
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
@@ -680,6 +684,7 @@ class NodeReport:
             psteps = tuple((int(n), int(c), float(s)) for n, c, s in
                            _get(d, "prefill_steps", list, []))
             links = {str(p): float(r) for p, r in _get(d, "links", dict, {}).items()}
+            ttfts = tuple((str(rid), float(s)) for rid, s in _get(d, "ttfts", list, []))
         except (TypeError, ValueError) as e:
             raise MessageError(f"report: {e}") from None
         return cls(_get(d, "node", str), _get(d, "role", str, ""),
@@ -690,7 +695,7 @@ class NodeReport:
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
                    tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
                    tuple(str(r) for r in _get(d, "waiting", list, [])), psteps, links,
-                   _get(d, "stalled", str, ""))
+                   _get(d, "stalled", str, ""), ttfts)
 
 
 # ---- chunked pipeline parallelism: a CPP group's stages (cluster/cpp/pipeline_stage.py)

@@ -1,0 +1,137 @@
+"""A short profile of the engine at node start, so the conductor's cost model is
+calibrated before the first request (issue 33).
+
+A cluster model node runs it once, after the engine's warm-up (`ModelRunner.warm_up`) and
+before the node registers, i.e. before /health turns 200. It serves a few synthetic
+requests through the engine's own `step` (the same scheduler, pages, kernels and timing
+as served requests), so its timed steps are exactly the (new tokens, cached tokens,
+seconds) prefill steps and (batch size, context tokens, seconds) decode steps a node
+reports while serving (`LLMEngine.prefill_steps` / `decode_steps`, NodeReport):
+
+- prefill: requests of 32 to 512 new tokens, each alone, fresh and after a cached
+  128-token prefix (the prefix is prefilled first: a real prefix-cache hit), one token
+  each: `PREFILL_PLAN`, cheapest first (its first 7 requests and the prefix give 8 timed
+  steps in about 830 prompt tokens);
+- decode: batches of 1, 2, 4 and 8 requests of 16-token prompts, each generating
+  `DECODE_STEPS_PER_BATCH` tokens after its first: `DECODE_BATCHES`, 12 timed decode steps.
+
+The node publishes the result in its member record (`model.startup_profile`); the
+conductor feeds those steps to its `CostModelRefitter` as it feeds served ones, and a
+decode node to its own TBT check (cluster/admission.py). Both plans give at least
+`conductor.admission_warmup` (default 8) steps of their kind, so the built-in default
+model is calibrated from the first request on.
+
+The profile is bounded by `engine.startup_profile_s` (0: skipped): before each request it
+estimates the request's time from the slowest seconds per token so far and stops when
+that would end past the budget, so it overruns only by the estimate's error. Then the
+engine's prefix cache, scheduler counters and step records are reset: serving starts as
+if the profile had not run (the pages it wrote are free again, their keys forgotten).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import TYPE_CHECKING
+
+from .types import SamplingParams, StartupProfile
+
+if TYPE_CHECKING:
+    from .llm_engine import LLMEngine
+
+# (new tokens, cached prefix tokens) of each prefill request, in order; the 256-token
+# prefix is prefilled once before the first request that needs it (a timed step too)
+PREFILL_PLAN: tuple[tuple[int, int], ...] = ((32, 0), (32, 128), (64, 0), (64, 128),
+                                             (128, 0), (128, 128), (256, 0), (256, 128),
+                                             (512, 0))
+PREFIX_TOKENS = 128
+DECODE_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
+DECODE_PROMPT_TOKENS = 16
+DECODE_STEPS_PER_BATCH = 3
+KINDS = ("prefill", "decode")
+
+
+def _run_to_end(engine: LLMEngine, requests: list[tuple[str, list[int], int]]) -> None:
+    """Adds the (request id, prompt, max_tokens) requests and steps the engine until it is
+    idle (greedy, ignoring EOS, so each generates exactly max_tokens)."""
+    for rid, prompt, max_tokens in requests:
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                       ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+
+
+def run_startup_profile(engine: LLMEngine, budget_s: float,
+                        kinds: tuple[str, ...] = KINDS) -> StartupProfile:
+    """Runs the start-up profile (see the module doc) on an engine that serves nothing yet.
+
+    Args:
+        engine: a constructed LLMEngine with no request.
+        budget_s: stop starting profile requests after this many seconds (0: do nothing).
+        kinds: which plans to run: "prefill" (a prefill or coupled node), "decode" (a
+            decode or coupled node).
+    Returns: the StartupProfile (also kept as engine.startup_profile).
+    Raises: ValueError when the engine has work or a kind is unknown.
+    """
+    if engine.has_work():
+        raise ValueError("the start-up profile needs an idle engine")
+    if not set(kinds) <= set(KINDS):
+        raise ValueError(f"startup profile kinds must be among {KINDS}, got {kinds}")
+    t0 = time.monotonic()
+    rng = random.Random(0)
+    vocab = engine.cfg.vocab_size
+    limit = engine.max_model_len - 1        # a prompt plus its first generated token fits
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(min(1000, vocab - 1), vocab) for _ in range(n)]
+
+    per_token = 0.0          # the slowest seconds per computed token so far
+
+    def fits(n_tokens: int) -> bool:
+        """Whether computing n_tokens more is predicted to end within the budget."""
+        return time.monotonic() - t0 + per_token * n_tokens <= budget_s
+
+    def run(requests: list[tuple[str, list[int], int]], n_tokens: int) -> None:
+        """Runs requests that compute n_tokens tokens (prompt not cached, then generated)."""
+        nonlocal per_token
+        t = time.monotonic()
+        _run_to_end(engine, requests)
+        per_token = max(per_token, (time.monotonic() - t) / max(1, n_tokens))
+
+    ran_all = budget_s > 0
+    engine.prefill_steps.clear()
+    engine.decode_steps.clear()
+    if budget_s > 0 and "prefill" in kinds:
+        prefix: list[int] | None = None
+        for i, (new, cached) in enumerate(PREFILL_PLAN):
+            if cached + new > limit:
+                continue
+            need = new + (PREFIX_TOKENS if cached and prefix is None else 0)
+            if not fits(need):
+                ran_all = False
+                break
+            if cached and prefix is None:
+                prefix = tokens(PREFIX_TOKENS)
+                run([("startup-profile-prefix", prefix, 1)], PREFIX_TOKENS)
+            head = prefix[:cached] if cached else []
+            run([(f"startup-profile-prefill-{i}", head + tokens(new), 1)], new)
+    if budget_s > 0 and "decode" in kinds:
+        for b in DECODE_BATCHES:
+            if DECODE_PROMPT_TOKENS + DECODE_STEPS_PER_BATCH + 1 > limit:
+                break
+            n_tokens = b * (DECODE_PROMPT_TOKENS + DECODE_STEPS_PER_BATCH)
+            if not fits(n_tokens):
+                ran_all = False
+                break
+            run([(f"startup-profile-decode-{b}-{j}", tokens(DECODE_PROMPT_TOKENS),
+                  DECODE_STEPS_PER_BATCH + 1) for j in range(b)], n_tokens)
+    prefill = tuple(engine.prefill_steps) if "prefill" in kinds else ()
+    decode = tuple(engine.decode_steps) if "decode" in kinds else ()
+    engine.reset_after_profile()
+    profile = StartupProfile(time.monotonic() - t0, budget_s, ran_all, prefill, decode)
+    engine.startup_profile = profile
+    return profile
+
+
+__all__ = ["DECODE_BATCHES", "DECODE_PROMPT_TOKENS", "DECODE_STEPS_PER_BATCH", "KINDS",
+           "PREFILL_PLAN", "PREFIX_TOKENS", "run_startup_profile"]

@@ -1,0 +1,147 @@
+"""The start-up profile of a cluster model node (engine/startup_profile.py, issue 33): timed
+prefill and decode steps on the real engine before it serves, bounded by
+engine.startup_profile_s, and the conductor's and the decode node's cost models calibrated
+from them before any request (the cluster itself: test_cluster_ops.py).
+
+One engine for the module (the bundled model): its profile runs on the same engine as
+served requests do, and after it the engine is as it was (nothing cached, counters 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from mooncaked.cluster.admission import DecodeAdmission
+from mooncaked.conductor.cost_store import default_cost_model
+from mooncaked.conductor.refit import SERVED, STARTUP_PROFILE
+from mooncaked.conductor.service import ConductorService
+from mooncaked.config import Settings
+from mooncaked.engine.llm_engine import LLMEngine
+from mooncaked.engine.startup_profile import (DECODE_BATCHES, DECODE_STEPS_PER_BATCH,
+                                              PREFILL_PLAN, run_startup_profile)
+from mooncaked.engine.types import SamplingParams, StartupProfile
+
+WARMUP = Settings().conductor.admission_warmup       # 8: steps of a kind that calibrate
+
+
+@pytest.fixture(scope="module")
+def engine() -> LLMEngine:
+    return LLMEngine(Settings())
+
+
+def test_profile_times_both_kinds_and_leaves_the_engine_as_it_was(engine):
+    p = run_startup_profile(engine, 60.0)
+    assert p.complete and engine.startup_profile is p
+    # every planned request ran: one step each (the prefix once more), and the decode
+    # batches' prompts are prefill steps too (a coupled node reports both kinds)
+    assert len(p.prefill_steps) == len(PREFILL_PLAN) + 1 + len(DECODE_BATCHES)
+    assert len(p.decode_steps) == len(DECODE_BATCHES) * DECODE_STEPS_PER_BATCH
+    assert len(p.prefill_steps) >= WARMUP and len(p.decode_steps) >= WARMUP
+    # real prefix-cache hits: the 128-token prefix was cached for the requests after it
+    assert {c for _, c, _ in p.prefill_steps} == {0, 128}
+    assert {n for n, c, _ in p.prefill_steps if c == 128} == {32, 64, 128, 256}
+    assert sorted({b for b, _, _ in p.decode_steps}) == list(DECODE_BATCHES)
+    assert all(s > 0 for *_, s in p.prefill_steps + p.decode_steps)
+    assert p.seconds >= sum(s for *_, s in p.prefill_steps + p.decode_steps)
+    # nothing of it is left: no cached block, counters at 0, no step waiting to be reported
+    st = engine.stats()
+    assert st.kv_blocks_used == 0 and st.prompt_tokens_total == 0
+    assert not engine.block_manager.cached_free and not engine.block_manager.key_to_block
+    assert not engine.prefill_steps and not engine.decode_steps
+    # ... and the engine serves as before: a request's prompt does not hit the profile's
+    engine.add_request("after", list(range(1000, 1100)), SamplingParams(max_tokens=2))
+    while engine.has_work():
+        engine.step()
+    assert engine.stats().prefix_hit_tokens_total == 0
+    assert StartupProfile.from_json(p.to_json()).summary() == p.summary()
+
+
+def test_profile_is_bounded_by_its_budget(engine):
+    # a budget of about one small request: it stops when the next one would overrun
+    p = run_startup_profile(engine, 0.5, ("prefill",))
+    assert not p.complete and not p.decode_steps
+    assert 1 <= len(p.prefill_steps) < len(PREFILL_PLAN)
+    assert p.seconds < 1.0, p.summary()
+    p = run_startup_profile(engine, 0.0)
+    assert p.summary() == {"seconds": p.summary()["seconds"], "budget_s": 0.0,
+                           "complete": False, "prefill_steps": 0, "decode_steps": 0}
+    with pytest.raises(ValueError, match="kinds"):
+        run_startup_profile(engine, 1.0, ("transfer",))
+
+
+def _profile(factor: float) -> StartupProfile:
+    """A profile of a machine `factor` times slower than the built-in default predicts."""
+    d = default_cost_model(1000)
+    return StartupProfile(3.0, 10.0, True,
+                          tuple((n, c, factor * d.prefill_s(n, c))
+                                for n, c in [(128, 0), *PREFILL_PLAN]),
+                          tuple((b, 20 * b, factor * d.decode_step_s(b, 20 * b))
+                                for b in DECODE_BATCHES for _ in range(3)))
+
+
+def _conductor(tmp_path) -> ConductorService:
+    s = Settings()
+    s.node.state_dir = str(tmp_path)             # no calibration cached here
+    s.conductor.ttft_slo_s, s.conductor.tbt_slo_s = 3.0, 1.0
+    return ConductorService("c1", None, None, s)
+
+
+def _model(profile: StartupProfile | None) -> dict:
+    return {"cpu": "AMD EPYC test", "model_id": "smol", "dtype": "float32",
+            "block_bytes": 16 * 1000, "block_size": 16,
+            "startup_profile": profile.to_json() if profile is not None else None}
+
+
+def test_conductor_is_calibrated_by_the_profiles_in_the_member_records(tmp_path):
+    svc = _conductor(tmp_path)
+    svc._upsert("p1", {"role": "prefill", "started": 1.0,
+                       "model": _model(replace(_profile(2.0), decode_steps=()))})
+    st = svc.status()["cost_model"]
+    assert st["source"] == "default" and st["calibrated"] == {"prefill": True, "decode": False}
+    assert st["calibrated_by"] == {"prefill": STARTUP_PROFILE, "decode": None}
+    assert math.isclose(st["scale"]["prefill"], 2.0)     # this machine is 2x the default
+    svc._upsert("d1", {"role": "decode", "started": 1.0,
+                       "model": _model(replace(_profile(0.5), prefill_steps=()))})
+    st = svc.status()
+    assert st["cost_model"]["calibrated_by"] == {"prefill": STARTUP_PROFILE,
+                                                 "decode": STARTUP_PROFILE}
+    assert math.isclose(st["cost_model"]["scale"]["decode"], 0.5)
+    assert st["cost_model"]["profile_steps"] == {"prefill": len(PREFILL_PLAN) + 1,
+                                                 "decode": 3 * len(DECODE_BATCHES)}
+    assert st["startup_profiles"]["p1"]["prefill_steps"] == len(PREFILL_PLAN) + 1
+    assert st["startup_profiles"]["d1"]["decode_steps"] == 3 * len(DECODE_BATCHES)
+    # the same process's record again (a re-registration) is not counted twice; a
+    # restarted process's profile is
+    svc._upsert("d1", {"role": "decode", "started": 1.0, "draining": True,
+                       "model": _model(replace(_profile(0.5), prefill_steps=()))})
+    assert svc.model.observed["decode"] == 3 * len(DECODE_BATCHES)
+    svc._upsert("d1", {"role": "decode", "started": 2.0,
+                       "model": _model(replace(_profile(0.5), prefill_steps=()))})
+    assert svc.model.observed["decode"] == 6 * len(DECODE_BATCHES)
+
+
+def test_without_a_profile_served_steps_calibrate_as_before(tmp_path):
+    svc = _conductor(tmp_path)
+    svc._upsert("p1", {"role": "prefill", "started": 1.0, "model": _model(None)})
+    svc._cost()
+    assert svc.status()["cost_model"]["calibrated_by"] == {"prefill": None, "decode": None}
+    d = default_cost_model(1000)
+    for n in (64, 128, 256, 512) * 2:
+        svc.model.observe_prefill_step(n, 0, d.prefill_s(n, 0))
+    assert svc.model.calibration_source("prefill") == SERVED
+    assert svc.status()["startup_profiles"] == {}
+
+
+def test_decode_node_check_is_calibrated_by_its_profile():
+    s = Settings()
+    s.conductor.tbt_slo_s = 1.0
+    adm = DecodeAdmission(s, 1000)
+    assert not adm.model.calibrated("decode")
+    adm.observe(_profile(3.0).decode_steps, STARTUP_PROFILE)
+    st = adm.status()
+    assert st["calibrated"] and st["calibrated_by"] == STARTUP_PROFILE
+    assert st["cost_model"]["profile_steps"]["decode"] == 3 * len(DECODE_BATCHES)
+    assert math.isclose(st["cost_model"]["scale"]["decode"], 3.0)
