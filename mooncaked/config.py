@@ -140,7 +140,9 @@ class EngineSettings:
                                          "cost model from them, so admission enforces from the "
                                          "first request (engine/startup_profile.py); 0 skips "
                                          "it (the model then calibrates from served steps), "
-                                         "as does conductor.refit_cost_model = false.",
+                                         "as does conductor.refit_cost_model = false. A "
+                                         "complete profile is cached per machine, model and "
+                                         "settings and reused by the next start.",
                                    min=0.0)
 
 

@@ -40,7 +40,7 @@ from mooncaked.shutdown import Shutdown, ShutdownRequested
 from mooncaked.api.server import SERVER_KEY, build_app
 from mooncaked.engine.async_llm import AsyncLLM
 from mooncaked.engine.startup_profile import KINDS as STARTUP_KINDS
-from mooncaked.engine.startup_profile import run_startup_profile
+from mooncaked.engine.startup_profile import cached_startup_profile
 from mooncaked.model.weights import ModelLoadError
 from mooncaked.store import BlockStore, StoreError
 from mooncaked.wire.errors import ClusterError
@@ -169,7 +169,7 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         # timed steps (engine/startup_profile.py), in a thread so a signal is still seen;
         # with conductor.refit_cost_model false the model stays as loaded: nothing to fit
         kinds = {"prefill": ("prefill",), "decode": ("decode",)}.get(role, STARTUP_KINDS)
-        profile = await asyncio.to_thread(run_startup_profile, engine.engine,
+        profile = await asyncio.to_thread(cached_startup_profile, engine.engine,
                                           settings.engine.startup_profile_s, kinds)
         log.info("startup_profile", role=role, **profile.summary())
     if engine is not None:

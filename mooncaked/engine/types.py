@@ -251,6 +251,8 @@ class StartupProfile:
             of prefill chunks only, as LLMEngine.prefill_steps.
         decode_steps: (batch size, context tokens, seconds) of each pure decode step, as
             LLMEngine.decode_steps.
+        cached: the steps come from an earlier complete run on this machine with the same
+            model, settings and threads (the profile cache), not from this start.
     """
 
     seconds: float
@@ -258,11 +260,12 @@ class StartupProfile:
     complete: bool
     prefill_steps: tuple[tuple[int, int, float], ...] = ()
     decode_steps: tuple[tuple[int, int, float], ...] = ()
+    cached: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The member record's form (see `from_json`)."""
         return {"seconds": round(self.seconds, 3), "budget_s": self.budget_s,
-                "complete": self.complete,
+                "complete": self.complete, "cached": self.cached,
                 "prefill_steps": [[n, c, round(s, 6)] for n, c, s in self.prefill_steps],
                 "decode_steps": [[b, c, round(s, 6)] for b, c, s in self.decode_steps]}
 
@@ -272,12 +275,14 @@ class StartupProfile:
         try:
             return cls(float(d["seconds"]), float(d["budget_s"]), bool(d["complete"]),
                        tuple((int(n), int(c), float(s)) for n, c, s in d["prefill_steps"]),
-                       tuple((int(b), int(c), float(s)) for b, c, s in d["decode_steps"]))
+                       tuple((int(b), int(c), float(s)) for b, c, s in d["decode_steps"]),
+                       bool(d.get("cached", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed startup profile: {e}") from None
 
     def summary(self) -> dict[str, Any]:
         """Seconds, budget, completeness and step counts (no steps): for status."""
         return {"seconds": round(self.seconds, 3), "budget_s": self.budget_s,
-                "complete": self.complete, "prefill_steps": len(self.prefill_steps),
+                "complete": self.complete, "cached": self.cached,
+                "prefill_steps": len(self.prefill_steps),
                 "decode_steps": len(self.decode_steps)}
