@@ -7,7 +7,9 @@ to decode the request (a `DecodeRequest`), the node takes the pushed buffer if t
 push completed, else READs the prefill node's stage in one batch (all of it or
 nothing: it never decodes on partial KV), admits the request with kv_import +
 first_token, and streams `OutputDelta` lines back ("{}" keep-alives while quiet; a
-`DecodeFailure` line ends a request the engine refuses or fails).
+`DecodeFailure` line ends a request the engine refuses or fails). The lines carry only
+the tokens sampled here: the API node sent the first token, with the part of its text
+`engine.stop.held_back` allows, and the engine's text starts after that part.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ cache_salt)` and gets RequestOutput deltas. Per request:
    /internal/decode on d, read with the node's RPC client (`port.stream`, wire/rpc.py
    `ControlClient.stream`: the token, pool and errors of the control calls): d takes the pushed KV (or READs p's stage when the push
    did not happen or failed), admits the request with kv_import + first_token,
-   and streams JSON lines back; its first delta repeats the first token, which
-   is dropped here. If d cannot be reached before it produced anything, the
+   and streams JSON lines back; they carry only d's tokens (the first token is sent
+   once, by this node; d's text starts after `engine.stop.held_back` of the first
+   token's text, exactly the part sent here with it). If d cannot be reached before it produced anything, the
    decode side is placed again without it (the new node READs p's stage).
 
 Failures end the request with a clear error naming the node, and nothing waits
@@ -50,6 +51,7 @@ from typing import Any, Protocol
 
 from mooncaked.api.errors import ApiError
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
+from mooncaked.engine.stop import held_back
 from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
@@ -136,17 +138,6 @@ class SloUnattainable(ApiError):
                               f"Retrying will not help: shorten the prompt.",
                          param="prompt", code="slo_unattainable")
         self.max_prompt_tokens = max_prompt_tokens
-
-
-def _held_back(text: str, stop: list[str]) -> str:
-    """The part of the first token's text that is safe to send before the decode node has
-    seen the next token: without a trailing incomplete character, and without a suffix
-    that could start a stop string (the engine's detokenizer holds those back too)."""
-    text = text.rstrip("\ufffd")
-    for k in range(min(max((len(s) for s in stop), default=1) - 1, len(text)), 0, -1):
-        if any(s.startswith(text[-k:]) for s in stop if s):
-            return text[:-k]
-    return text
 
 
 class ClusterFrontend:
@@ -403,7 +394,7 @@ class ClusterFrontend:
                 first = pre.output
                 cached = first.num_cached_tokens
                 finished = pre.kv is None
-                first_text = first.text if finished else _held_back(first.text, params.stop)
+                first_text = first.text if finished else held_back(first.text, params.stop)
                 out = first.to_output(request_id, text=first_text)
                 if not finished:
                     out.finished, out.finish_reason, out.stop_reason = False, None, None
@@ -414,7 +405,7 @@ class ClusterFrontend:
                     return
                 # aclosing: when the client goes away, the decode stream closes now, not at GC.
                 dec = self._decode(pl, pre, prompt_token_ids, params, request_id, cache_salt,
-                                   place_req, first_text, deadline)
+                                   place_req, deadline)
                 async with contextlib.aclosing(dec):
                     async for out in dec:
                         staged = pushed = None       # the decode node admitted it: all released
@@ -518,8 +509,10 @@ class ClusterFrontend:
 
     async def _decode(self, pl: PlaceReply, pre: PrefillReply, prompt: list[int],
                       params: SamplingParams, rid: str, cache_salt: str | None,
-                      place_req: PlaceRequest, sent_text: str, deadline: float
+                      place_req: PlaceRequest, deadline: float
                       ) -> AsyncIterator[RequestOutput]:
+        """The decode node's deltas (POST /internal/decode; the first token is not among
+        them). Raises: _DecodeLost (resume), Overloaded (429), InvalidRequest, ApiError."""
         params = dataclasses.replace(params, prompt_logprobs=None)   # the prefill node's part
         body = DecodeRequest(rid, tuple(prompt), pre.output.ids[0], params, pre.kv,
                              pl.prefill.control, cache_salt).to_json()
@@ -532,15 +525,8 @@ class ClusterFrontend:
             try:
                 async with contextlib.aclosing(deltas):
                     async for o in deltas:
-                        ids, text = list(o.ids), o.text
-                        if not produced:
-                            produced = True
-                            # The decode node reports the prefill's first token with its first
-                            # delta; the client has it already.
-                            ids = ids[1:]
-                            if text.startswith(sent_text):
-                                text = text[len(sent_text):]
-                        yield o.to_output(rid, ids, text)
+                        produced = True
+                        yield o.to_output(rid)
                         if o.finished:
                             return
                 raise _DecodeLost(d.node, "it ended the stream before the request finished")
