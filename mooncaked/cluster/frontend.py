@@ -11,19 +11,26 @@ cache_salt)` and gets RequestOutput deltas. Per request:
    HTTP 429 with Retry-After (early rejection, paper section 4 step 4), or as 400
    slo_unattainable without one when even an idle cluster would break the TTFT SLO;
 2. `node.prefill` on p (one control call, bounded by the request's time): p
-   loads the prefix, prefills while staging the KV layer by layer (all blocks,
-   the partial last one included) and, with cluster.layerwise_kv_push, WRITEs
-   each layer into a buffer it reserved on d while computing the next layer
-   (cluster/kv_push.py); it answers with the first token once every WRITE is
-   done. If p is dead or draining, the request is placed again without it;
+   loads the prefix; when the request's turn to compute comes, p asks d to admit
+   it (d's TBT check, `node.kv_reserve`; with the push, the same call reserves
+   d's receive buffer), and d's refusal comes back as the API's 429 before
+   anything was computed; then p prefills while staging the KV layer by layer
+   (all blocks, the partial last one included) and, with
+   cluster.layerwise_kv_push, WRITEs each layer into that buffer while computing
+   the next layer (cluster/kv_push.py); it answers with the first token once
+   every WRITE is done. If p is dead or draining, the request is placed again
+   without it;
 3. the first token goes to the client at once (TTFT is p's), then POST
-   /internal/decode on d, read with the node's RPC client (`port.stream`, wire/rpc.py
-   `ControlClient.stream`: the token, pool and errors of the control calls): d takes the pushed KV (or READs p's stage when the push
-   did not happen or failed), admits the request with kv_import + first_token,
-   and streams JSON lines back; they carry only d's tokens (the first token is sent
-   once, by this node; d's text starts after `engine.stop.held_back` of the first
-   token's text, exactly the part sent here with it). If d cannot be reached before it produced anything, the
-   decode side is placed again without it (the new node READs p's stage).
+   /internal/decode on d, read with the node's RPC client (`port.stream`,
+   wire/rpc.py `ControlClient.stream`: the token, pool and errors of the control
+   calls): d takes the pushed KV (or READs p's stage when the push did not happen
+   or failed), admits the request with kv_import + first_token (no second TBT
+   check for a request it admitted before the prefill), and streams JSON lines
+   back; they carry only d's tokens (the first token is sent once, by this node;
+   d's text starts after `engine.stop.held_back` of the first token's text,
+   exactly the part sent here with it). If d cannot be reached before it
+   produced anything, the decode side is placed again without it (the new node
+   READs p's stage and checks the request on arrival).
 
 Failures end the request with a clear error naming the node, and nothing waits
 without a bound: place calls use cluster.rpc_timeout_s, the prefill call the
@@ -430,7 +437,8 @@ class ClusterFrontend:
         push = can_continue and self.port.settings.cluster.layerwise_kv_push
         req = PrefillRequest(rid, tuple(prompt), params, cache_salt, pl.fetch, pl.prefix_tokens,
                              stage=can_continue, push_to=pl.decode.control if push else None,
-                             ttl_s=remaining)
+                             ttl_s=remaining,
+                             admit_at=pl.decode.control if can_continue else None)
         try:
             return await self.port.call_prefill(p, req, max(0.1, remaining))
         except PeerUnavailable as e:
@@ -443,6 +451,8 @@ class ClusterFrontend:
                 raise _Replace(str(e), e.remote_message or f"{p.node} is draining") from e
             if e.remote_type == "InvalidRequest":
                 raise InvalidRequest(e.remote_message, e.remote_param) from e
+            if e.remote_type == "DecodeRefused":      # d's TBT check, before p computed
+                raise _refused(e.remote_detail or {}, pl.decode.node) from e
             if e.remote_type == "ReceiveBuffersFull":     # load on the decode node: say so
                 raise Overloaded("decode_receive_buffers_full",
                                  self.port.settings.conductor.min_retry_after_s,

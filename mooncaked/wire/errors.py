@@ -32,16 +32,18 @@ class RpcError(ClusterError):
     it), `remote_param` (the request parameter at fault, if the error named one),
     `status` (the HTTP status of the answer, 0 when there was none) and `body` (the JSON
     object of an error answer, {} when it was none: a stream route's 429 carries its
-    refusal there, "reason", "retry_after_s", "predicted_tbt_s").
+    refusal there, "reason", "retry_after_s", "predicted_tbt_s"), `remote_detail` (a
+    control handler's error detail, e.g. DecodeRefused's refusal; None when it gave none).
     """
 
     def __init__(self, message: str, *, peer: str = "", method: str = "", remote_type: str = "",
                  remote_message: str = "", remote_param: str | None = None, status: int = 0,
-                 body: dict | None = None):
+                 body: dict | None = None, remote_detail: dict | None = None):
         super().__init__(message)
         self.peer, self.method, self.remote_type = peer, method, remote_type
         self.remote_message, self.remote_param, self.status = remote_message, remote_param, status
         self.body = body if body is not None else {}
+        self.remote_detail = remote_detail
 
 
 class NotLeader(RuntimeError):
@@ -50,6 +52,21 @@ class NotLeader(RuntimeError):
     Raised by a node's conductor calls when no leader is known or the callee is not it any
     more; it crosses the wire as an RpcError whose remote_type is "NotLeader".
     """
+
+
+class DecodeRefused(ClusterError):
+    """A decode node's TBT admission check refused a request (cluster/admission.py) when
+    the prefill node asked it to admit the request, before the prefill computed.
+
+    `detail` is the refusal ({"error", "reason", "predicted_tbt_s", "tbt_slo_s",
+    "retry_after_s"}); a control handler that raises it answers HTTP 429 with the detail,
+    which arrives as RpcError.remote_detail (remote_type "DecodeRefused")."""
+
+    http_status = 429
+
+    def __init__(self, message: str, detail: dict):
+        super().__init__(message)
+        self.detail = detail
 
 
 class PeerUnavailable(RpcError):
@@ -71,4 +88,4 @@ class RpcTimeout(RpcError):
 
 
 __all__ = ["ClusterError", "CoordinationError", "SessionLost", "RpcError", "PeerUnavailable",
-           "NotConnected", "BadReply", "RpcTimeout", "NotLeader"]
+           "NotConnected", "BadReply", "RpcTimeout", "NotLeader", "DecodeRefused"]

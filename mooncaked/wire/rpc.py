@@ -53,9 +53,12 @@ def _json_response(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-def _error(status: int, type_: str, message: str, param: str | None = None) -> web.Response:
-    return _json_response({"ok": False, "error": {"type": type_, "message": message,
-                                                  "param": param}}, status)
+def _error(status: int, type_: str, message: str, param: str | None = None,
+           detail: dict | None = None) -> web.Response:
+    err = {"type": type_, "message": message, "param": param}
+    if detail is not None:
+        err["detail"] = detail
+    return _json_response({"ok": False, "error": err}, status)
 
 
 class ControlServer:
@@ -63,8 +66,9 @@ class ControlServer:
 
     A handler is `async def handler(payload) -> result`, payload and result being JSON
     values. A handler that raises answers HTTP 500 with the exception's class and
-    message (the client raises RpcError with `remote_type` set); ValueError and
-    TypeError answer 400 (bad input). Unknown names answer 404. With a token, a call
+    message (the client raises RpcError with `remote_type` set), or the exception's
+    `http_status` with its `detail` dict (DecodeRefused: 429 and the refusal, the
+    client's RpcError.remote_detail); ValueError and TypeError answer 400 (bad input). Unknown names answer 404. With a token, a call
     without it (Authorization: Bearer <token>) answers 401 and is logged (auth.py).
     """
 
@@ -118,7 +122,8 @@ class ControlServer:
             # NotLeader answers every report while there is no conductor: one line a window.
             _limited.warning(f"{name}:{type(e).__name__}", "control_handler_failed",
                              method=name, error=repr(e))
-            return _error(500, type(e).__name__, str(e), getattr(e, "param", None))
+            return _error(getattr(e, "http_status", 500), type(e).__name__, str(e),
+                          getattr(e, "param", None), getattr(e, "detail", None))
         try:
             return _json_response({"ok": True, "result": result})
         except TypeError as e:
@@ -274,7 +279,8 @@ class ControlClient:
         raise RpcError(f"{method} on {addr}: {err.get('type', 'Error')}: "
                        f"{err.get('message', '')} (HTTP {status})",
                        remote_type=err.get("type", ""), remote_message=err.get("message", ""),
-                       remote_param=err.get("param"), status=status, **where)
+                       remote_param=err.get("param"), status=status,
+                       remote_detail=err.get("detail"), **where)
 
     async def stream(self, addr: str, path: str, payload: Any = None, *, total_s: float,
                      idle_s: float, connect_s: float | None = None) -> AsyncIterator[Any]:
