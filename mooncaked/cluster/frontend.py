@@ -549,8 +549,8 @@ class ClusterFrontend:
                 raise ApiError(504, f"decode node {d.node} sent nothing for "
                                     f"{cs.stream_idle_timeout_s} s", type="server_error",
                                code="timeout") from e
-            except (NotConnected, RpcError) as e:
-                if isinstance(e, NotConnected):
+            except RpcError as e:
+                if isinstance(e, NotConnected):     # d never saw the request: try another
                     why = str(e)
                 elif e.status == 429:
                     raise _refused(e.body, d.node) from e
