@@ -228,7 +228,6 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         await node.stop()
         for r in reversed(runners):
             await r.cleanup()
-        await node.frontend.close()
         if engine is not None:
             await engine.stop()
     log.info("stopped")

@@ -380,6 +380,41 @@ def test_greedy_output_equals_single_process(env):
     assert delta["push_bytes"] == blocks * LAYERS * LAYER_BLOCK_BYTES, delta
 
 
+def test_a_stop_string_spanning_the_first_token_streams_as_one_process(env):
+    """The first token (the prefill node's) ends in the start of a stop string that the
+    second (the decode node's) completes: the API node holds that part back and the
+    decode node's first delta carries only its own token and the text the client has not
+    got, so the stream is the single process's: same text, same stop."""
+    cluster, ref = env
+    api = cluster.api_url("c1")
+    code, one, _ = post(f"{ref}/v1/completions", completion(1, cache_salt=fresh()))
+    assert code == 200, one
+    code, two, _ = post(f"{ref}/v1/completions", completion(2, cache_salt=fresh()))
+    assert code == 200, two
+    t0, t01 = one["choices"][0]["text"], two["choices"][0]["text"]
+    assert t0 and len(t01) > len(t0), (t0, t01)
+    stop = t0[-1] + t01[len(t0)]
+    assert stop not in t0, (t0, stop)        # only the second token completes it
+    body = completion(8, cache_salt=fresh(), stop=[stop], stream=True)
+    indexed = conductor(cluster)["nodes"]["p1"]["indexed_blocks"]
+
+    async def streamed(url: str) -> tuple[list[str], str]:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            async with s.post(f"{url}/v1/completions", data=orjson.dumps(body)) as r:
+                assert r.status == 200, await r.text()
+                events = [e async for e in _stream_events(r)]
+        chunks = [e["choices"][0] for e in events[:-1] if isinstance(e, dict) and e["choices"]]
+        return [c["text"] for c in chunks], chunks[-1]["finish_reason"]
+
+    (got, got_reason), (want, want_reason) = (asyncio.run(streamed(api)),
+                                              asyncio.run(streamed(ref)))
+    assert "".join(got) == "".join(want) == t0[:-1], (got, want)
+    assert got_reason == want_reason == "stop"
+    # left as found: the prefill node's blocks of this prompt are in the conductor's index
+    wait_until(lambda: conductor(cluster)["nodes"]["p1"]["indexed_blocks"] - indexed
+               == one["usage"]["prompt_tokens"] // BLOCK, 10, "p1's blocks indexed")
+
+
 def test_repeated_prefix_reports_cached_tokens(env):
     cluster, _ = env
     api = cluster.api_url("c1")

@@ -38,7 +38,9 @@ def wire(msg) -> dict:
     KV,
     PrefillRequest("r1", (1, 2, 3), PARAMS, "tenant", FetchPlan("c1", "a:1", KEYS), 16, True,
                    "127.0.0.1:3", 12.5),
+    PrefillRequest("r1", (1, 2, 3), PARAMS, stage=True, ttl_s=3.0, admit_at="127.0.0.1:3"),
     KVReservation("r1", "127.0.0.1:4", (30, 2, 2, 16, 3, 64), "float32", 30.0),
+    KVReservation("r1", "127.0.0.1:4", (), "", 30.0, admit_tokens=40),    # admission only
     KVReserved({"segment": "d1/recv/r1"}),
     Release("r1", "127.0.0.1:4"),
     Release("r1"),
@@ -187,6 +189,36 @@ def test_an_unattainable_rejection_names_the_longest_prompt_that_would_pass():
     e = SloUnattainable(3000, 0.3, 18.06, 412)
     assert (e.status, e.code, getattr(e, "headers", None)) == (400, "slo_unattainable", None)
     assert "412 tokens" in str(e) and "18.06 s" in str(e)
+
+
+def test_a_decode_refusal_crosses_two_control_calls_with_its_detail():
+    """DecodeRefused (the decode node's TBT check before the prefill) answers 429 with the
+    refusal as the error's detail; RpcError.remote_detail carries it to the prefill node,
+    which raises it again for the API node (cluster/prefill_worker.py)."""
+    from mooncaked.wire.errors import DecodeRefused
+
+    refusal = {"error": "decode node at its TBT budget", "reason": "tbt_slo",
+               "predicted_tbt_s": 1.2, "tbt_slo_s": 1.0, "retry_after_s": 1.0}
+
+    async def run():
+        server = ControlServer()
+
+        async def refuse(p):
+            raise DecodeRefused(refusal["error"], refusal)
+
+        server.add_handler("node.kv_reserve", refuse)
+        host, port = await server.start("127.0.0.1", 0)
+        try:
+            async with ControlClient(timeout_s=10) as client:
+                with pytest.raises(RpcError) as e:
+                    await client.call(f"{host}:{port}", "node.kv_reserve", {})
+                return e.value
+        finally:
+            await server.stop()
+
+    err = asyncio.run(run())
+    assert (err.status, err.remote_type, err.remote_detail) == (429, "DecodeRefused", refusal)
+    assert err.remote_message == refusal["error"]
 
 
 def test_a_full_decode_receive_buffer_is_a_429_naming_it():

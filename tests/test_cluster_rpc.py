@@ -13,7 +13,7 @@ import time
 import pytest
 from aiohttp import web
 
-from mooncaked.wire.errors import PeerUnavailable, RpcError, RpcTimeout
+from mooncaked.wire.errors import BadReply, NotConnected, PeerUnavailable, RpcError, RpcTimeout
 from mooncaked.wire.rpc import ControlClient, ControlServer
 from mooncaked.coord.etcd_server import free_port
 from cluster_probe import ProbeProcess
@@ -121,6 +121,7 @@ def test_dead_peer_is_peer_unavailable_quickly():
                 await asyncio.wait_for(client.call(f"127.0.0.1:{free_port()}", "echo", {}), 10)
             assert "peer unavailable: ClientConnectorError" in str(e.value)
             assert isinstance(e.value.__cause__.os_error, ConnectionRefusedError)
+            assert isinstance(e.value, NotConnected)       # it never saw the call
     asyncio.run(main())
 
 
@@ -151,6 +152,84 @@ def test_routes_mount_on_an_existing_app():
         finally:
             for r in runners:
                 await r.cleanup()
+    asyncio.run(main())
+
+
+def test_a_stream_yields_json_lines_with_the_calls_token_and_errors():
+    """ControlClient.stream: the JSON lines of a 200 answer without its keep-alives; an
+    error status is an RpcError with the answer's object (a 429's refusal); a line that is
+    not JSON a BadReply; silence past idle_s an RpcTimeout; a refused connection
+    NotConnected and one that breaks mid-stream PeerUnavailable; aclose() cancels the
+    peer's handler; every request carries the token."""
+    seen: dict = {"auth": [], "cancelled": 0}
+
+    async def stream(request):
+        seen["auth"].append(request.headers.get("Authorization"))
+        ask = await request.json()
+        if ask["do"] == "refuse":
+            return web.json_response({"error": "full", "reason": "tbt_slo",
+                                      "retry_after_s": 2.5}, status=429)
+        resp = web.StreamResponse(status=200)
+        await resp.prepare(request)
+        await resp.write(b'{"n": 1}\n{}\n\n[2, "two"]\n')
+        if ask["do"] == "bad":
+            await resp.write(b"not json\n")
+        elif ask["do"] in ("hang", "wait"):
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                seen["cancelled"] += 1
+                raise
+        elif ask["do"] == "die":
+            request.transport.close()          # the peer goes away mid-stream
+            await asyncio.sleep(30)
+        return resp
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/internal/s", stream)
+        runner = web.AppRunner(app, handler_cancellation=True)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        addr = f"127.0.0.1:{port}"
+
+        async def lines(do, idle_s=10.0, at=addr):
+            got = []
+            async for v in client.stream(at, "/internal/s", {"do": do}, total_s=20,
+                                         idle_s=idle_s):
+                got.append(v)
+            return got
+        try:
+            async with ControlClient(timeout_s=5, token="s" * 20) as client:
+                assert await lines("ok") == [{"n": 1}, [2, "two"]]
+                assert seen["auth"] == ["Bearer " + "s" * 20]
+                with pytest.raises(RpcError) as e:
+                    await lines("refuse")
+                assert (e.value.status, e.value.remote_message) == (429, "full")
+                assert e.value.body["retry_after_s"] == 2.5 and e.value.peer == addr
+                assert not isinstance(e.value, PeerUnavailable)
+                with pytest.raises(BadReply, match="not JSON"):
+                    await lines("bad")
+                t0 = time.monotonic()
+                with pytest.raises(RpcTimeout):
+                    await lines("hang", idle_s=0.3)
+                assert time.monotonic() - t0 < 10
+                with pytest.raises(PeerUnavailable) as e:
+                    await lines("die")
+                assert not isinstance(e.value, NotConnected)
+                with pytest.raises(NotConnected):
+                    await lines("ok", at=f"127.0.0.1:{free_port()}")
+                it = client.stream(addr, "/internal/s", {"do": "wait"}, total_s=20, idle_s=20)
+                assert await it.__anext__() == {"n": 1}
+                cancelled = seen["cancelled"]
+                await it.aclose()                  # the client went away: the handler stops
+                deadline = time.monotonic() + 10
+                while seen["cancelled"] == cancelled and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+                assert seen["cancelled"] == cancelled + 1
+        finally:
+            await runner.cleanup()
     asyncio.run(main())
 
 

@@ -137,10 +137,19 @@ def test_step_time_loop_lag_and_relay_histograms_in_metrics(clusters):
     assert st["stalls"]["step"]["decode"]["p50_s"] > 0
 
 
+def _prompt_tokens(pd: LocalCluster, node: str) -> int:
+    """Prompt tokens the node's engine has scheduled so far (its prefills)."""
+    return control_call(pd.control(node), "node.status")["engine"]["prompt_tokens_total"]
+
+
 def test_decode_node_at_its_tbt_budget_refuses_with_429(clusters):
+    """d1 runs one request (0.6 s a step by its cost model) and refuses a second (1.2 s >
+    the 1 s TBT SLO). It answers when p1 asks it to admit the request, before p1
+    computes: the client gets the 429 and p1 prefilled nothing (issue 31)."""
     pd, _ = clusters
     url = pd.api_url("c1")
     before = control_call(pd.control("d1"), "node.status")["requests"]["refused"]
+    prefilled: list[int] = []
 
     async def run() -> tuple[int, dict, dict]:
         long = {"prompt": PROMPTS[1], "max_tokens": 400, "ignore_eos": True, "stream": True,
@@ -155,9 +164,12 @@ def test_decode_node_at_its_tbt_budget_refuses_with_429(clusters):
                         seen += 1
                         if seen >= 3:
                             break
+                prefilled.append(await asyncio.to_thread(_prompt_tokens, pd, "p1"))
                 async with s.post(f"{url}/v1/completions",
                                   json={"prompt": PROMPTS[2], "max_tokens": 8}) as r2:
-                    return r2.status, dict(r2.headers), await r2.json()
+                    answer = r2.status, dict(r2.headers), await r2.json()
+                prefilled.append(await asyncio.to_thread(_prompt_tokens, pd, "p1"))
+                return answer
 
     status, headers, body = asyncio.run(run())
     assert status == 429, body
@@ -165,6 +177,7 @@ def test_decode_node_at_its_tbt_budget_refuses_with_429(clusters):
     assert body["error"]["code"] == "overloaded"
     assert "tbt_slo" in body["error"]["message"]
     assert "predicted TBT 1.200 s" in body["error"]["message"]
+    assert prefilled[1] == prefilled[0] > 0        # the refused request cost p1 no prefill
     after = control_call(pd.control("d1"), "node.status")["requests"]
     assert after["refused"] == before + 1
     # the refusal is in d1's admission ledger with its prediction (admission.ledger RPC)

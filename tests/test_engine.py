@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.llm_engine import LLMEngine
+from mooncaked.engine.stop import held_back
 from mooncaked.engine.types import InvalidRequest, SamplingParams, StructuredSpec
 
 from mooncaked.config import load_settings
@@ -211,10 +214,53 @@ def test_bad_requests_are_refused(engine):
     assert not engine.has_work()
 
 
+def _prefill_then_decode(engine, prompt, params, rid):
+    """The disaggregated path at engine level: prefill (max_tokens=1, export_kv) on
+    `engine`, decode with kv_import + first_token on another. Returns the prefill's final
+    output and what a client gets: the first token with held_back of its text (as the
+    API node sends it), then the decoder's outputs."""
+    from mooncaked.engine.types import KVImport
+
+    engine.add_request(f"p{rid}", prompt, dataclasses.replace(params, max_tokens=1),
+                       export_kv=True)
+    (final,) = [o for o in step_all(engine) if o.finished]
+    exp = final.kv_export
+    first = final.new_token_ids[0]
+    decoder = engine_without_prefix_cache()
+    decoder.add_request(f"d{rid}", prompt, params, kv_import=KVImport(exp.blocks.clone(), exp.num_tokens),
+                        first_token=first)
+    outs = step_all(decoder)
+    assert len(outs[0].new_token_ids) == 1                # the first token is not sent again
+    tokens = [first] + sum((o.new_token_ids for o in outs), [])
+    text = held_back(final.new_text, params.stop) + "".join(o.new_text for o in outs)
+    return final, tokens, text, outs[-1]
+
+
+def test_a_stop_string_spanning_the_first_token_stops_the_decoder_as_one_engine(engine, chats):
+    """The first token's text ends in the start of a stop string that the second token
+    completes: the API node holds that part back, the decoder neither repeats it nor
+    misses it, and stops where one engine stops."""
+    prompt = chats[4] + engine.tokenizer.encode(" Answer briefly.")
+    plain = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    base = run(engine, [prompt], plain)[0]
+    t0, t1 = (engine.tokenizer.decode([t]) for t in base["tokens"][:2])
+    assert t0 and t1, (t0, t1)
+    stop = [t0[-1] + t1[:1]]
+    assert held_back(t0, stop) == t0[:-1]                  # the first token's text is held back
+    params = dataclasses.replace(plain, stop=stop)
+    whole = run(engine, [prompt], params)[0]
+    final, tokens, text, last = _prefill_then_decode(engine, prompt, params, "stop")
+    assert final.finish_reason == "length"                 # the prefill alone did not stop
+    assert tokens == whole["tokens"] and text == whole["text"]
+    assert (last.finish_reason, last.stop_reason) == ("stop", stop[0])
+    assert text == (t0 + t1)[:(t0 + t1).index(stop[0])]
+
+
 @pytest.mark.parametrize("seed", [None, 7])
 def test_prefill_export_then_decode_import_equals_one_engine(engine, chats, seed):
     """The disaggregated path at engine level: prefill on one engine, decode on another.
-    Greedy and seeded sampling give the same tokens as one engine."""
+    Greedy and seeded sampling give the same tokens as one engine; the decoder does not
+    report the first token again."""
     from mooncaked.engine.types import KVImport
 
     prompt = chats[4] + engine.tokenizer.encode(" Answer briefly.")
@@ -234,8 +280,10 @@ def test_prefill_export_then_decode_import_equals_one_engine(engine, chats, seed
     decoder = engine_without_prefix_cache()
     decoder.add_request(f"d{seed}", prompt, params, kv_import=KVImport(exp.blocks.clone(), exp.num_tokens),
                         first_token=first)
-    tokens, text, cached = [], "", None
-    for o in step_all(decoder):
+    tokens, text, cached = [first], held_back(final.new_text, []), None
+    outs = step_all(decoder)
+    assert len(outs[0].new_token_ids) == 1          # the first token is not reported again
+    for o in outs:
         tokens += o.new_token_ids
         text += o.new_text
         cached = o.num_cached_tokens

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mooncaked.engine.stop import finish_reason
+from mooncaked.engine.detokenizer import IncrementalDetokenizer
+from mooncaked.engine.stop import finish_reason, held_back
 from mooncaked.engine.types import SamplingParams
 
 EOS = {2}
@@ -25,3 +26,31 @@ def test_each_reason_in_vllms_order():
     assert check(2, stop_token_ids=[2]) == ("stop", None)
     # a stop token at the length limit stops as a stop, not as length
     assert check(7, stop_token_ids=[7], n=8) == ("stop", 7)
+
+
+class _Words:
+    """A tokenizer over a word list: token i decodes to words[i] (decode only)."""
+
+    def __init__(self, words):
+        self.words = words
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.words[i] for i in ids)
+
+
+def test_held_back_is_what_the_detokenizer_releases_of_a_first_token():
+    """held_back (what the API node sends with the prefill node's first token, and where a
+    decode node's text starts) drops a trailing incomplete character and the longest
+    suffix that could start a stop string; a fresh IncrementalDetokenizer releases the
+    same text for one token."""
+    assert held_back("Hello", []) == "Hello"
+    assert held_back("Hello", ["lo!"]) == "Hel"          # "lo" may start "lo!"
+    assert held_back("Hello", ["o!", "llo?"]) == "He"    # the longest suffix wins
+    assert held_back("Hello", ["xyz", ""]) == "Hello"
+    assert held_back("ab\ufffd", ["zz"]) == "ab"
+    assert held_back("", ["a"]) == ""
+    cases = [("Hello", ["lo!"]), ("Hello", ["o!", "llo?"]), ("abc", ["bcd"]), ("abc", []),
+             (" the", ["e end", "x"])]
+    for text, stop in cases:
+        det = IncrementalDetokenizer(_Words([text]), stop)
+        assert det.add(0) == held_back(text, stop), (text, stop)

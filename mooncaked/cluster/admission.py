@@ -1,10 +1,12 @@
 """Node-side TBT admission (Mooncake section 6 / Algorithm 1 step 4, at the decode node).
 
 The conductor rejects a request whose predicted TBT breaks `conductor.tbt_slo_s`, but
-it predicts from reports up to `cluster.report_interval_s` old. The decode node (or a
-coupled node) checks again when the request arrives, with its live batch: it refuses
-(HTTP 429 with Retry-After, the reason in the body) when its predicted step time with
-the request exceeds the TBT SLO.
+it predicts from reports up to `cluster.report_interval_s` old. The decode node checks
+again, with its live batch, when the prefill node asks it to admit the request before
+computing (decode_worker.py `admit`: DecodeRefused, a 429 for the client, no prefill
+spent), or when a request it did not admit arrives; a coupled node when the request
+arrives. It refuses (HTTP 429 with Retry-After, the reason in the body) when its
+predicted step time with the request exceeds the TBT SLO.
 
 Both sides predict the same way: `step_with_request_s(cost, batch, context, prompt)` =
 `cost.decode_step_s(batch + 1, context + prompt)` over the same cost model (the file

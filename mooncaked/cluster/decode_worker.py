@@ -1,13 +1,20 @@
-"""The decode side of a node: receive buffers for pushed KV (`node.kv_reserve`) and the
-internal decode stream (POST /internal/decode; architecture.md step 4).
+"""The decode side of a node: admissions and receive buffers for pushed KV
+(`node.kv_reserve`) and the internal decode stream (POST /internal/decode;
+architecture.md step 4).
 
-A prefill node reserves a receive buffer for one request when its first layer is
-ready; only it gets the buffer's access key. When the API node then asks this node
+A prefill node asks this node to admit a request (the TBT check, cluster/admission.py)
+when the request's turn to compute comes, before it computes: a refusal (DecodeRefused,
+429) costs no prefill. With the push on, the same call reserves the request's receive
+buffer; only that prefill node gets the buffer's access key. An admission counts as
+load for the next checks until its /internal/decode arrives (which does not check
+again), its prefill node releases it, or cluster.stage_ttl_s passes. When the API node then asks this node
 to decode the request (a `DecodeRequest`), the node takes the pushed buffer if the
 push completed, else READs the prefill node's stage in one batch (all of it or
 nothing: it never decodes on partial KV), admits the request with kv_import +
 first_token, and streams `OutputDelta` lines back ("{}" keep-alives while quiet; a
-`DecodeFailure` line ends a request the engine refuses or fails).
+`DecodeFailure` line ends a request the engine refuses or fails). The lines carry only
+the tokens sampled here: the API node sent the first token, with the part of its text
+`engine.stop.held_back` allows, and the engine's text starts after that part.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from mooncaked.conductor.refit import STARTUP_PROFILE
 from mooncaked.log import get_logger
 
 from .admission import DecodeAdmission
+from mooncaked.wire.errors import DecodeRefused
 from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation,
                                      KVReserved, MessageError, OutputDelta, Release)
 from .node_state import NodeDraining, ReceiveBuffersFull, release_on
@@ -35,6 +43,16 @@ from mooncaked.engine.types import KVImport
 from mooncaked.engine.types import InvalidRequest
 
 log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A request admitted before its prefill (`node.kv_reserve` with admit_tokens): its
+    prefill node's control address, prompt tokens, and until when it holds (monotonic s)."""
+
+    owner: str
+    tokens: int
+    until: float
 
 
 @dataclass
@@ -76,6 +94,7 @@ class DecodeWorker:
         # a prefill node that gave up on a request while its node.kv_reserve was still in
         # flight releases first; the late reservation must not then hold memory until its TTL.
         self._released_early: dict[tuple[str, str], float] = {}
+        self.admitted: dict[str, Admission] = {}      # rid -> admitted, not yet arrived
         self.tokens_out = 0        # output tokens streamed (the throughput line)
         g = self.engine.kv_geometry()
         self.admission = DecodeAdmission(self.settings, g.block_bytes // max(1, g.block_size))
@@ -86,14 +105,17 @@ class DecodeWorker:
     # ------------------------------------------------------------------ receive buffers
 
     async def reserve(self, payload: Any) -> dict:
-        """`node.kv_reserve`: KVReservation -> KVReserved, a receive buffer registered as
-        segment "<node>/recv/<rid>"; only the caller gets its descriptor (access key). Freed
+        """`node.kv_reserve`: KVReservation -> KVReserved. With admit_tokens, first the TBT
+        check (`admit`). Then, unless the shape is empty (an admission only: KVReserved
+        with an empty descriptor), a receive buffer registered as segment
+        "<node>/recv/<rid>"; only the caller gets its descriptor (access key). Freed
         when the request is admitted, by node.release from its owner, or after ttl_s from
         now (clamped to [cluster.stage_ttl_s, server.request_timeout_s]). A new reservation
         for the same rid (the request placed again on another prefill node) replaces the
         old one.
-        Raises: NodeDraining; ValueError for a wrong geometry, or when the receive buffers
-        would exceed engine.kv_cache_bytes.
+        Raises: NodeDraining; DecodeRefused (429) when the TBT check refuses; ValueError
+        for a wrong geometry, or when the receive buffers would exceed
+        engine.kv_cache_bytes.
         """
         import torch  # noqa: PLC0415
 
@@ -101,6 +123,10 @@ class DecodeWorker:
         if self.ctx.draining():
             raise NodeDraining(f"{self.node_id} is draining")
         failpoints.hit("node.kv_reserve")
+        if ask.admit_tokens:
+            self.admit(ask.rid, ask.owner, ask.admit_tokens)
+        if not ask.shape:
+            return KVReserved({}).to_json()
         g = self.engine.kv_geometry()
         want = g.layer_major_shape(ask.shape[1] if len(ask.shape) == 6 else 0)
         if list(ask.shape) != want or ask.shape[1] < 1 or ask.dtype != g.dtype_name:
@@ -126,10 +152,25 @@ class DecodeWorker:
         self.buffers[ask.rid] = ReceiveBuffer(name, buf, timer, ask.owner)
         return KVReserved(desc).to_json()
 
+    def admit(self, rid: str, owner: str, tokens: int) -> None:
+        """Admits rid (`tokens` prompt tokens, prefilled by `owner`) before its prefill: the
+        TBT check over the running requests and the ones admitted before theirs arrived.
+        The admission holds until rid's /internal/decode, a release by owner, or
+        cluster.stage_ttl_s (the staged KV's own bound). Raises: DecodeRefused."""
+        now = time.monotonic()
+        self.admitted = {r: a for r, a in self.admitted.items() if a.until > now and r != rid}
+        refusal = self._check(rid, tokens)
+        if refusal is not None:
+            raise DecodeRefused(refusal["error"], refusal)
+        self.admitted[rid] = Admission(owner, tokens, now + self.settings.cluster.stage_ttl_s)
+
     def release(self, rid: str, owner: str | None = None) -> Any:
-        """Withdraws rid's receive segment (only if `owner`, when given, reserved it);
-        returns its buffer, or None. A release by `owner` that finds no buffer refuses that
-        owner's reservation of rid for cluster.stage_ttl_s (it may still be in flight)."""
+        """Withdraws rid's receive segment and admission (only if `owner`, when given, holds
+        them); returns its buffer, or None. A release by `owner` that finds no buffer refuses
+        that owner's reservation of rid for cluster.stage_ttl_s (it may still be in flight)."""
+        a = self.admitted.get(rid)
+        if a is not None and owner is not None and a.owner == owner:
+            del self.admitted[rid]
         r = self.buffers.get(rid)
         if r is None and owner:
             self._released_early[(rid, owner)] = (time.monotonic()
@@ -188,9 +229,11 @@ class DecodeWorker:
         except (orjson.JSONDecodeError, MessageError) as e:
             return web.json_response({"error": f"bad decode request: {e}"}, status=400)
         rid = req.rid
-        refused = self._refuse(rid, len(req.prompt))     # as the conductor predicts it
-        if refused is not None:
-            return refused
+        admitted = self.admitted.pop(rid, None)
+        if admitted is None or admitted.owner != req.prefill:   # not admitted before its prefill
+            refused = self._refuse(rid, len(req.prompt))     # as the conductor predicts it
+            if refused is not None:
+                return refused
         t0 = time.monotonic()
         try:
             buf = await self._kv_for(req)
@@ -210,15 +253,26 @@ class DecodeWorker:
                                    first_token=req.first_token)
         return await self._stream(request, rid, gen)
 
-    def _refuse(self, rid: str, tokens: int) -> web.Response | None:
-        """The TBT admission check (cluster/admission.py): a 429 with Retry-After and the
-        reason when this node's predicted step time with the request breaks the SLO."""
+    def _check(self, rid: str, tokens: int) -> dict | None:
+        """The TBT admission check (cluster/admission.py) of rid with `tokens` prompt tokens
+        over the running requests and the other admitted ones: None, or the refusal."""
         _, batch, context = self.load()
+        waiting = [a for r, a in self.admitted.items() if r != rid and r not in self.requests]
+        batch += len(waiting)
+        context += sum(a.tokens + 1 for a in waiting)
         refusal = self.admission.check(batch, context, tokens, rid)
+        if refusal is not None:
+            log.info("decode_refused", request_id=rid, reason=refusal["reason"],
+                     predicted_tbt_s=round(refusal["predicted_tbt_s"], 4), batch=batch)
+        return refusal
+
+    def _refuse(self, rid: str, tokens: int) -> web.Response | None:
+        """The TBT admission check at /internal/decode (a request not admitted before its
+        prefill) or /internal/generate: a 429 with Retry-After and the reason when this
+        node's predicted step time with the request breaks the SLO."""
+        refusal = self._check(rid, tokens)
         if refusal is None:
             return None
-        log.info("decode_refused", request_id=rid, reason=refusal["reason"],
-                 predicted_tbt_s=round(refusal["predicted_tbt_s"], 4), batch=batch)
         return web.json_response(refusal, status=429, headers={
             "Retry-After": str(max(1, math.ceil(refusal["retry_after_s"])))})
 
@@ -342,4 +396,4 @@ class DecodeWorker:
             self.release(rid)
 
 
-__all__ = ["DecodeWorker", "ReceiveBuffer"]
+__all__ = ["Admission", "DecodeWorker", "ReceiveBuffer"]

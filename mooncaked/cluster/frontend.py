@@ -11,17 +11,26 @@ cache_salt)` and gets RequestOutput deltas. Per request:
    HTTP 429 with Retry-After (early rejection, paper section 4 step 4), or as 400
    slo_unattainable without one when even an idle cluster would break the TTFT SLO;
 2. `node.prefill` on p (one control call, bounded by the request's time): p
-   loads the prefix, prefills while staging the KV layer by layer (all blocks,
-   the partial last one included) and, with cluster.layerwise_kv_push, WRITEs
-   each layer into a buffer it reserved on d while computing the next layer
-   (cluster/kv_push.py); it answers with the first token once every WRITE is
-   done. If p is dead or draining, the request is placed again without it;
+   loads the prefix; when the request's turn to compute comes, p asks d to admit
+   it (d's TBT check, `node.kv_reserve`; with the push, the same call reserves
+   d's receive buffer), and d's refusal comes back as the API's 429 before
+   anything was computed; then p prefills while staging the KV layer by layer
+   (all blocks, the partial last one included) and, with
+   cluster.layerwise_kv_push, WRITEs each layer into that buffer while computing
+   the next layer (cluster/kv_push.py); it answers with the first token once
+   every WRITE is done. If p is dead or draining, the request is placed again
+   without it;
 3. the first token goes to the client at once (TTFT is p's), then POST
-   /internal/decode on d: d takes the pushed KV (or READs p's stage when the push
-   did not happen or failed), admits the request with kv_import + first_token,
-   and streams JSON lines back; its first delta repeats the first token, which
-   is dropped here. If d cannot be reached before it produced anything, the
-   decode side is placed again without it (the new node READs p's stage).
+   /internal/decode on d, read with the node's RPC client (`port.stream`,
+   wire/rpc.py `ControlClient.stream`: the token, pool and errors of the control
+   calls): d takes the pushed KV (or READs p's stage when the push did not happen
+   or failed), admits the request with kv_import + first_token (no second TBT
+   check for a request it admitted before the prefill), and streams JSON lines
+   back; they carry only d's tokens (the first token is sent once, by this node;
+   d's text starts after `engine.stop.held_back` of the first token's text,
+   exactly the part sent here with it). If d cannot be reached before it
+   produced anything, the decode side is placed again without it (the new node
+   READs p's stage and checks the request on arrival).
 
 Failures end the request with a clear error naming the node, and nothing waits
 without a bound: place calls use cluster.rpc_timeout_s, the prefill call the
@@ -47,17 +56,15 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
-import aiohttp
-import orjson
-
 from mooncaked.api.errors import ApiError
 from mooncaked.engine.detokenizer import IncrementalDetokenizer
+from mooncaked.engine.stop import held_back
 from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
 from mooncaked.store.keys import block_keys, make_salt
 
-from mooncaked.wire.auth import auth_headers
-from mooncaked.wire.errors import NotLeader, PeerUnavailable, RpcError, RpcTimeout
+from mooncaked.wire.errors import (BadReply, NotConnected, NotLeader, PeerUnavailable, RpcError,
+                                   RpcTimeout)
 from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, MessageError,
                                      NodeRef, OutputDelta, PlaceRejected, PlaceReply, PlaceRequest,
                                      PrefillReply, PrefillRequest, Release)
@@ -87,6 +94,8 @@ class FrontendPort(Protocol):
     async def wait_leader_change(self, timeout_s: float) -> None: ...
     async def call_prefill(self, target: NodeRef, req: PrefillRequest, timeout_s: float
                            ) -> PrefillReply: ...
+    def stream(self, target: NodeRef, path: str, payload: dict, total_s: float
+               ) -> AsyncIterator[Any]: ...
     async def release(self, addr: str, msg: Release) -> None: ...
     def spawn(self, coro: Any) -> Any: ...
     def serving(self) -> contextlib.AbstractContextManager: ...
@@ -139,17 +148,6 @@ class SloUnattainable(ApiError):
         self.max_prompt_tokens = max_prompt_tokens
 
 
-def _held_back(text: str, stop: list[str]) -> str:
-    """The part of the first token's text that is safe to send before the decode node has
-    seen the next token: without a trailing incomplete character, and without a suffix
-    that could start a stop string (the engine's detokenizer holds those back too)."""
-    text = text.rstrip("\ufffd")
-    for k in range(min(max((len(s) for s in stop), default=1) - 1, len(text)), 0, -1):
-        if any(s.startswith(text[-k:]) for s in stop if s):
-            return text[:-k]
-    return text
-
-
 class ClusterFrontend:
     """The engine-shaped front of the cluster for the API server (see the module doc).
 
@@ -163,7 +161,6 @@ class ClusterFrontend:
         self.tokenizer = port.tokenizer
         self.request_timeout_s = s.server.request_timeout_s
         self._model_name = s.server.served_model_name
-        self._http: aiohttp.ClientSession | None = None
 
     # ------------------------------------------------------------------ engine-like surface
 
@@ -212,23 +209,6 @@ class ClusterFrontend:
     def stats(self) -> EngineStats:
         """This node's engine counters (zeros on a node without a model)."""
         return self.port.engine_stats() or EngineStats(0, 0, 0, 0, 0, 0, 0)
-
-    async def close(self) -> None:
-        """Closes the HTTP client of decode streams."""
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-
-    @property
-    def _headers(self) -> dict[str, str]:
-        """Headers of a decode stream request: JSON and the cluster token."""
-        return {"Content-Type": "application/json",
-                **auth_headers(getattr(self.port, "token", None))}
-
-    def _session(self) -> aiohttp.ClientSession:
-        if self._http is None or self._http.closed:
-            self._http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
-        return self._http
 
     # ------------------------------------------------------------------ the request path
 
@@ -423,7 +403,7 @@ class ClusterFrontend:
                 first = pre.output
                 cached = first.num_cached_tokens
                 finished = pre.kv is None
-                first_text = first.text if finished else _held_back(first.text, params.stop)
+                first_text = first.text if finished else held_back(first.text, params.stop)
                 out = first.to_output(request_id, text=first_text)
                 if not finished:
                     out.finished, out.finish_reason, out.stop_reason = False, None, None
@@ -434,7 +414,7 @@ class ClusterFrontend:
                     return
                 # aclosing: when the client goes away, the decode stream closes now, not at GC.
                 dec = self._decode(pl, pre, prompt_token_ids, params, request_id, cache_salt,
-                                   place_req, first_text, deadline)
+                                   place_req, deadline)
                 async with contextlib.aclosing(dec):
                     async for out in dec:
                         staged = pushed = None       # the decode node admitted it: all released
@@ -459,7 +439,8 @@ class ClusterFrontend:
         push = can_continue and self.port.settings.cluster.layerwise_kv_push
         req = PrefillRequest(rid, tuple(prompt), params, cache_salt, pl.fetch, pl.prefix_tokens,
                              stage=can_continue, push_to=pl.decode.control if push else None,
-                             ttl_s=remaining)
+                             ttl_s=remaining,
+                             admit_at=pl.decode.control if can_continue else None)
         try:
             return await self.port.call_prefill(p, req, max(0.1, remaining))
         except PeerUnavailable as e:
@@ -472,6 +453,8 @@ class ClusterFrontend:
                 raise _Replace(str(e), e.remote_message or f"{p.node} is draining") from e
             if e.remote_type == "InvalidRequest":
                 raise InvalidRequest(e.remote_message, e.remote_param) from e
+            if e.remote_type == "DecodeRefused":      # d's TBT check, before p computed
+                raise _refused(e.remote_detail or {}, pl.decode.node) from e
             if e.remote_type == "ReceiveBuffersFull":     # load on the decode node: say so
                 raise Overloaded("decode_receive_buffers_full",
                                  self.port.settings.conductor.min_retry_after_s,
@@ -482,6 +465,27 @@ class ClusterFrontend:
             raise ApiError(502, f"prefill node {p.node} sent a malformed reply: {e}",
                            type="server_error", code="bad_reply") from e
 
+    async def _deltas(self, node: NodeRef, path: str, body: dict, deadline: float, who: str
+                      ) -> AsyncIterator[OutputDelta]:
+        """The OutputDelta lines of one node stream (`port.stream`, keep-alives skipped);
+        `who` names the node's part in messages ("decode node").
+        Raises: InvalidRequest (a failure line with status 400); ApiError 502 naming the
+        node for another failure line or a malformed line, 500 for an engine error; the
+        stream's RpcError for the caller to map (its status, a timeout, the peer gone)."""
+        lines = self.port.stream(node, path, body, max(0.1, deadline - time.monotonic()))
+        async with contextlib.aclosing(lines):
+            async for raw in lines:
+                failure, o = _stream_line(raw, node.node)
+                if failure is not None:
+                    if failure.status == 400:
+                        raise InvalidRequest(failure.error, failure.param)
+                    raise ApiError(502, f"{who} {node.node} failed: {failure.error}",
+                                   type="server_error", code="decode_failed")
+                if o.error:
+                    raise ApiError(500, f"engine error on {who} {node.node}: {o.error}",
+                                   type="server_error")
+                yield o
+
     async def _coupled(self, pl: PlaceReply, prompt: list[int], params: SamplingParams,
                        rid: str, cache_salt: str | None, deadline: float
                        ) -> AsyncIterator[RequestOutput]:
@@ -489,115 +493,88 @@ class ClusterFrontend:
         Raises: Overloaded when the node refuses (429); InvalidRequest; ApiError 502/504."""
         cs = self.port.settings.cluster
         node = pl.prefill
-        body = orjson.dumps(GenerateRequest(rid, tuple(prompt), params, cache_salt).to_json())
-        timeout = aiohttp.ClientTimeout(total=max(0.1, deadline - time.monotonic()),
-                                        sock_connect=cs.rpc_timeout_s,
-                                        sock_read=cs.stream_idle_timeout_s)
+        body = GenerateRequest(rid, tuple(prompt), params, cache_salt).to_json()
+        deltas = self._deltas(node, "/internal/generate", body, deadline, "coupled node")
         try:
-            async with self._session().post(f"http://{node.control}/internal/generate",
-                                            data=body, timeout=timeout,
-                                            headers=self._headers) as r:
-                if r.status == 429:
-                    raise await _refused(r, node.node)
-                if r.status != 200:
-                    text = (await r.read())[:500].decode(errors="replace")
-                    raise ApiError(502 if r.status != 503 else 503, f"coupled node {node.node} "
-                                   f"refused the request (HTTP {r.status}): {text}",
-                                   type="server_error", code="decode_failed")
-                async for line in r.content:
-                    line = line.strip()
-                    if not line or line == b"{}":
-                        continue                       # keep-alive
-                    failure, o = _stream_line(line, node.node)
-                    if failure is not None:
-                        if failure.status == 400:
-                            raise InvalidRequest(failure.error, failure.param)
-                        raise ApiError(502, f"generation on node {node.node} failed: "
-                                            f"{failure.error}", type="server_error",
-                                       code="decode_failed")
-                    if o.error:
-                        raise ApiError(500, f"engine error on node {node.node}: {o.error}",
-                                       type="server_error")
+            async with contextlib.aclosing(deltas):
+                async for o in deltas:
                     yield o.to_output(rid)
                     if o.finished:
                         return
-                raise ApiError(502, f"coupled node {node.node} ended the stream before the "
-                                    f"request finished", type="server_error", code="decode_failed")
-        except (aiohttp.ServerTimeoutError, TimeoutError) as e:
+            raise ApiError(502, f"coupled node {node.node} ended the stream before the "
+                                f"request finished", type="server_error", code="decode_failed")
+        except BadReply as e:
+            raise _bad_line(node.node, e) from e
+        except RpcTimeout as e:
             raise ApiError(504, f"coupled node {node.node} sent nothing for "
                                 f"{cs.stream_idle_timeout_s} s", type="server_error",
                            code="timeout") from e
-        except (aiohttp.ClientError, ConnectionError) as e:
-            raise ApiError(502, f"coupled node {node.node} failed: {type(e).__name__}: {e}",
+        except RpcError as e:
+            if e.status == 429:
+                raise _refused(e.body, node.node) from e
+            if e.status:
+                raise ApiError(502 if e.status != 503 else 503, f"coupled node {node.node} "
+                               f"refused the request (HTTP {e.status}): {e.remote_message}",
+                               type="server_error", code="decode_failed") from e
+            raise ApiError(502, f"coupled node {node.node} failed: {e}",
                            type="server_error", code="decode_failed") from e
 
     async def _decode(self, pl: PlaceReply, pre: PrefillReply, prompt: list[int],
                       params: SamplingParams, rid: str, cache_salt: str | None,
-                      place_req: PlaceRequest, sent_text: str, deadline: float
+                      place_req: PlaceRequest, deadline: float
                       ) -> AsyncIterator[RequestOutput]:
+        """The decode node's deltas (POST /internal/decode; the first token is not among
+        them). Raises: _DecodeLost (resume), Overloaded (429), InvalidRequest, ApiError."""
         params = dataclasses.replace(params, prompt_logprobs=None)   # the prefill node's part
-        body = orjson.dumps(DecodeRequest(rid, tuple(prompt), pre.output.ids[0], params, pre.kv,
-                                          pl.prefill.control, cache_salt).to_json())
+        body = DecodeRequest(rid, tuple(prompt), pre.output.ids[0], params, pre.kv,
+                             pl.prefill.control, cache_salt).to_json()
         cs = self.port.settings.cluster
         d = pl.decode
         exclude = list(place_req.exclude)
         for attempt in range(MAX_DECODE_DISPATCHES):
-            url = f"http://{d.control}/internal/decode"
-            remaining = deadline - time.monotonic()
-            timeout = aiohttp.ClientTimeout(total=max(0.1, remaining),
-                                            sock_connect=cs.rpc_timeout_s,
-                                            sock_read=cs.stream_idle_timeout_s)
             produced = False
+            deltas = self._deltas(d, "/internal/decode", body, deadline, "decode node")
             try:
-                async with self._session().post(url, data=body, timeout=timeout,
-                                                headers=self._headers) as r:
-                    if r.status == 429:
-                        raise await _refused(r, d.node)
-                    if r.status != 200:
-                        text = (await r.read())[:500].decode(errors="replace")
-                        if r.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
-                            raise _Replace(f"decode node {d.node} is draining")
-                        if r.status == 502:
-                            # It could not READ the staged KV (the prefill node died after
-                            # its prefill, or the transfer failed): the client has the first
-                            # token; resume from there, the decode node is fine.
-                            raise _DecodeLost(d.node, f"it could not read the KV staged on "
-                                                      f"{pl.prefill.node}: {text}",
-                                              node_failed=False)
-                        raise ApiError(502, f"decode node {d.node} refused the request "
-                                            f"(HTTP {r.status}): {text}", type="server_error",
-                                       code="decode_failed")
-                    async for line in r.content:
-                        line = line.strip()
-                        if not line or line == b"{}":
-                            continue                       # keep-alive
-                        failure, o = _stream_line(line, d.node)
-                        if failure is not None:
-                            if failure.status == 400:
-                                raise InvalidRequest(failure.error, failure.param)
-                            raise ApiError(502, f"decode on node {d.node} failed: "
-                                                f"{failure.error}", type="server_error",
-                                           code="decode_failed")
-                        if o.error:
-                            raise ApiError(500, f"engine error on decode node {d.node}: "
-                                                f"{o.error}", type="server_error")
-                        ids, text = list(o.ids), o.text
-                        if not produced:
-                            produced = True
-                            # The decode node reports the prefill's first token with its first
-                            # delta; the client has it already.
-                            ids = ids[1:]
-                            if text.startswith(sent_text):
-                                text = text[len(sent_text):]
-                        yield o.to_output(rid, ids, text)
+                async with contextlib.aclosing(deltas):
+                    async for o in deltas:
+                        produced = True
+                        yield o.to_output(rid)
                         if o.finished:
                             return
                 raise _DecodeLost(d.node, "it ended the stream before the request finished")
-            except (_Replace, aiohttp.ClientConnectorError) as e:
-                if produced or attempt + 1 >= MAX_DECODE_DISPATCHES:
-                    raise ApiError(502, f"decode node {d.node} unavailable: {e}",
+            except BadReply as e:
+                raise _bad_line(d.node, e) from e
+            except RpcTimeout as e:
+                if time.monotonic() < deadline:   # silent past the idle timeout: hung or dead
+                    raise _DecodeLost(d.node, f"it sent nothing for "
+                                              f"{cs.stream_idle_timeout_s} s") from e
+                raise ApiError(504, f"decode node {d.node} sent nothing for "
+                                    f"{cs.stream_idle_timeout_s} s", type="server_error",
+                               code="timeout") from e
+            except RpcError as e:
+                if isinstance(e, NotConnected):     # d never saw the request: try another
+                    why = str(e)
+                elif e.status == 429:
+                    raise _refused(e.body, d.node) from e
+                elif e.status == 503 and attempt + 1 < MAX_DECODE_DISPATCHES:
+                    why = f"decode node {d.node} is draining"
+                elif e.status == 502:
+                    # It could not READ the staged KV (the prefill node died after its
+                    # prefill, or the transfer failed): the client has the first token;
+                    # resume from there, the decode node is fine.
+                    raise _DecodeLost(d.node, f"it could not read the KV staged on "
+                                              f"{pl.prefill.node}: {e.remote_message}",
+                                      node_failed=False) from e
+                elif e.status:
+                    raise ApiError(502, f"decode node {d.node} refused the request "
+                                        f"(HTTP {e.status}): {e.remote_message}",
                                    type="server_error", code="decode_failed") from e
-                log.warning("decode_replaced", request_id=rid, node=d.node, reason=str(e))
+                else:                       # the connection broke, before or after a line
+                    raise _DecodeLost(d.node, str(e)) from e
+                if produced or attempt + 1 >= MAX_DECODE_DISPATCHES:
+                    raise ApiError(502, f"decode node {d.node} unavailable: {why}",
+                                   type="server_error", code="decode_failed") from e
+                log.warning("decode_replaced", request_id=rid, node=d.node, reason=why)
                 if pre.kv.pushed:           # the new node READs the staged KV
                     self.port.spawn(self.port.release(d.control,
                                                       Release(rid, pl.prefill.control)))
@@ -605,28 +582,23 @@ class ClusterFrontend:
                 pl2 = await self._place(dataclasses.replace(place_req, exclude=tuple(exclude),
                                                             decode_only=True), deadline)
                 d = pl2.decode
-            except (aiohttp.ServerTimeoutError, TimeoutError) as e:
-                if time.monotonic() < deadline:   # silent past the idle timeout: hung or dead
-                    raise _DecodeLost(d.node, f"it sent nothing for "
-                                              f"{cs.stream_idle_timeout_s} s") from e
-                raise ApiError(504, f"decode node {d.node} sent nothing for "
-                                    f"{cs.stream_idle_timeout_s} s", type="server_error",
-                               code="timeout") from e
-            except (aiohttp.ClientError, ConnectionError) as e:
-                raise _DecodeLost(d.node, f"{type(e).__name__}: {e}") from e
 
 
-def _stream_line(line: bytes, node: str) -> tuple[DecodeFailure | None, OutputDelta | None]:
-    """One line of a node's output stream: (its failure, None) or (None, its delta).
-    Raises: ApiError 502 (code bad_reply) naming the node and the field when the line is
-    not JSON or not a message, never a 500."""
+def _stream_line(raw: Any, node: str) -> tuple[DecodeFailure | None, OutputDelta | None]:
+    """One line of a node's output stream (a JSON value): (its failure, None) or (None, its
+    delta). Raises: ApiError 502 (code bad_reply) naming the node and the field when the
+    line is not a message, never a 500."""
     try:
-        raw = orjson.loads(line)
         failure = DecodeFailure.from_line(raw)
         return (failure, None) if failure is not None else (None, OutputDelta.from_json(raw))
-    except (orjson.JSONDecodeError, MessageError) as e:
-        raise ApiError(502, f"node {node} sent a malformed output line: {e}",
-                       type="server_error", code="bad_reply") from e
+    except MessageError as e:
+        raise _bad_line(node, e) from e
+
+
+def _bad_line(node: str, e: Exception) -> ApiError:
+    """A line of a node's stream that is not JSON or not a message: 502, code bad_reply."""
+    return ApiError(502, f"node {node} sent a malformed output line: {e}",
+                    type="server_error", code="bad_reply")
 
 
 class _RequestLine:
@@ -667,12 +639,9 @@ class _RequestLine:
                  status="finished" if self.finished else "aborted")
 
 
-async def _refused(r: aiohttp.ClientResponse, node: str) -> Overloaded:
-    """A node's 429 (its TBT admission check, cluster/admission.py) as the API's 429."""
-    try:
-        body = orjson.loads(await r.read())
-    except (orjson.JSONDecodeError, aiohttp.ClientError):
-        body = {}
+def _refused(body: dict, node: str) -> Overloaded:
+    """A node's 429 (its TBT admission check, cluster/admission.py; `body` its refusal) as
+    the API's 429."""
     log.info("node_refused", node=node, reason=body.get("reason"),
              predicted_tbt_s=body.get("predicted_tbt_s"))
     return Overloaded(str(body.get("reason") or "tbt_slo"), float(body.get("retry_after_s") or 1.0),

@@ -4,11 +4,12 @@ Mooncake paper, section 3 (Figure 3) and section 4 step 2: the prefill node
 streams each layer's KV to the decode node while it computes the next layer, so
 that little transfer time is left once the prefill ends. Here:
 
-- when the request's first layer is ready (so a request queued on the prefill
-  node holds no decode memory), the pusher asks the decode node to reserve a
-  receive buffer (`node.kv_reserve`, see node.py): a transfer-engine segment in
-  the same layer-major layout as the prefill node's LayerwiseKV stage, whose
-  descriptor (with its access key) only this prefill node is given;
+- when the request leaves the prefill queue (so a request waiting there holds
+  no decode memory), before it computes, the prefill node asks the decode node
+  to admit it and reserve a receive buffer (`node.kv_reserve`,
+  prefill_worker.py): a transfer-engine segment in the same layer-major layout
+  as the prefill node's LayerwiseKV stage, whose descriptor (with its access
+  key) only this prefill node is given; the pusher's `reserve` hands it over;
 - the prefill engine calls `KVPusher.on_layer` from its thread after each layer
   of each step; the pusher WRITEs that layer's blocks to the same offsets of the
   receive buffer from the event loop, in order (a partial block sent again by a

@@ -38,6 +38,7 @@ import dataclasses
 import os
 import socket
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from aiohttp import web
@@ -110,7 +111,7 @@ class ClusterNode:
         # Prefill calls and decode streams last as long as a request: a separate pool.
         self.data_client = ControlClient(settings.cluster.rpc_timeout_s,
                                          settings.cluster.rpc_max_body_bytes, limit_per_host=0,
-                                         token=self.token)
+                                         token=self.token, limit=0)
         self.coord: Coordinator | None = None
         self.view: ClusterView | None = None       # members, leader, election, reports
         self.transfer: Any = None
@@ -252,6 +253,17 @@ class ClusterNode:
         r = await self.data_client.call(target.control, "node.prefill", req.to_json(),
                                         timeout_s=timeout_s)
         return PrefillReply.from_json(r)
+
+    def stream(self, target: NodeRef, path: str, payload: dict, total_s: float
+               ) -> AsyncIterator[Any]:
+        """The JSON lines of a stream route (/internal/decode, /internal/generate) on target,
+        over the long-lived data pool (ControlClient.stream): connecting bounded by
+        cluster.rpc_timeout_s, silence by cluster.stream_idle_timeout_s, all of it by
+        total_s. Raises: as ControlClient.stream."""
+        cs = self.settings.cluster
+        return self.data_client.stream(target.control, path, payload, total_s=total_s,
+                                       idle_s=cs.stream_idle_timeout_s,
+                                       connect_s=cs.rpc_timeout_s)
 
     async def release(self, addr: str, msg: Release) -> None:
         """Best-effort `node.release` on addr (2 s bound; the TTLs free it otherwise)."""

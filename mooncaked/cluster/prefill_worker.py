@@ -2,7 +2,10 @@
 prefix fetches (Mooncake paper, section 3 and 4.2; architecture.md step 3).
 
 Per request (a `PrefillRequest`): copy the prefix blocks the conductor planned from
-their holder into this node's store (a failure only means recomputing), prefill
+their holder into this node's store (a failure only means recomputing); when its turn
+to compute comes, ask the decode node to admit it (`admit_at`: `node.kv_reserve` with
+the prompt's tokens, and the receive buffer in the same call when pushing), so that
+the decode node's refusal (DecodeRefused, 429) comes before any compute; prefill
 with max_tokens=1 while the engine stages every block's KV layer by layer
 (`LayerwiseKV`; the partial last block included) and, with a decode node to push
 to, WRITE each layer into the receive buffer it reserved there as soon as the
@@ -24,7 +27,7 @@ from mooncaked import failpoints
 from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.log import get_logger
 
-from mooncaked.wire.errors import ClusterError
+from mooncaked.wire.errors import ClusterError, DecodeRefused, RpcError
 from .kv_push import KVPusher
 from mooncaked.wire.messages import (FetchPlan, KVHandle, KVReservation, KVReserved, OutputDelta,
                                      PrefillDone, PrefillReply, PrefillRequest, Release)
@@ -123,7 +126,8 @@ class PrefillWorker:
         """`node.prefill`: PrefillRequest -> PrefillReply (see the module doc). With
         `kv.pushed` the decode node holds all of the KV; otherwise it READs the stage.
         Raises: NodeDraining; MessageError (400) for a malformed body; InvalidRequest (bad
-        prompt or params); RuntimeError when the engine fails.
+        prompt or params); DecodeRefused (429) when the decode node does not admit the
+        request (nothing computed); RuntimeError when the engine fails.
         """
         req = PrefillRequest.from_json(payload)
         if self.ctx.draining():
@@ -137,7 +141,7 @@ class PrefillWorker:
         self.activity.arrived.append(rid)
         t0 = time.monotonic()
         kv_stream = pusher = None
-        handed_over = held = False
+        handed_over = held = admitted = replied = False
         self.waiting.add(rid)
         try:
             await failpoints.ahit("node.prefill")
@@ -148,10 +152,18 @@ class PrefillWorker:
             self.waiting.discard(rid)
             if req.stage and 0 < len(prompt) < self.engine.max_model_len:
                 kv_stream = self.engine.layerwise_kv(len(prompt))
-                if req.push_to:
-                    pusher = self._pusher(rid, kv_stream, req.push_to, req.ttl_s)
-                    kv_stream.on_layer = pusher.on_layer
-                    pusher.start()
+            pushing = kv_stream is not None and req.push_to is not None
+            reserved: Any = None
+            if req.admit_at is not None or pushing:
+                # the decode node admits (or refuses) the request before it computes here
+                reserved = await self._reserve(rid, len(prompt), kv_stream if pushing else None,
+                                               req.push_to if pushing else req.admit_at,
+                                               req.ttl_s, req.admit_at is not None)
+                admitted = req.admit_at is not None and not isinstance(reserved, Exception)
+            if pushing:
+                pusher = self._pusher(kv_stream, reserved)
+                kv_stream.on_layer = pusher.on_layer
+                pusher.start()
             final = None
             gen = self.engine.generate(prompt, params, rid, cache_salt=req.cache_salt,
                                        kv_stream=kv_stream)
@@ -178,7 +190,9 @@ class PrefillWorker:
             self.activity.done.append(PrefillDone(rid, seconds, len(prompt) - final.num_cached_tokens,
                                                   final.num_cached_tokens,
                                                   self.requests[rid].alone))
-            return PrefillReply(OutputDelta.of(final), kv, seconds).to_json()
+            reply = PrefillReply(OutputDelta.of(final), kv, seconds).to_json()
+            replied = True
+            return reply
         finally:
             if held:
                 self.queue.release()
@@ -188,6 +202,8 @@ class PrefillWorker:
                 await pusher.aclose()
                 if pusher.attempted and not handed_over:
                     self.ctx.spawn(release_on(self.client, req.push_to, Release(rid, self.control_addr)))
+            elif admitted and not replied:         # failed after its admission: withdraw it
+                self.ctx.spawn(release_on(self.client, req.admit_at, Release(rid, self.control_addr)))
 
     def _predict(self, new: int, cached: int) -> float:
         """Predicted prefill seconds, the spf queue's key: the cost model the conductor
@@ -199,18 +215,41 @@ class PrefillWorker:
             self._cost = load_cost_model(self.settings, g.block_bytes // max(1, g.block_size))
         return self._cost.prefill_s(new, cached)
 
-    def _pusher(self, rid: str, kv_stream: Any, decode_control: str, ttl_s: float) -> KVPusher:
-        """A KVPusher whose reservation asks the decode node for a receive buffer."""
-        ask = KVReservation(rid, self.control_addr, tuple(kv_stream.shape),
-                            str(kv_stream.dtype).removeprefix("torch."), ttl_s)
-
-        async def reserve() -> dict:
+    async def _reserve(self, rid: str, tokens: int, kv_stream: Any, decode_control: str,
+                       ttl_s: float, admit: bool) -> dict | Exception:
+        """`node.kv_reserve` on the decode node before the prefill computes: its admission
+        of the request (with `admit`: `tokens` prompt tokens) and, with a kv_stream, the
+        receive buffer for the push. Returns {"descriptor": ...} ({} without a buffer), or
+        the exception that kept the push from a buffer (the decode node then READs, and
+        checks the request when it arrives).
+        Raises: DecodeRefused when the decode node refuses the request."""
+        shape, dtype = ((), "") if kv_stream is None else (
+            tuple(kv_stream.shape), str(kv_stream.dtype).removeprefix("torch."))
+        ask = KVReservation(rid, self.control_addr, shape, dtype, ttl_s, tokens if admit else 0)
+        try:
             r = await self.client.call(decode_control, "node.kv_reserve", ask.to_json())
             return {"descriptor": KVReserved.from_json(r).descriptor}
+        except RpcError as e:
+            if e.remote_type == "DecodeRefused":
+                raise DecodeRefused(e.remote_message, e.remote_detail or {}) from e
+            return e
+        except (ClusterError, ValueError) as e:    # ValueError: a malformed KVReserved
+            return e
 
-        return KVPusher(self.transfer, kv_stream, reserve,
-                        self.settings.cluster.rpc_timeout_s
-                        + self.settings.transfer.request_timeout_s)
+    def _pusher(self, kv_stream: Any, reserved: dict | Exception) -> KVPusher:
+        """A KVPusher onto the receive buffer `_reserve` got (an exception: no push, the
+        decode node READs)."""
+
+        async def reserve() -> dict:
+            if isinstance(reserved, Exception):
+                raise reserved
+            return reserved
+
+        pusher = KVPusher(self.transfer, kv_stream, reserve,
+                          self.settings.cluster.rpc_timeout_s
+                          + self.settings.transfer.request_timeout_s)
+        pusher.attempted = not isinstance(reserved, Exception)   # a buffer to release if unused
+        return pusher
 
     async def _fetch(self, fetch: FetchPlan) -> None:
         """Replicates prefix blocks from their holder into this node's store (section 4.2);

@@ -169,7 +169,8 @@ class AsyncLLM:
 
         Args: see LLMEngine.add_request (kv_import: K/V given for the prompt's first tokens;
             export_kv: the final output carries all the request's blocks as a KVExport;
-            first_token: the first output token when continuing a prefill node's request;
+            first_token: the first output token when continuing a prefill node's request
+                (not reported again: the deltas carry only the tokens sampled here);
             kv_stream: a LayerwiseKV the prompt's K/V is staged into layer by layer).
         Raises: InvalidRequest before the first yield for a bad prompt or parameter.
         Closing the iterator early (client gone) aborts the request and frees its pages.

@@ -5,7 +5,9 @@ request that is handed over between nodes (Mooncake's prefill -> decode path,
 and prefix loads from the store) also carries K/V in or out, and on a decode
 node starts with a token another node sampled. `HandOver` gathers that state
 in one place: `Sequence.handover` is None for a plain request, so the step's
-hot path tests one attribute.
+hot path tests one attribute. (A decode node's first token, sampled by the prefill
+node, is no state here: it is the last prompt token of the Sequence and is never
+reported again; LLMEngine.add_request.)
 """
 
 from __future__ import annotations
@@ -32,18 +34,11 @@ class HandOver:
             into its final output (RequestOutput.kv_export).
         kv_stream: a LayerwiseKV the prompt's K/V is staged into layer by layer while
             it prefills (the prefill node's push), or None.
-        first_token: the first output token, sampled by the prefill node (a decode node
-            continuing its request; already the last of Sequence.token_ids), until it
-            is reported with the first output; then None.
-        first_text: the detokenized text of first_token (may be "" while a character or
-            a possible stop string is incomplete), reported with it.
     """
 
     kv_import: KVImport | None = None
     export_kv: bool = False
     kv_stream: LayerwiseKV | None = None
-    first_token: int | None = None
-    first_text: str = ""
 
 
 __all__ = ["HandOver"]

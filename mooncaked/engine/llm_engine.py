@@ -30,7 +30,7 @@ from .model_runner import ModelRunner, block_bytes
 from .scheduler import Scheduler
 from .scheduler_output import KVLoad, ScheduledSeq
 from .sequence import Sequence, SeqStatus
-from .stop import finish_reason
+from .stop import finish_reason, held_back
 from .structured import GrammarBackend, grammar_accept, grammar_finished
 from .types import (EngineStats, InvalidRequest, KVExport, KVImport, RequestOutput, SamplingParams,
                     StartupProfile)
@@ -193,7 +193,9 @@ class LLMEngine:
             export_kv: gather all of the request's blocks into its final output (KVExport).
             first_token: the first output token, already sampled elsewhere (a decode node
                 continuing a prefill node's request; kv_import then covers the whole prompt).
-                It counts toward max_tokens and is reported with the first output.
+                It counts toward max_tokens and is not reported: the client has it, with
+                the text `stop.held_back(its text, params.stop)`, from the prefill node; the
+                outputs carry only tokens sampled here and their text starts right after.
             kv_stream: stage the prompt's K/V layer by layer while it prefills (LayerwiseKV,
                 num_blocks = ceil(len(prompt) / block_size), this engine's geometry).
         Raises: InvalidRequest for an empty or too long prompt, an out-of-range token id, a
@@ -247,8 +249,9 @@ class LLMEngine:
             seq.handover = HandOver(kv_import, export_kv, kv_stream)
             if first_token is not None:
                 seq.num_prompt_tokens -= 1
-                seq.handover.first_token = first_token
-                seq.handover.first_text = detok.add(first_token)
+                detok.add(first_token)
+                # the client has this much of its text; the rest comes with our first delta
+                detok.sent = len(held_back(detok.text, params.stop))
         with self._lock:
             if request_id in self.seqs:
                 raise ValueError(f"duplicate request id {request_id}")
@@ -384,12 +387,7 @@ class LLMEngine:
                 text = ""
             else:
                 text = seq.detokenizer.add(token)
-            ho = seq.handover
-            if ho is not None and ho.first_token is not None:  # sampled by the prefill node
-                token_ids, text = [ho.first_token, token], ho.first_text + text
-                ho.first_token, ho.first_text = None, ""
-            else:
-                token_ids = [token]
+            token_ids = [token]
             self.block_manager.commit_full_blocks(seq)
             if self._check_stop(seq, token):
                 out = self._finish(seq, token_ids, text + seq.detokenizer.flush(), logprob)

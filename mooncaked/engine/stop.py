@@ -4,6 +4,10 @@ last stage (the first token, cluster/cpp/cpp_node.py) share, so the two cannot d
 Order (vLLM's): an end-of-sequence token (unless ignore_eos), a stop token id, a stop
 string the detokenizer found, a structured-output constraint that is complete, then the
 length limit.
+
+`held_back` is the other half of the hand-over of a disaggregated request: the part of
+the prefill node's first token that the API node sends at once, and that the decode
+node, continuing the request, therefore never sends again.
 """
 
 from __future__ import annotations
@@ -44,4 +48,18 @@ def finish_reason(token: int, params: SamplingParams, eos_token_ids: Collection[
     return None, None
 
 
-__all__ = ["finish_reason"]
+def held_back(text: str, stop: list[str]) -> str:
+    """The part of a first token's text `text` that is safe to send before the next token
+    is known: without a trailing incomplete character ("\ufffd"), and without a suffix
+    that could start one of the `stop` strings (the IncrementalDetokenizer holds those
+    back too). The API node sends this much with the prefill node's first token
+    (cluster/frontend.py); a decode node's engine starts its text after it
+    (LLMEngine.add_request with first_token)."""
+    text = text.rstrip("\ufffd")
+    for k in range(min(max((len(s) for s in stop), default=1) - 1, len(text)), 0, -1):
+        if any(s.startswith(text[-k:]) for s in stop if s):
+            return text[:-k]
+    return text
+
+
+__all__ = ["finish_reason", "held_back"]

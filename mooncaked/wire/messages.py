@@ -403,7 +403,9 @@ class KVHandle:
 class PrefillRequest:
     """`node.prefill`: prefill `prompt` (token ids) with max_tokens=1 after fetching the
     planned prefix; with `stage`, keep the KV staged layer by layer, and with `push_to` (a
-    decode node's control address) WRITE each layer there; `ttl_s`: the request's time left."""
+    decode node's control address) WRITE each layer there; `ttl_s`: the request's time left.
+    `admit_at`: the decode node (control address) that must admit the request (its TBT
+    check, `KVReservation.admit_tokens`) before the prefill computes, or None."""
 
     rid: str
     prompt: tuple[int, ...]
@@ -414,13 +416,14 @@ class PrefillRequest:
     stage: bool = False
     push_to: str | None = None
     ttl_s: float = 0.0
+    admit_at: str | None = None
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "prompt": list(self.prompt),
                 "params": params_to_json(self.params), "cache_salt": self.cache_salt,
                 "fetch": self.fetch.to_json() if self.fetch is not None else None,
                 "prefix_tokens": self.prefix_tokens, "stage": self.stage,
-                "push_to": self.push_to, "ttl_s": self.ttl_s}
+                "push_to": self.push_to, "ttl_s": self.ttl_s, "admit_at": self.admit_at}
 
     @classmethod
     def from_json(cls, d: Any) -> PrefillRequest:
@@ -429,7 +432,8 @@ class PrefillRequest:
                    params_from_json(_get(d, "params", dict)), _get(d, "cache_salt", str, None),
                    FetchPlan.from_json(fetch) if fetch is not None else None,
                    _get(d, "prefix_tokens", int, 0), _get(d, "stage", bool, False),
-                   _get(d, "push_to", str, None), _get(d, "ttl_s", float, 0.0))
+                   _get(d, "push_to", str, None), _get(d, "ttl_s", float, 0.0),
+                   _get(d, "admit_at", str, None))
 
 
 @dataclass(frozen=True)
@@ -456,23 +460,26 @@ class PrefillReply:
 class KVReservation:
     """`node.kv_reserve`: a receive buffer on a decode node for one request's pushed KV
     (layer-major shape, dtype), owned by the prefill node at control address `owner`, for
-    at most ttl_s seconds."""
+    at most ttl_s seconds. With `admit_tokens` (the prompt's tokens) the decode node first
+    admits the request (its TBT check: DecodeRefused, before the prefill computes); an
+    empty shape asks for the admission only (no push)."""
 
     rid: str
     owner: str
     shape: tuple[int, ...]
     dtype: str
     ttl_s: float = 0.0
+    admit_tokens: int = 0
 
     def to_json(self) -> dict:
         return {"rid": self.rid, "owner": self.owner, "shape": list(self.shape),
-                "dtype": self.dtype, "ttl_s": self.ttl_s}
+                "dtype": self.dtype, "ttl_s": self.ttl_s, "admit_tokens": self.admit_tokens}
 
     @classmethod
     def from_json(cls, d: Any) -> KVReservation:
         return cls(_get(d, "rid", str), _get(d, "owner", str, ""),
                    _ints(_get(d, "shape", list), "shape"), _get(d, "dtype", str),
-                   _get(d, "ttl_s", float, 0.0))
+                   _get(d, "ttl_s", float, 0.0), _get(d, "admit_tokens", int, 0))
 
 
 @dataclass(frozen=True)

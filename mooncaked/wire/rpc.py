@@ -8,6 +8,11 @@ Wire format (HTTP/1.1):
     4xx/5xx {"ok": false, "error": {"type": "<exception class>", "message": "...",
                                     "param": "<parameter at fault>" | null}}
 
+A stream route (the decode node's POST /internal/decode, a coupled node's
+/internal/generate) answers 200 with one JSON value a line ("{}" a keep-alive while
+it is quiet), or an error status with a JSON object ({"error": "<message>", ...});
+`ControlClient.stream` reads it with the same pool, token and errors as a call.
+
 Control messages are small and latency-bound (placement requests, QP/segment
 descriptions, drain commands, inventories); KV bytes never travel here, they go
 through the transfer engine.
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import socket
+from collections.abc import AsyncIterator
 from typing import Any, Awaitable, Callable
 
 import aiohttp
@@ -31,7 +37,7 @@ from aiohttp import web
 from ..log import get_logger
 from ..lograte import RateLimitedLog
 from .auth import auth_headers, authorized
-from .errors import PeerUnavailable, RpcError, RpcTimeout
+from .errors import BadReply, NotConnected, PeerUnavailable, RpcError, RpcTimeout
 
 log = get_logger(__name__)
 _limited = RateLimitedLog(log)
@@ -39,15 +45,20 @@ _limited = RateLimitedLog(log)
 Handler = Callable[[Any], Awaitable[Any]]
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+MAX_ERROR_BODY_BYTES = 64 * 1024     # of a stream route's error answer that is read
+KEEPALIVE = b"{}"                    # a stream's keep-alive line, never handed to the caller
 
 
 def _json_response(body: dict, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-def _error(status: int, type_: str, message: str, param: str | None = None) -> web.Response:
-    return _json_response({"ok": False, "error": {"type": type_, "message": message,
-                                                  "param": param}}, status)
+def _error(status: int, type_: str, message: str, param: str | None = None,
+           detail: dict | None = None) -> web.Response:
+    err = {"type": type_, "message": message, "param": param}
+    if detail is not None:
+        err["detail"] = detail
+    return _json_response({"ok": False, "error": err}, status)
 
 
 class ControlServer:
@@ -55,8 +66,9 @@ class ControlServer:
 
     A handler is `async def handler(payload) -> result`, payload and result being JSON
     values. A handler that raises answers HTTP 500 with the exception's class and
-    message (the client raises RpcError with `remote_type` set); ValueError and
-    TypeError answer 400 (bad input). Unknown names answer 404. With a token, a call
+    message (the client raises RpcError with `remote_type` set), or the exception's
+    `http_status` with its `detail` dict (DecodeRefused: 429 and the refusal, the
+    client's RpcError.remote_detail); ValueError and TypeError answer 400 (bad input). Unknown names answer 404. With a token, a call
     without it (Authorization: Bearer <token>) answers 401 and is logged (auth.py).
     """
 
@@ -110,7 +122,8 @@ class ControlServer:
             # NotLeader answers every report while there is no conductor: one line a window.
             _limited.warning(f"{name}:{type(e).__name__}", "control_handler_failed",
                              method=name, error=repr(e))
-            return _error(500, type(e).__name__, str(e), getattr(e, "param", None))
+            return _error(getattr(e, "http_status", 500), type(e).__name__, str(e),
+                          getattr(e, "param", None), getattr(e, "detail", None))
         try:
             return _json_response({"ok": True, "result": result})
         except TypeError as e:
@@ -166,9 +179,28 @@ class ControlServer:
             self._runner = None
 
 
+def _base(addr: str) -> str:
+    return (addr if "://" in addr else f"http://{addr}").rstrip("/")
+
+
 def _url(addr: str, method: str) -> str:
-    base = addr if "://" in addr else f"http://{addr}"
-    return f"{base.rstrip('/')}/control/{method}"
+    return f"{_base(addr)}/control/{method}"
+
+
+def _error_body(raw: bytes) -> tuple[dict, str, str, str | None]:
+    """(the JSON object, error type, message, param) of an error answer: a control call's
+    {"ok": false, "error": {...}} or a stream route's {"error": "<message>", ...}; a body
+    that is not a JSON object gives ({}, "", its first 500 characters, None)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        body = None
+    if not isinstance(body, dict):
+        return {}, "", raw[:500].decode(errors="replace"), None
+    err = body.get("error")
+    if isinstance(err, dict):
+        return body, str(err.get("type", "")), str(err.get("message", "")), err.get("param")
+    return body, str(body.get("type", "")), str(err if err is not None else body), None
 
 
 class ControlClient:
@@ -180,11 +212,11 @@ class ControlClient:
     """
 
     def __init__(self, timeout_s: float = 5.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 limit_per_host: int = 16, token: str | None = None):
+                 limit_per_host: int = 16, token: str | None = None, limit: int = 100):
         self.timeout_s = timeout_s
         self._headers = {"Content-Type": "application/json", **auth_headers(token)}
         self.max_body_bytes = max_body_bytes
-        self._limit_per_host = limit_per_host
+        self._limit_per_host, self._limit = limit_per_host, limit    # 0: no limit
         self._session: aiohttp.ClientSession | None = None
 
     def _s(self) -> aiohttp.ClientSession:
@@ -192,7 +224,8 @@ class ControlClient:
             # No session-wide timeout: each call is bounded by its own timeout_s (aiohttp's
             # default 300 s total would cut a prefill call that queued longer than that).
             self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit_per_host=self._limit_per_host),
+                connector=aiohttp.TCPConnector(limit=self._limit,
+                                               limit_per_host=self._limit_per_host),
                 timeout=aiohttp.ClientTimeout(total=None),
                 json_serialize=lambda o: orjson.dumps(o).decode())
         return self._session
@@ -228,19 +261,17 @@ class ControlClient:
         except TimeoutError as e:
             raise RpcTimeout(f"{method} on {addr}: no answer within {timeout} s", **where) from e
         except (aiohttp.ClientConnectionError, OSError) as e:
-            # ClientConnectorError (refused), ServerDisconnectedError (died mid-call), resets
-            raise PeerUnavailable(f"{method} on {addr}: peer unavailable: "
-                                  f"{type(e).__name__}: {e}", **where) from e
+            raise _unavailable(e, f"{method} on {addr}", where) from e
         except aiohttp.ClientError as e:
             raise RpcError(f"{method} on {addr}: {type(e).__name__}: {e}", **where) from e
         if len(raw) > self.max_body_bytes:
-            raise RpcError(f"{method} on {addr}: reply larger than {self.max_body_bytes} bytes",
+            raise BadReply(f"{method} on {addr}: reply larger than {self.max_body_bytes} bytes",
                            **where)
         try:
             reply = orjson.loads(raw)
             ok = reply["ok"]
         except (orjson.JSONDecodeError, KeyError, TypeError) as e:
-            raise RpcError(f"{method} on {addr}: malformed reply (HTTP {status}): "
+            raise BadReply(f"{method} on {addr}: malformed reply (HTTP {status}): "
                            f"{raw[:200]!r}", **where) from e
         if ok:
             return reply.get("result")
@@ -248,7 +279,67 @@ class ControlClient:
         raise RpcError(f"{method} on {addr}: {err.get('type', 'Error')}: "
                        f"{err.get('message', '')} (HTTP {status})",
                        remote_type=err.get("type", ""), remote_message=err.get("message", ""),
-                       remote_param=err.get("param"), status=status, **where)
+                       remote_param=err.get("param"), status=status,
+                       remote_detail=err.get("detail"), **where)
+
+    async def stream(self, addr: str, path: str, payload: Any = None, *, total_s: float,
+                     idle_s: float, connect_s: float | None = None) -> AsyncIterator[Any]:
+        """POSTs payload to the stream route `path` ("/internal/decode") of the peer at addr
+        and yields each JSON value of its 200 answer, one a line, as it arrives; the
+        keep-alive lines ("{}") are read and not yielded. Closing the iterator (aclose)
+        closes the connection, which cancels the peer's handler. Same pool and token as
+        `call`.
+
+        Args:
+            total_s: bound on the whole stream, seconds.
+            idle_s: bound on the silence between two lines (keep-alives count), seconds.
+            connect_s: bound on opening the connection; None means the client's timeout_s.
+        Raises (from the iteration; before the first value when the peer refuses):
+            NotConnected: no connection could be opened (the peer never saw the request).
+            PeerUnavailable: the connection broke (the peer died before or mid-stream).
+            RpcTimeout: nothing for idle_s, or the stream outlasted total_s (or connect_s).
+            RpcError: an answer other than 200; `status`, `remote_message` (its "error")
+                and `body` (its JSON object, a 429's refusal) say what.
+            BadReply: a line that is not JSON, or longer than the reader's line limit.
+            ValueError: payload is not JSON-encodable.
+        """
+        try:
+            body = orjson.dumps(payload)
+        except TypeError as e:
+            raise ValueError(f"stream payload for {path!r} is not JSON-encodable: {e}") from e
+        what = f"{path} on {addr}"
+        where = dict(peer=addr, method=path)
+        timeout = aiohttp.ClientTimeout(
+            total=total_s, sock_connect=self.timeout_s if connect_s is None else connect_s,
+            sock_read=idle_s)
+        try:
+            async with self._s().post(_base(addr) + path, data=body, headers=self._headers,
+                                      timeout=timeout) as resp:
+                if resp.status != 200:
+                    obj, type_, message, param = _error_body(
+                        await resp.content.read(MAX_ERROR_BODY_BYTES))
+                    raise RpcError(f"{what}: HTTP {resp.status}: {message}", status=resp.status,
+                                   remote_type=type_, remote_message=message,
+                                   remote_param=param, body=obj, **where)
+                async for line in resp.content:
+                    line = line.strip()
+                    if not line or line == KEEPALIVE:
+                        continue
+                    try:
+                        value = orjson.loads(line)
+                    except orjson.JSONDecodeError as e:
+                        raise BadReply(f"{what}: a line is not JSON ({e}): {line[:200]!r}",
+                                       status=200, **where) from e
+                    yield value
+        except TimeoutError as e:    # aiohttp's ServerTimeoutError (idle, connect) too
+            raise RpcTimeout(f"{what}: nothing within {idle_s} s (or the stream outlasted "
+                             f"{total_s:.1f} s)", **where) from e
+        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, OSError) as e:
+            raise _unavailable(e, what, where) from e
+        except ValueError as e:      # StreamReader: "Line is too long"
+            raise BadReply(f"{what}: {e}", status=200, **where) from e
+        except aiohttp.ClientError as e:
+            raise RpcError(f"{what}: {type(e).__name__}: {e}", **where) from e
 
     async def close(self) -> None:
         """Closes pooled connections. Never raises."""
@@ -261,6 +352,13 @@ class ControlClient:
 
     async def __aexit__(self, *exc) -> None:
         await self.close()
+
+
+def _unavailable(e: Exception, what: str, where: dict) -> PeerUnavailable:
+    """A transport failure as PeerUnavailable: NotConnected when the connection could not
+    be opened (refused, unreachable), else the peer died or reset mid-call."""
+    cls = NotConnected if isinstance(e, aiohttp.ClientConnectorError) else PeerUnavailable
+    return cls(f"{what}: peer unavailable: {type(e).__name__}: {e}", **where)
 
 
 __all__ = ["ControlServer", "ControlClient", "Handler"]
