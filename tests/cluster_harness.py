@@ -20,6 +20,7 @@ SIGTERM, then SIGKILL of the process group it was started in.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -42,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mooncaked.coord.etcd_server import EtcdServer, etcd_binary
 from mooncaked.cluster.launcher import control_call
 from mooncaked.pdeathsig import die_with_parent
+from mooncaked.wire.messages import NodeReport, PlaceRequest
 
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 240.0   # model load on 2 shared cores (about 5-20 s when quiet)
@@ -273,3 +275,20 @@ def logprob_values(body: dict) -> list[float]:
                 vals += [v, *top.values()]
     assert vals and all(isinstance(v, float) and -9999.0 <= v <= 0.0 for v in vals), vals
     return vals
+
+
+def report(svc: Any, node: str, role: str, **kw) -> None:
+    """Hands a ConductorService `svc` one NodeReport from `node` (idle unless `kw` says
+    otherwise), through the wire form as a node's report arrives."""
+    payload = {"node": node, "role": role, "pending": {}, "arrived": [],
+               "decode": {"rids": [], "batch": 0, "context_tokens": 0, "free_kv_tokens": 10_000}}
+    payload.update(kw)
+    asyncio.run(svc.report(NodeReport.from_json(payload)))
+
+
+def place(svc: Any, rid: str, n: int = 100) -> dict:
+    """`conductor.place` on `svc` for a request of n prompt tokens and 10 new ones, no
+    block keys: the reply's (or rejection's) wire form."""
+    req = PlaceRequest.from_json({"rid": rid, "keys": [], "prompt_tokens": n,
+                                  "max_new_tokens": 10})
+    return asyncio.run(svc.place(req)).to_json()

@@ -9,13 +9,12 @@ DecodeAdmission.
 
 from __future__ import annotations
 
-import asyncio
 import math
 
 import pytest
 
 from mooncaked.cluster.admission import DecodeAdmission
-from mooncaked.wire.messages import NodeReport, PlaceRequest
+from cluster_harness import place, report
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
                                                   Decision, decide)
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
@@ -40,19 +39,6 @@ def settings(mode: str = "enforce", warmup: int = 8, ttft_slo: float = 3.0) -> S
     s.conductor.tbt_slo_s = 1.0
     s.engine.block_size = 16
     return s
-
-
-def report(svc: ConductorService, node: str, role: str, **kw) -> None:
-    payload = {"node": node, "role": role, "pending": {}, "arrived": [],
-               "decode": {"rids": [], "batch": 0, "context_tokens": 0, "free_kv_tokens": 10_000}}
-    payload.update(kw)
-    asyncio.run(svc.report(NodeReport.from_json(payload)))      # through the wire form
-
-
-def place(svc: ConductorService, rid: str, n: int = 100) -> dict:
-    req = PlaceRequest.from_json({"rid": rid, "keys": [], "prompt_tokens": n,
-                                  "max_new_tokens": 10})
-    return asyncio.run(svc.place(req)).to_json()
 
 
 def test_decide_covers_every_mode():

@@ -9,7 +9,6 @@ The conductor is driven through its handlers, as in test_admission_modes.py.
 
 from __future__ import annotations
 
-import asyncio
 
 import pytest
 
@@ -17,7 +16,8 @@ from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 from mooncaked.conductor.refit import OVERHEAD_MIN_SAMPLES, CostModelRefitter, ttft_overhead_s
 from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
-from mooncaked.wire.messages import NodeReport, PlaceRequest
+from mooncaked.wire.messages import NodeReport
+from cluster_harness import place, report
 
 # 0.1 s + 10 ms a token of prefill: a 100-token request alone is predicted at 1.1 s
 COST = CostModel(prefill=PolyModel(((0, 0), (1, 0)), (0.1, 0.01)),
@@ -31,19 +31,6 @@ def settings(refit: bool = True) -> Settings:
     s.conductor.refit_cost_model = refit
     s.engine.block_size = 16
     return s
-
-
-def report(svc: ConductorService, node: str, role: str, **kw) -> None:
-    payload = {"node": node, "role": role, "pending": {}, "arrived": [],
-               "decode": {"rids": [], "batch": 0, "context_tokens": 0, "free_kv_tokens": 10_000}}
-    payload.update(kw)
-    asyncio.run(svc.report(NodeReport.from_json(payload)))      # through the wire form
-
-
-def place(svc: ConductorService, rid: str, n: int = 100) -> dict:
-    req = PlaceRequest.from_json({"rid": rid, "keys": [], "prompt_tokens": n,
-                                  "max_new_tokens": 10})
-    return asyncio.run(svc.place(req)).to_json()
 
 
 def test_overhead_is_the_median_gap_not_below_zero():
