@@ -275,6 +275,7 @@ def _print_conductor(c: dict) -> None:
         typer.echo("startup profiles: " + "; ".join(
             f"{nid} {p['seconds']:.1f} s of {p['budget_s']:g} s, {p['prefill_steps']} prefill "
             f"+ {p['decode_steps']} decode steps{'' if p['complete'] else ' (budget ended it)'}"
+            f"{' (cached: an earlier start measured it)' if p.get('cached') else ''}"
             for nid, p in profiles.items()))
     adm = c.get("admission") or {}
     if adm:

@@ -104,7 +104,7 @@ class SamplingParams:
             (self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= max_logprobs,
              "prompt_logprobs", f"must be in [0, {max_logprobs}]"),
             (all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings"),
-            (len(self.stop) <= 16, "stop", "at most 16 stop strings"),
+            (len(self.stop) <= 16, "stop", f"holds {len(self.stop)} strings; at most 16 are allowed"),
             (isinstance(self.output_offset, int) and self.output_offset >= 0, "output_offset",
              "must be a non-negative integer"),
             (self.structured is None or self.structured.kind in StructuredSpec.KINDS,
