@@ -235,6 +235,10 @@ class TransferEngine:
                 log.info("peer_paths_dropped", node=old.node, endpoints=n)
         return peer.name
 
+    def peer_segment_names(self) -> list[str]:
+        """The names of the peers' segments this engine knows (add_peer_segment), sorted."""
+        return sorted(self._peers)
+
     def remove_peer_segment(self, name: str) -> None:
         """Forgets a peer's segment. Raises UnknownSegmentError."""
         if self._peers.pop(name, None) is None:

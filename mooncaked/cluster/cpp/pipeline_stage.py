@@ -427,7 +427,7 @@ class StageServer:
                 "held": sorted(r for r, q in self.reqs.items() if q.held),
                 "stage_pages": sorted(st.seqs), "free_blocks": st.num_free_blocks(),
                 "free_slots": len(self.free_slots), "weight_bytes": st.weight_bytes,
-                "peer_segments": self.transfer.stats()["peer_segments"],
+                "peer_segments": self.transfer.peer_segment_names(),
                 "stalled": self.stalled(),
                 "prefix": self.prefix.status() if self.prefix is not None else None}
 
