@@ -145,12 +145,10 @@ class CostModelRefitter:
         reports the TTFT it observed (`observe_ttft`)."""
         self._predicted[rid] = (ttft_s, now)
         self._ttft_placed[rid] = (ttft_s, self.ttft_overhead_s(), now)
-        if len(self._predicted) > 10_000:          # placements that never reported back
-            for old in [r for r, (_, t) in self._predicted.items() if now - t > 600]:
-                del self._predicted[old]
-        if len(self._ttft_placed) > 10_000:
-            for old in [r for r, (*_, t) in self._ttft_placed.items() if now - t > 600]:
-                del self._ttft_placed[old]
+        for placed in (self._predicted, self._ttft_placed):
+            if len(placed) > 10_000:               # placements that never reported back
+                for old in [r for r, v in placed.items() if now - v[-1] > 600]:
+                    del placed[old]
 
     def ttft_overhead_s(self) -> float:
         """The learned per-request TTFT overhead (seconds, `ttft_overhead_s` of the recent
