@@ -415,10 +415,19 @@ def test_cache_node_cut_while_it_is_the_source_of_a_fetch_the_prefill_recomputes
     # other prompts push it out of prefill0's pages and store (and decode0's store); half
     # as long as PROMPT, so that two fit in decode0's KV: the conductor counts a finished
     # request until decode0's next report names it
+    def decode0_idle() -> bool:
+        # the conductor counts a finished request on decode0 until decode0's next report
+        # names it: placing before that may find decode0 full (429 decode_full)
+        v = ((cluster.status() or {}).get("nodes") or {}).get("decode0") or {}
+        return v.get("inflight") == 0 and v.get("decode_batch") == 0
     for i in range(4):
+        wait_until(decode0_idle, 30, "the conductor to see decode0 idle",
+                   interval_s=REPORT_INTERVAL_S / 4)
         r = stream(cluster.api_url("cache0"),
                    PROMPT[:len(PROMPT) // 2].replace("red pens", f"filler {i} cups"))
         assert r[0] == 200, r
+    wait_until(decode0_idle, 30, "the conductor to see decode0 idle",
+               interval_s=REPORT_INTERVAL_S / 4)
     before = kv_counters(cluster, "prefill0")
     since = time.time()
     cluster.hosts.cut("cache0", "prefill0")

@@ -386,7 +386,12 @@ def test_prefix_hit_then_push(env, tokenizer):
     api = cluster.api_url("d1")
     shared = prompt_ids(tokenizer, "prefix hit", 150)
     prompt = shared + prompt_ids(tokenizer, "prefix hit tail", 70)
+    before, idx = counters(cluster), indexed(cluster)
     first = complete(api, shared)
+    # the next placement must see the prefix: the index learns it with the node's next report
+    p0 = served_by(delta(before, counters(cluster)))
+    wait_until(lambda: indexed(cluster)[p0] - idx[p0] >= len(shared) // BLOCK, 10,
+               f"{p0}'s blocks of the shared prefix indexed")
     before = counters(cluster)
     got = complete(api, prompt)
     d = delta(before, counters(cluster))
