@@ -301,6 +301,13 @@ def test_a_prompts_rows_are_the_same_in_any_chunking(models):
     _, model, _, tok = models
     if model.dtype != torch.float32:
         return
+    assert_prompt_rows_chunk_invariant(model, tok)
+
+
+def assert_prompt_rows_chunk_invariant(model: LlamaModel, tok: Tokenizer) -> None:
+    """A chat prompt prefilled whole and in three chunkings (a prefix hit's 2-row suffix,
+    chunked prefill): the same pages and hidden states bit for bit, and the same first-token
+    head row in a batch of 1 or 3 rows."""
     cfg, bs = model.cfg, 16
     p = tok.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])
     n = len(p)

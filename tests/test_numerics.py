@@ -30,14 +30,18 @@ LOGPROB_ATOL = 0.5        # first token's logprob vs fp32: bf16, or the fused st
 NEW_TOKENS = 24
 
 
-@pytest.mark.parametrize("isa, dtype, keep", [
-    ("portable", "float32", False), ("avx2", "float32", True),
-    ("avx512_vnni", "float32", True), ("avx512_bf16", "float32", True)])
-def test_auto_on_the_cpu_is_float32_with_the_files_blocks_on_x86(isa, dtype, keep):
+@pytest.mark.parametrize("isa, dtype, keep, prompt", [
+    ("portable", "float32", False, "float32"), ("avx2", "float32", True, "float32"),
+    ("avx512_vnni", "float32", True, "float32"), ("avx512_bf16", "float32", True, "bfloat16")])
+def test_auto_on_the_cpu_is_float32_with_the_files_blocks_on_x86(isa, dtype, keep, prompt):
     n = resolve("auto", "auto", "cpu", isa)
     assert (n.dtype, n.weight_format, n.keep_quantized) == (dtype, "auto" if keep else "dequantized", keep)
     assert n.torch_dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    assert n.prompt_dtype == prompt   # bf16 prompt matmuls only where the CPU has native bf16
     assert isa in n.reason
+    # the exact options never take bf16 prompt matmuls
+    assert resolve("auto", "dequantized", "cpu", isa).prompt_dtype == "float32"
+    assert resolve("float32", "auto", "cpu", isa).prompt_dtype == "float32"
 
 
 def test_explicit_float32_is_the_exact_dense_path_on_every_cpu():
@@ -108,12 +112,15 @@ def test_auto_matches_the_fp32_reference(engines, bundled_model):
     want, want_lp = _greedy(ref, prompt, "ref")
     got, got_lp = _greedy(auto, prompt, "auto")
     assert len(got) == len(want) == NEW_TOKENS
-    if auto.numerics.dtype == "float32":
+    if auto.numerics.dtype == "float32" and auto.model.prompt_matmul == "float32":
         # the exact prefill and the dense fp32 head (LlamaModel.logits: the fused head's int8
         # activations only for decode rows), run row-invariantly (padded small matmuls,
         # aligned prefill attention: other summation orders than float32's, 1.6e-5 measured)
         assert got[0] == want[0]
         assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=1e-4)
+    elif auto.numerics.dtype == "float32":   # bf16 prompt projections, the fp32 head
+        assert auto.model.layers[0]["wqkv"].kind == "bf16"
+        assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=LOGPROB_ATOL)
     else:   # bf16: the fused head for the first token too
         assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=LOGPROB_ATOL)
     if auto.model.fused is None and auto.numerics.dtype == "float32":
@@ -137,7 +144,11 @@ def test_kernel_paths_report_the_models_decisions(engines):
     # the exact path never runs the fused step (int8 activations)
     assert ref.model.fused is None and ref.kernel_paths.decode_path == "per-op-torch"
     assert set(auto.kernel_paths.to_json()) == {"cpu", "isa", "decode_path", "decode_why",
-                                                "prefill_path"}
+                                                "prefill_path", "prompt_matmul"}
+    assert ref.kernel_paths.prompt_matmul == "float32"
+    assert auto.kernel_paths.prompt_matmul == auto.model.prompt_matmul == (
+        "bfloat16" if auto.numerics.prompt_dtype == "bfloat16" and auto.model.prompt_matmul_why is None
+        else "float32")
 
 
 def test_bench_engine_skips_only_emulated_bf16_cases():

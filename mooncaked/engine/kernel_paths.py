@@ -32,6 +32,8 @@ class KernelPaths:
         prefill_path: prefill attention: "cpu_prefill-avx512_bf16", "sdpa", "sdpa-aligned" (SDPA
             in position-aligned blocks, row-invariant: an fp32 model with the fused step) or
             "triton".
+        prompt_matmul: dtype of the prompt rows' layer projections ("float32", "bfloat16":
+            LlamaModel.prompt_matmul, model/numerics.py).
     """
 
     cpu: str
@@ -39,6 +41,7 @@ class KernelPaths:
     decode_path: str
     decode_why: str | None
     prefill_path: str
+    prompt_matmul: str
 
     def to_json(self) -> dict:
         """The fields as a JSON object."""
@@ -65,4 +68,4 @@ def kernel_paths(model: LlamaModel) -> KernelPaths:
         prefill = model.ops.prefill_path(model.dtype, model.dtype, model.cfg.head_dim)
     else:
         prefill = "sdpa"
-    return KernelPaths(cpu, isa, decode, model.fused_decode_reason, prefill)
+    return KernelPaths(cpu, isa, decode, model.fused_decode_reason, prefill, model.prompt_matmul)

@@ -89,7 +89,8 @@ class LLMEngine:
                                 attention_ops(device, es.attention_backend), max_positions=ctx,
                                 weight_format=self.numerics.weight_format,
                                 dense_above=ms.quantized_max_tokens or None,
-                                fused_decode_max_batch=ms.fused_decode_max_batch)
+                                fused_decode_max_batch=ms.fused_decode_max_batch,
+                                prompt_dtype=self.numerics.torch_prompt_dtype)
         del tensors
         self.block_size = es.block_size
         self.block_bytes = block_bytes(self.model, es.block_size)
@@ -132,7 +133,7 @@ class LLMEngine:
         warm = self.runner.warm_up()
         log.info("numerics", dtype=self.numerics.dtype, requested_dtype=ms.dtype,
                  weight_format=self.numerics.weight_format, reason=self.numerics.reason,
-                 **self.kernel_paths.to_json())
+                 prompt_matmul_why=self.model.prompt_matmul_why, **self.kernel_paths.to_json())
         if self.model.device.type == "cpu":
             log.info("kernels_warm", seconds=round(warm.seconds, 2), numba_compiles=warm.compiles,
                      from_cache=warm.compiles == 0)

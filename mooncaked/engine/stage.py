@@ -131,7 +131,8 @@ class StageEngine:
         self.model = LlamaModel(cfg, tensors, self.dtype, dev, attention_ops(dev, "auto"),
                                 max_positions=min(max_positions, cfg.max_position_embeddings),
                                 layers=layers,
-                                row_invariant=nodes.keep_quantized and nodes.dtype == "float32")
+                                row_invariant=nodes.keep_quantized and nodes.dtype == "float32",
+                                prompt_dtype=nodes.torch_prompt_dtype)
         del tensors
         self.block_size = block_size
         n = len(layers)

@@ -117,6 +117,11 @@ class LlamaModel:
     stage of a cluster whose nodes run the fused step sets it, so that its prompt K/V are
     theirs bit for bit.
 
+    `prompt_dtype` bfloat16 (model/numerics.py: `dtype = auto` on AVX512-BF16) runs a
+    row-invariant fp32 model's layer projections (which then serve prompt rows only) as
+    quant.Bf16Linear, when this CPU's bf16 matmul is measured row-invariant;
+    `prompt_matmul` says which dtype they run in, `prompt_matmul_why` why not bf16.
+
     `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
     forward pass then runs those layers over a kv_cache holding only them, the embedding
     exists only when the range starts at layer 0 (or serves a tied LM head) and the final
@@ -127,7 +132,7 @@ class LlamaModel:
                  device: torch.device, ops: ModuleType, max_positions: int,
                  weight_format: str = "dequantized", dense_above: int | None = None,
                  layers: range | None = None, fused_decode_max_batch: int = 0,
-                 row_invariant: bool | None = None):
+                 row_invariant: bool | None = None, prompt_dtype: torch.dtype | None = None):
         self.cfg, self.dtype, self.device, self.ops = cfg, dtype, device, ops
         self.layer_range = layers if layers is not None else range(cfg.num_layers)
 
@@ -188,6 +193,26 @@ class LlamaModel:
         if row_invariant is None:
             row_invariant = self.fused is not None and dtype == torch.float32
         self.row_invariant = row_invariant and hasattr(ops, "paged_prefill_attention_aligned")
+        self.prompt_matmul, self.prompt_matmul_why = self._prompt_matmul(prompt_dtype)
+
+    def _prompt_matmul(self, prompt_dtype: torch.dtype | None) -> tuple[str, str | None]:
+        """Run the layers' projections in bf16 where `prompt_dtype` asks for it (an fp32 model
+        whose prompt rows run row-invariantly: only prompt rows reach these linears, the
+        decode rows take the fused step) and this CPU's bf16 matmul keeps rows invariant
+        (quant.bf16_rows_invariant). Returns (the projections' dtype name, why not bf16 or
+        None)."""
+        if prompt_dtype != torch.bfloat16 or self.dtype != torch.float32:
+            return str(self.dtype).removeprefix("torch."), None
+        if not self.row_invariant or self.device.type != "cpu":
+            return "float32", "bf16 prompt matmuls need an fp32 CPU model with row-invariant prompt rows"
+        names = ("wqkv", "wo", "w_gate_up", "w_down")
+        shapes = {tuple(layer[k].weight.shape) for layer in self.layers for k in names}
+        if not quant.bf16_rows_invariant(shapes, MIN_GEMM_ROWS):
+            return "float32", "this CPU's bf16 matmul gives a row other bits in another batch"
+        for layer in self.layers:
+            for k in names:
+                layer[k] = quant.Bf16Linear(layer[k].weight)
+        return "bfloat16", None
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.embed is None:

@@ -7,7 +7,8 @@ pages, the store's block-key salt, a P/D handover's dtype check) reads its `Nume
 What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
 
 - CPU with AVX2+FMA, AVX-512 VNNI or AVX512-BF16 (``avx2``, ``avx512_vnni``,
-  ``avx512_bf16``): float32 activations and KV with the GGUF's blocks kept. (On an
+  ``avx512_bf16``): float32 activations and KV with the GGUF's blocks kept (on
+  ``avx512_bf16``, prompt tokens' projections in bf16: below). (On an
   AVX512-BF16 CPU, auto was bfloat16 until the suite first ran there: bf16 sums depend
   on the batch, so batched != alone and P/D != one process; `dtype = bfloat16` keeps
   that faster, path-dependent choice for whoever asks for it.) Prompt tokens take the
@@ -24,6 +25,16 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
   float32: greedy tokens equal where the top-2 gap exceeds 0.5 nats, logits within 1.0
   (tests/test_fused_decode.py; the int8 activations' rounding, 0.07-0.13 in a logprob
   measured on the bundled model).
+  On ``avx512_bf16`` the prompt tokens' four layer projections run as bf16 x bf16 matmuls
+  (`prompt_dtype`, quant.Bf16Linear; fp32 residual stream, norms, attention, KV and first-
+  token head), where the CPU's bf16 matmul is measured row-invariant at start-up (else
+  fp32, and the log says why): a cold prefill takes 0.6x the time (AMD EPYC Zen 4, 1,000
+  tokens, 2.91 -> 1.83 s) for a prompt logit error of 0.6-0.7 against float32 (greedy
+  equal where the top-2 gap exceeds CLEAR_MARGIN, first-token logprob within 0.5:
+  tests/test_numerics.py). AVX2 and AVX-512 without bf16 keep fp32 prompts: torch's bf16
+  matmul is emulated there (5-10x slower than fp32), and the one faster arithmetic they
+  have, int8 activations, measured 4-8 logits of error on prompts (W8A8 per row, docs/
+  benchmarks.md).
 - any other CPU (no AVX2+FMA, ARM): float32, the exact dense path (as `dtype = float32`).
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
 
@@ -59,17 +70,25 @@ class Numerics:
         keep_quantized: load the GGUF's quantized blocks as quant.QuantizedWeight
             (for the quantized linears or the fused decode step) instead of dequantized.
         reason: why, in words (for the start-up log).
+        prompt_dtype: the dtype of prompt tokens' layer projections ("float32" or
+            "bfloat16"; LlamaModel `prompt_dtype`, which may still fall back to fp32).
     """
 
     dtype: str
     weight_format: str
     keep_quantized: bool
     reason: str
+    prompt_dtype: str = "float32"
 
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of `dtype`."""
         return DTYPES[self.dtype]
+
+    @property
+    def torch_prompt_dtype(self) -> torch.dtype:
+        """The torch dtype of `prompt_dtype`."""
+        return DTYPES[self.prompt_dtype]
 
 
 def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numerics:
@@ -95,6 +114,10 @@ def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numer
                         "bfloat16 requested")
     if not cpu:
         return Numerics("bfloat16", weight_format, False, f"auto on {device_type}: bfloat16")
+    if isa == "avx512_bf16" and weight_format != "dequantized":
+        return Numerics("float32", weight_format, True,
+                        f"auto on {isa}: float32, prompt projections in bf16, generated "
+                        f"tokens through the fused decode step", prompt_dtype="bfloat16")
     if isa in ("avx2", "avx512_vnni", "avx512_bf16"):
         return Numerics("float32", weight_format, weight_format != "dequantized",
                         f"auto on {isa}: float32, prompts exact, generated tokens through "
