@@ -197,8 +197,10 @@ def _kernel_table(v: dict) -> None:
         k = (n["info"].get("model") or {}).get("kernels")
         if k:
             dtype = k["dtype"] + (" (auto)" if k.get("requested_dtype") == "auto" else "")
-            rows.append([nid, k["cpu"], k["isa"], dtype, k["weight_format"], k["decode_path"],
-                         k["prefill_path"]])
+            prefill = k["prefill_path"]
+            if k.get("prompt_matmul", "float32") != k["dtype"]:   # bf16 prompt projections
+                prefill += f" + {k['prompt_matmul']} matmuls"
+            rows.append([nid, k["cpu"], k["isa"], dtype, k["weight_format"], k["decode_path"], prefill])
     if rows:
         _table("kernels", ["node", "cpu", "isa", "dtype", "weights", "decode", "prefill"], rows)
 
@@ -225,9 +227,28 @@ def status(config: Optional[Path] = _CONFIG, backend: Optional[str] = _BACKEND,
     _table(f"cluster ({v['backend']} backend), leader: {v['leader'] or 'none'}",
            ["node", "role", "health", "version", "api", "link", "pid", "uptime", "model"], rows)
     _kernel_table(v)
+    _node_admission_table(v)
     _group_table(v)
     _stall_table(v)
     _print_conductor(v["conductor"])
+
+
+def _node_admission_table(v: dict) -> None:
+    """Per decode (or coupled) node: its own TBT check (cluster/admission.py), which refuses
+    a request before its prefill runs (429 decode_full at the client); the conductor's
+    rejections are counted apart, below."""
+    rows = []
+    for nid, n in sorted(v["nodes"].items()):
+        a = (n.get("status") or {}).get("admission")
+        if not a:
+            continue
+        pred = (a.get("decode_step_prediction") or {}).get("median_abs_rel_error")
+        rows.append([nid, a["mode"], a["admitted"], a["rejected"], a["shadow_rejected"],
+                     "yes" if a.get("calibrated") else "no (shadow until it is)", _rel(pred)])
+    if rows:
+        _table("node admission (TBT check on the decode side)",
+               ["node", "mode", "admitted", "refused", "shadow-refused", "calibrated",
+                "step error (median |rel|)"], rows)
 
 
 def _print_conductor(c: dict) -> None:

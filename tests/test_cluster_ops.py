@@ -274,6 +274,9 @@ def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
         assert (k["dtype"], k["requested_dtype"]) == (want_dtype, "auto"), nid
         assert k["decode_path"] == "per-op-torch" or k["decode_path"].startswith("fused-")
         assert k["prefill_path"] in ("sdpa", "sdpa-aligned", "cpu_prefill-avx512_bf16")
+        # bf16 prompt projections only where the CPU has native bf16 (model/numerics.py)
+        assert k["prompt_matmul"] in (("float32", "bfloat16") if cpu_isa.isa_level() == "avx512_bf16"
+                                      else ("float32",)), nid
         assert view["nodes"][nid]["info"]["model"]["dtype"] == want_dtype
         line = next(orjson.loads(ln) for ln in cluster.log_path(nid).read_text().splitlines()
                     if '"numerics"' in ln)
@@ -284,6 +287,7 @@ def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
     assert out.returncode == 0, out.stderr
     table = out.stdout[out.stdout.index("kernels"):]
     assert cpu_isa.isa_level() in table and f"{want_dtype} (auto)" in table
+    assert ("bfloat16 matmuls" in table) == (k["prompt_matmul"] == "bfloat16")
 
 
 def test_cost_model_is_calibrated_by_the_startup_profiles_before_any_request(cluster):

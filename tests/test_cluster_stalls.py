@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import re
+import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -186,6 +189,13 @@ def test_decode_node_at_its_tbt_budget_refuses_with_429(clusters):
     rejects = [d for d in led["node_check"]["decisions"].values() if d["verdict"] == "reject"]
     assert led["node_check"]["mode"] == "enforce" and len(rejects) == led["node_check"]["rejected"]
     assert abs(rejects[-1]["predicted_tbt_s"] - 1.2) < 1e-3 and rejects[-1]["reason"] == "tbt_slo"
+    # and an operator sees it in `mooncake ctl status` (the node admission table's d1 row)
+    out = subprocess.run([str(Path(sys.executable).parent / "mooncake"), "ctl", "status", "-c",
+                          str(pd.write_ctl_config())], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    table = out.stdout[out.stdout.index("node admission"):]
+    row = next(ln for ln in table.splitlines() if " d1 " in f" {ln} ")
+    assert re.search(rf"enforce\W+\d+\W+{led['node_check']['rejected']}\W", row), row
     # leave d1 idle for the other tests: the long request is aborted with its stream
     deadline = time.monotonic() + 30
     while control_call(pd.control("d1"), "node.status")["requests"]["decode"]:
