@@ -294,10 +294,7 @@ def _print_conductor(c: dict) -> None:
     profiles = c.get("startup_profiles") or {}
     if profiles:
         typer.echo("startup profiles: " + "; ".join(
-            f"{nid} {p['seconds']:.1f} s of {p['budget_s']:g} s, {p['prefill_steps']} prefill "
-            f"+ {p['decode_steps']} decode steps{'' if p['complete'] else ' (budget ended it)'}"
-            f"{' (cached: an earlier start measured it)' if p.get('cached') else ''}"
-            for nid, p in profiles.items()))
+            f"{nid} {_profile_line(p)}" for nid, p in profiles.items()))
     adm = c.get("admission") or {}
     if adm:
         typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "
@@ -319,6 +316,19 @@ def _print_conductor(c: dict) -> None:
                    f"{_rel(e2e.get('median_abs_rel_error'))} with the learned overhead "
                    f"{c.get('ttft_overhead_s', 0):.3f} s, "
                    f"{_rel(comp.get('median_abs_rel_error'))} without it")
+
+
+def _profile_line(p: dict) -> str:
+    """One node's start-up profile (StartupProfile.summary) in words."""
+    line = (f"{p['seconds']:.1f} s of {p['budget_s']:g} s, {p['prefill_steps']} prefill + "
+            f"{p['decode_steps']} decode steps")
+    if not p["complete"]:
+        line += " (budget ended it)"
+    if p.get("cached"):
+        line += " (cached: an earlier start measured it)"
+    elif p.get("contended"):
+        line += f" (got {p['cpu_share']:.0%} of the CPU: contended, not cached)"
+    return line
 
 
 def _rel(x: float | None) -> str:

@@ -322,6 +322,10 @@ def test_cost_model_is_calibrated_by_the_startup_profiles_before_any_request(clu
     assert out.returncode == 0, out.stderr
     line = next(ln for ln in out.stdout.splitlines() if ln.startswith("startup profiles: "))
     assert "p1 " in line and "d1 " in line and "prefill" in line
+    for nid, p in profiles.items():     # a contended profile says so (and was not cached)
+        assert 0 < p["cpu_share"] <= 1 and p["contended"] == (p["cpu_share"] < 0.7), (nid, p)
+    assert line.count("contended, not cached") == sum(
+        p["contended"] and not p["cached"] for p in profiles.values())
     assert "calibrated by: prefill " in out.stdout
 
 

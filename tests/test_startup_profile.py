@@ -10,9 +10,13 @@ served requests do, and after it the engine is as it was (nothing cached, counte
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 
 import pytest
+import torch
 
 from mooncaked.cluster.admission import DecodeAdmission
 from mooncaked.conductor.cost_store import default_cost_model
@@ -20,6 +24,7 @@ from mooncaked.conductor.refit import SERVED, STARTUP_PROFILE
 from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
 from mooncaked.engine.llm_engine import LLMEngine
+from mooncaked.engine import startup_profile
 from mooncaked.engine.startup_profile import (DECODE_BATCHES, DECODE_STEPS_PER_BATCH,
                                               PREFILL_PLAN, cached_startup_profile,
                                               run_startup_profile)
@@ -69,7 +74,7 @@ def test_profile_is_bounded_by_its_budget(engine):
     p = run_startup_profile(engine, 0.0)
     assert p.summary() == {"seconds": p.summary()["seconds"], "budget_s": 0.0,
                            "complete": False, "cached": False, "prefill_steps": 0,
-                           "decode_steps": 0}
+                           "decode_steps": 0, "cpu_share": 1.0, "contended": False}
     with pytest.raises(ValueError, match="kinds"):
         run_startup_profile(engine, 1.0, ("transfer",))
 
@@ -77,6 +82,8 @@ def test_profile_is_bounded_by_its_budget(engine):
 def test_a_complete_profile_is_cached_per_machine_model_and_settings(engine, tmp_path,
                                                                      monkeypatch):
     monkeypatch.setenv("MOONCAKED_CACHE_DIR", str(tmp_path))
+    # the suite's other processes may take the CPU: contention has its own test below
+    monkeypatch.setattr(startup_profile, "MIN_CPU_SHARE", 0.0)
     first = cached_startup_profile(engine, 60.0, ("decode",))
     assert first.complete and not first.cached and first.decode_steps
     # the next start of the same engine reuses it: nothing runs, the steps are the same
@@ -96,6 +103,30 @@ def test_a_complete_profile_is_cached_per_machine_model_and_settings(engine, tmp
     fresh = cached_startup_profile(engine, 60.0, ("decode",))
     assert fresh.complete and not fresh.cached
     assert cached_startup_profile(engine, 60.0, ("decode",)).cached
+
+
+def test_a_contended_profile_is_used_but_not_cached(engine, tmp_path, monkeypatch):
+    """A process spinning on the same CPU as the profile takes about half of it: the
+    profile says so (cpu_share, contended) and is not stored, so the next start measures
+    again instead of keeping a passing contention as the machine's speed."""
+    monkeypatch.setenv("MOONCAKED_CACHE_DIR", str(tmp_path))
+    cpu = min(os.sched_getaffinity(0))
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                               preexec_fn=lambda: os.sched_setaffinity(0, {cpu}))
+    try:
+        torch.set_num_threads(1)
+        os.sched_setaffinity(0, {cpu})       # this thread runs the engine's steps
+        p = cached_startup_profile(engine, 60.0, ("decode",))
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+        spinner.kill()
+        spinner.wait(timeout=10)
+    assert p.complete and not p.cached
+    assert p.cpu_share < startup_profile.MIN_CPU_SHARE and p.contended, p.cpu_share
+    assert not list(tmp_path.glob("startup-profile/*.json"))    # not stored
+    assert StartupProfile.from_json(p.to_json()).contended
 
 
 def _profile(factor: float) -> StartupProfile:

@@ -26,7 +26,11 @@ cache's directory, model/load_cache.py): the key is the model file as it is now,
 and its ISA level, torch's threads and version, the model and engine settings and the
 plan, so a node that starts again on the same machine with the same settings reuses the
 steps at once (the online refit corrects what has drifted since). Deleting the cache
-directory's `startup-profile/` makes the next start measure again.
+directory's `startup-profile/` makes the next start measure again. A profile that got less
+than MIN_CPU_SHARE of its threads' CPU time (StartupProfile.cpu_share: `mooncake up`
+starts every node at once, and a node profiling while another loads or compiles measures
+its steps slower than the machine is) is used for this start but not cached, so that a
+passing contention is not kept as the machine's speed.
 
 The profile is bounded by `engine.startup_profile_s` (0: skipped): before each request it
 estimates the request's time from the seconds per token of the plan's previous (next
@@ -67,6 +71,8 @@ DECODE_BATCHES: tuple[int, ...] = (1, 2, 4, 8)
 DECODE_PROMPT_TOKENS = 16
 DECODE_STEPS_PER_BATCH = 3
 KINDS = ("prefill", "decode")
+# A profile that got less of the CPU than this is not cached (see the module doc).
+MIN_CPU_SHARE = 0.7
 
 
 def _run_to_end(engine: LLMEngine, requests: list[tuple[str, list[int], int]]) -> None:
@@ -95,7 +101,7 @@ def run_startup_profile(engine: LLMEngine, budget_s: float,
         raise ValueError("the start-up profile needs an idle engine")
     if not set(kinds) <= set(KINDS):
         raise ValueError(f"startup profile kinds must be among {KINDS}, got {kinds}")
-    t0 = time.monotonic()
+    t0, cpu0 = time.monotonic(), time.process_time()
     rng = random.Random(0)
     vocab = engine.cfg.vocab_size
     limit = engine.max_model_len - 1        # a prompt plus its first generated token fits
@@ -153,7 +159,10 @@ def run_startup_profile(engine: LLMEngine, budget_s: float,
     prefill = tuple(engine.prefill_steps) if "prefill" in kinds else ()
     decode = tuple(engine.decode_steps) if "decode" in kinds else ()
     engine.reset_after_profile()
-    profile = StartupProfile(time.monotonic() - t0, budget_s, ran_all, prefill, decode)
+    wall = time.monotonic() - t0
+    share = min(1.0, (time.process_time() - cpu0) / (wall * torch.get_num_threads())) if wall > 0 else 1.0
+    profile = StartupProfile(wall, budget_s, ran_all, prefill, decode, cpu_share=share,
+                             contended=share < MIN_CPU_SHARE)
     engine.startup_profile = profile
     return profile
 
@@ -176,8 +185,9 @@ def cached_startup_profile(engine: LLMEngine, budget_s: float,
                            kinds: tuple[str, ...] = KINDS) -> StartupProfile:
     """`run_startup_profile`, or the complete profile an earlier start of the same model
     with the same settings measured on this machine (then `cached` is True and nothing
-    runs). A complete run is stored for the next start; an incomplete one (the budget
-    ended it) is not. A cache that cannot be read or written is skipped, logged.
+    runs). A complete run that got at least MIN_CPU_SHARE of the CPU is stored for the
+    next start; an incomplete one (the budget ended it) or a contended one is not. A cache
+    that cannot be read or written is skipped, logged.
     Args and raises: as run_startup_profile."""
     if budget_s <= 0:
         return run_startup_profile(engine, budget_s, kinds)
@@ -197,11 +207,15 @@ def cached_startup_profile(engine: LLMEngine, budget_s: float,
     except (OSError, ValueError) as e:      # damaged entry: measure again and replace it
         log.warning("startup_profile_cache_damaged", path=str(path), error=str(e))
     profile = run_startup_profile(engine, budget_s, kinds)
-    if profile.complete:
+    if profile.complete and not profile.contended:
         load_cache.write_file(path, json.dumps(profile.to_json()).encode())
+    elif profile.complete:
+        log.warning("startup_profile_contended", cpu_share=round(profile.cpu_share, 3),
+                    min_cpu_share=MIN_CPU_SHARE,
+                    hint="other processes took the CPU while it ran: used now, not cached")
     return profile
 
 
 __all__ = ["DECODE_BATCHES", "DECODE_PROMPT_TOKENS", "DECODE_STEPS_PER_BATCH", "KINDS",
-           "PREFILL_PLAN", "PREFIX_TOKENS", "cached_startup_profile", "profile_cache_key",
+           "MIN_CPU_SHARE", "PREFILL_PLAN", "PREFIX_TOKENS", "cached_startup_profile", "profile_cache_key",
            "run_startup_profile"]

@@ -253,6 +253,11 @@ class StartupProfile:
             LLMEngine.decode_steps.
         cached: the steps come from an earlier complete run on this machine with the same
             model, settings and threads (the profile cache), not from this start.
+        cpu_share: the share of its torch threads' CPU time the profile got (process CPU
+            seconds / (wall seconds x torch threads), at most 1): below 1 other processes
+            (another node loading, compiling) took the cores, and its step times are slower
+            than the machine is.
+        contended: cpu_share was below startup_profile.MIN_CPU_SHARE: used, not cached.
     """
 
     seconds: float
@@ -261,11 +266,14 @@ class StartupProfile:
     prefill_steps: tuple[tuple[int, int, float], ...] = ()
     decode_steps: tuple[tuple[int, int, float], ...] = ()
     cached: bool = False
+    cpu_share: float = 1.0
+    contended: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """The member record's form (see `from_json`)."""
         return {"seconds": round(self.seconds, 3), "budget_s": self.budget_s,
                 "complete": self.complete, "cached": self.cached,
+                "cpu_share": round(self.cpu_share, 3), "contended": self.contended,
                 "prefill_steps": [[n, c, round(s, 6)] for n, c, s in self.prefill_steps],
                 "decode_steps": [[b, c, round(s, 6)] for b, c, s in self.decode_steps]}
 
@@ -276,7 +284,8 @@ class StartupProfile:
             return cls(float(d["seconds"]), float(d["budget_s"]), bool(d["complete"]),
                        tuple((int(n), int(c), float(s)) for n, c, s in d["prefill_steps"]),
                        tuple((int(b), int(c), float(s)) for b, c, s in d["decode_steps"]),
-                       bool(d.get("cached", False)))
+                       bool(d.get("cached", False)), float(d.get("cpu_share", 1.0)),
+                       bool(d.get("contended", False)))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"malformed startup profile: {e}") from None
 
@@ -284,5 +293,6 @@ class StartupProfile:
         """Seconds, budget, completeness and step counts (no steps): for status."""
         return {"seconds": round(self.seconds, 3), "budget_s": self.budget_s,
                 "complete": self.complete, "cached": self.cached,
+                "cpu_share": round(self.cpu_share, 3), "contended": self.contended,
                 "prefill_steps": len(self.prefill_steps),
                 "decode_steps": len(self.decode_steps)}
