@@ -73,8 +73,10 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def reference(prompt):
-    """The full model in this process: (weight bytes, greedy token, layer-major KV)."""
-    full = StageEngine(bundled_model_path(), range(30), kv_cache_bytes=16 << 20, num_threads=1)
+    """The full model in this process, with the stage processes' numerics (dtype auto:
+    model/numerics.py): (weight bytes, greedy token, layer-major KV)."""
+    full = StageEngine(bundled_model_path(), range(30), dtype="auto", kv_cache_bytes=16 << 20,
+                       num_threads=1)
     want = int(torch.argmax(prefill_through([full], "ref", prompt, chunk_tokens=512)))
     return full.weight_bytes, want, full.read_kv("ref").transpose(0, 1).contiguous()
 
