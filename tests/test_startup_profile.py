@@ -202,3 +202,23 @@ def test_decode_node_check_is_calibrated_by_its_profile():
     assert st["calibrated"] and st["calibrated_by"] == STARTUP_PROFILE
     assert st["cost_model"]["profile_steps"]["decode"] == 3 * len(DECODE_BATCHES)
     assert math.isclose(st["cost_model"]["scale"]["decode"], 3.0)
+
+
+def test_profile_steps_before_calibration_inflate_neither_tbt_nor_the_error():
+    """A decode node on a machine 8x slower than the default model: its profile's first
+    steps are 8x the uncalibrated prediction. Served steps at the machine's speed afterwards
+    must see a TBT tail factor near 1, and the step error must be of served steps only.
+    With the profile's ratios against the uncalibrated model kept, the tail factor was 7.8
+    here (every TBT prediction x7.8: false refusals until 200 steps had passed)."""
+    s = Settings()
+    s.conductor.tbt_slo_s = 1.0
+    adm = DecodeAdmission(s, 1000)
+    prof = _profile(8.0).decode_steps
+    adm.observe(prof, STARTUP_PROFILE)
+    assert math.isclose(adm.status()["cost_model"]["scale"]["decode"], 8.0)
+    assert adm.status()["decode_step_prediction"]["samples"] == 0   # no prediction tested yet
+    served = [(b, c, t * (1.02 if i % 2 else 0.98)) for i, (b, c, t) in enumerate(prof * 2)]
+    adm.observe(served)
+    assert adm.model.tbt_factor() < 1.1, adm.model.tbt_factor()
+    err = adm.status()["decode_step_prediction"]
+    assert err["samples"] == len(served) and err["median_abs_rel_error"] < 0.05, err

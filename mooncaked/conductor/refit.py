@@ -258,6 +258,8 @@ class CostModelRefitter:
             return
         self.scale[kind] *= r
         self.calibrations += 1
+        if kind == "decode":
+            self._step_ratios.clear()    # relative to the model this calibration replaced
         info = {"prefill_scale": round(self.scale["prefill"], 4),
                 "decode_scale": round(self.scale["decode"], 4), "steps": dict(self.observed)}
         model = self.cost.prefill if kind == "prefill" else self.cost.decode
@@ -270,6 +272,8 @@ class CostModelRefitter:
         scale is relative to the last fitted model)."""
         self.scale[kind] = 1.0
         self._ratios[kind].clear()
+        if kind == "decode":
+            self._step_ratios.clear()    # relative to the replaced polynomial
 
     def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float,
                              source: str = SERVED) -> None:
@@ -279,7 +283,7 @@ class CostModelRefitter:
         if seconds <= 0 or new_tokens < 1 or self.cost is None:
             return
         pred = self.cost.prefill_s(new_tokens, cached_tokens)
-        if pred > 0:
+        if pred > 0 and source == SERVED:   # a profile step calibrates; it is not a prediction
             self.prefill_step_errors.append((pred - seconds) / seconds)
         self._calibrate("prefill", pred, seconds, source)
         if self.settings.conductor.refit_cost_model:
@@ -297,9 +301,14 @@ class CostModelRefitter:
             return
         if self.cost is not None:
             pred = self.cost.decode_step_s(batch, context_tokens)
-            self.decode_errors.append((pred - seconds) / seconds)
-            if pred > 0:
-                self._step_ratios.append(seconds / pred)
+            # Errors and the TBT tail's ratios are of served steps only: a start-up profile's
+            # steps calibrate the model, and those before its calibration are measured
+            # against the uncalibrated default (x3-x8 off), which would read as a huge error
+            # and, in the tail factor, inflate every TBT prediction until 200 steps passed.
+            if source == SERVED:
+                self.decode_errors.append((pred - seconds) / seconds)
+                if pred > 0:
+                    self._step_ratios.append(seconds / pred)
             self._calibrate("decode", pred, seconds, source)
         if not self.settings.conductor.refit_cost_model:
             return
