@@ -243,6 +243,10 @@ def _node_admission_table(v: dict) -> None:
         if not a:
             continue
         pred = (a.get("decode_step_prediction") or {}).get("median_abs_rel_error")
+        if not a.get("active", True):    # no conductor.tbt_slo_s (or mode off): checks nothing
+            rows.append([nid, f"{a['mode']}, inactive (no TBT SLO)" if a["mode"] != "off" else "off",
+                         a["admitted"], a["rejected"], a["shadow_rejected"], "-", "-"])
+            continue
         rows.append([nid, a["mode"], a["admitted"], a["rejected"], a["shadow_rejected"],
                      "yes" if a.get("calibrated") else "no (shadow until it is)", _rel(pred)])
     if rows:
@@ -299,7 +303,9 @@ def _print_conductor(c: dict) -> None:
     if adm:
         typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "
                    f"{adm['rejected']}, shadow-rejected {adm['shadow_rejected']}"
-                   + (f" {adm['shadow_rejected_by_reason']}" if adm["shadow_rejected"] else ""))
+                   + (" (" + ", ".join(f"{r} {n}" for r, n in
+                                       adm["shadow_rejected_by_reason"].items()) + ")"
+                      if adm["shadow_rejected"] else ""))
     if c["rejected"]:
         _table("rejections", ["reason", "count"],
                [[r, n] for r, n in sorted(c["rejected"].items(), key=lambda x: -x[1])])

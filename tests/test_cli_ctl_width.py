@@ -25,3 +25,26 @@ def test_piped_table_keeps_one_line_per_row_and_whole_urls():
     assert len(rows) == 2, out
     assert url in rows[0] and url + "/c" in rows[0] and url in rows[1]
     assert max(len(ln) for ln in lines) > 80   # it took the width it needed
+
+
+def test_node_admission_table_says_when_a_node_checks_nothing():
+    """A decode node without a TBT SLO (conductor.tbt_slo_s = inf, the default) checks
+    nothing: its row says so instead of "not calibrated yet"; an active one shows its counts."""
+    script = textwrap.dedent("""
+        from mooncaked.cli.ctl import _node_admission_table
+        idle = {"mode": "enforce", "active": False, "admitted": 0, "rejected": 0,
+                "shadow_rejected": 0, "calibrated": False, "decode_step_prediction": {}}
+        busy = {"mode": "enforce", "active": True, "admitted": 5, "rejected": 2,
+                "shadow_rejected": 0, "calibrated": True,
+                "decode_step_prediction": {"median_abs_rel_error": 0.07}}
+        _node_admission_table({"nodes": {"d0": {"status": {"admission": idle}},
+                                          "d1": {"status": {"admission": busy}},
+                                          "p0": {"status": {"admission": None}}}})
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    d0 = next(ln for ln in out.splitlines() if " d0 " in f" {ln} ")
+    d1 = next(ln for ln in out.splitlines() if " d1 " in f" {ln} ")
+    assert "inactive (no TBT SLO)" in d0 and "not calibrated" not in d0 and "shadow" not in d0
+    assert "7.0%" in d1 and "yes" in d1 and "inactive" not in d1
+    assert " p0 " not in out

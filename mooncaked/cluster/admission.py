@@ -98,6 +98,8 @@ class DecodeAdmission:
         """node.status "admission": mode, counts, and the model's step-prediction error."""
         m = self.model.status()
         return {"mode": self.mode, **self.ledger.status(),
+                # whether it checks anything: a TBT SLO set and the mode not off
+                "active": math.isfinite(self.slo_s) and self.mode != "off",
                 "calibrated": self.model.calibrated("decode"),
                 "calibrated_by": self.model.calibration_source("decode"),
                 "decode_step_prediction": m["decode_step_prediction"],

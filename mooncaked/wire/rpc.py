@@ -119,10 +119,16 @@ class ControlServer:
         except (ValueError, TypeError) as e:
             return _error(400, type(e).__name__, str(e), getattr(e, "param", None))
         except Exception as e:
-            # NotLeader answers every report while there is no conductor: one line a window.
-            _limited.warning(f"{name}:{type(e).__name__}", "control_handler_failed",
-                             method=name, error=repr(e))
-            return _error(getattr(e, "http_status", 500), type(e).__name__, str(e),
+            status = getattr(e, "http_status", 500)
+            if status < 500:
+                # an answer by design (DecodeRefused 429, NodeDraining...), not a failure
+                log.info("control_handler_refused", method=name, error=type(e).__name__,
+                         status=status)
+            else:
+                # NotLeader answers every report while there is no conductor: one line a window.
+                _limited.warning(f"{name}:{type(e).__name__}", "control_handler_failed",
+                                 method=name, error=repr(e))
+            return _error(status, type(e).__name__, str(e),
                           getattr(e, "param", None), getattr(e, "detail", None))
         try:
             return _json_response({"ok": True, "result": result})
