@@ -327,7 +327,8 @@ class ConductorSettings:
                                        "nodes' timed prefills and steps while serving (and "
                                        "scale each CPP group's pipelined prediction by its "
                                        "measured prefills); false keeps the loaded cost model "
-                                       "fixed (reproducible placement).")
+                                       "fixed, its transfer rate included (no measured "
+                                       "bandwidth): reproducible placement.")
     hot_block_hits: int = opt(2, "A prefix reused by this many placements is hot: the conductor "
                                  "has a cache node replicate its blocks into the pool (paper "
                                  "section 4.2); 0 disables.", min=0)

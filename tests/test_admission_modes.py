@@ -210,7 +210,7 @@ def test_ctl_status_prints_calibration_and_admission(capsys):
     svc, _ = _queue_three("shadow")
     _print_conductor(svc.status())
     out = capsys.readouterr().out
-    assert "admission: shadow, admitted 2, rejected 0, shadow-rejected 1 {'ttft_slo': 1}" in out
+    assert "admission: shadow, admitted 2, rejected 0, shadow-rejected 1 (ttft_slo 1)" in out
     assert "calibration: prefill x1 from 0 steps, decode x1 from 0 steps" in out
     assert "prefill step - over 0 steps" in out
 

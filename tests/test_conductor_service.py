@@ -357,3 +357,11 @@ def test_a_fetch_is_predicted_at_its_paths_measured_rate_not_the_median(capsys):
     r = place(svc, "fast", n=6 * 16 + 3, keys=keys)
     assert r["prefill"]["node"] == "p2" and r["fetch"]["source"] == "c1", r
     assert r["prefix_tokens"] == 96
+    # a fixed cost model (refit off) keeps its configured rate: the slow measurement is
+    # not used, so p2 fetches (placement reproducible whatever the load measured)
+    report(svc, "p2", "prefill", links={"c1": 1e4})
+    svc.settings.conductor.refit_cost_model = False
+    r = place(svc, "fixed", n=6 * 16 + 3, keys=keys)
+    assert r["prefill"]["node"] == "p2" and r["fetch"]["source"] == "c1", r
+    st = svc.status()["transfer_bandwidth"]
+    assert st["measured_paths"] == 0 and st["fetch_paths"] == {}

@@ -333,7 +333,11 @@ class ConductorService:
     def link_rates(self) -> list[float]:
         """Every peer path's measured bandwidth (bytes/s) the nodes reported; their median
         is the cost model's transfer rate (`with_measured_bandwidth`), which a fetch over a
-        path not measured is predicted with."""
+        path not measured is predicted with. None with conductor.refit_cost_model false:
+        a fixed cost model keeps its own transfer rate too, so placement is reproducible
+        (measured rates swing with the machine's load)."""
+        if not self.settings.conductor.refit_cost_model:
+            return []
         return [r for v in self.nodes.values() for r in v.links.values()]
 
     def path_rates(self) -> dict[tuple[str, str], float]:
@@ -349,7 +353,10 @@ class ConductorService:
         when the push did not deliver it (prefill -> decode); a replica's destination
         READs from its source (hot-block copies). So (s, i) for a prefill node i is i's
         fetches from s, mixed with i's pushes to s when s is also a decode node i pushes
-        to (the same link the other way; shaped both ways alike under `--hosts`)."""
+        to (the same link the other way; shaped both ways alike under `--hosts`).
+        Empty with conductor.refit_cost_model false (see `link_rates`)."""
+        if not self.settings.conductor.refit_cost_model:
+            return {}
         return {(peer, nid): r for nid, v in self.nodes.items() for peer, r in v.links.items()}
 
     def fetch_path_rates(self) -> dict[tuple[str, str], float]:
