@@ -160,7 +160,9 @@ def run_startup_profile(engine: LLMEngine, budget_s: float,
     decode = tuple(engine.decode_steps) if "decode" in kinds else ()
     engine.reset_after_profile()
     wall = time.monotonic() - t0
-    share = min(1.0, (time.process_time() - cpu0) / (wall * torch.get_num_threads())) if wall > 0 else 1.0
+    share = 1.0      # nothing timed (budget 0): nothing to say about contention
+    if (prefill or decode) and wall > 0:
+        share = min(1.0, (time.process_time() - cpu0) / (wall * torch.get_num_threads()))
     profile = StartupProfile(wall, budget_s, ran_all, prefill, decode, cpu_share=share,
                              contended=share < MIN_CPU_SHARE)
     engine.startup_profile = profile
