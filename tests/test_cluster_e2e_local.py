@@ -431,9 +431,11 @@ def test_repeated_prefix_reports_cached_tokens(env):
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == reusable(n) > 0
     assert again["choices"][0]["text"] == first["choices"][0]["text"]
     # the prefill node's store kept the prompt's full blocks (once: the repeat adds none) and
-    # published them to the conductor's index (store events ride on the next report)
+    # published them to the conductor's index (store events ride on the next report; >=: an
+    # earlier test's late store events may land in the same window, as in CI once)
     wait_until(lambda: conductor(cluster)["nodes"]["p1"]["indexed_blocks"] - before
-               == n // BLOCK, 10, "p1's blocks indexed")
+               >= n // BLOCK, 30, "p1's blocks indexed",
+               lambda: (before, conductor(cluster)["nodes"]["p1"]["indexed_blocks"], n // BLOCK))
     assert status(cluster, "p1")["store"]["dram_blocks"] - stored == n // BLOCK
 
 

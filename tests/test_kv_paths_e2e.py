@@ -499,9 +499,13 @@ def test_cache_salt_keeps_tenants_apart_across_the_cluster(env, tokenizer):
     cluster, ref = env
     api = cluster.api_url("d1")
     shared = prompt_ids(tokenizer, "tenants", 165)                 # 10 full blocks
-    before = counters(cluster)
+    before, idx = counters(cluster), indexed(cluster)
     a = complete(api, shared, salt="tenant-a")
     holder = served_by(delta(before, counters(cluster)))
+    # the held request must be placed on the holder: the index learns its blocks with the
+    # holder's next report (placed before that, it went elsewhere once in CI)
+    wait_until(lambda: indexed(cluster)[holder] - idx[holder] >= 10, 30,
+               f"tenant-a's blocks indexed on {holder}")
     with occupied(cluster, api, holder, shared + prompt_ids(tokenizer, "tenant held", 30),
                   salt="tenant-a"):
         # another tenant, same tokens: the index holds nothing of its keys, so no fetch

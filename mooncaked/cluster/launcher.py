@@ -28,6 +28,7 @@ import time
 import tomllib
 import urllib.error
 import urllib.request
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,11 +98,18 @@ def host_settings(address: str) -> dict[str, Any]:
     return {"server.host": address, "cluster.rpc_host": address, "transfer.host": address}
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free right now (bind port 0, read it, close)."""
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
+    """A TCP port the OS reports free right now (bind port 0, read it, close), not one of
+    `exclude` (ports handed out already but not bound yet: the OS may hand one out again,
+    which once gave a node the same API and control port). Raises OSError when 100 tries
+    all land in `exclude`."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = s.getsockname()[1]
+        if port not in exclude:
+            return port
+    raise OSError(f"no free port outside {len(exclude)} excluded ones")
 
 
 def _toml_value(v: Any) -> str:
@@ -301,9 +309,10 @@ class LocalCluster:
     def start_node(self, node_id: str) -> subprocess.Popen:
         """(Re)starts one node's process (same id, same port if it had one)."""
         spec = self.nodes[node_id]
-        port = self.ports.get(node_id) or spec.port or free_port()
+        taken = {*self.ports.values(), *self.rpc_ports.values()}
+        port = self.ports.get(node_id) or spec.port or free_port(exclude=taken)
         self.ports[node_id] = port
-        rpc_port = self.rpc_ports.get(node_id) or free_port()
+        rpc_port = self.rpc_ports.get(node_id) or free_port(exclude=taken | {port})
         data = _merge(self.base, {**self.coordination(), "cluster.rpc_port": rpc_port,
                                   **host_settings(self.address(node_id)),
                                   **self.settings, **spec.settings,
