@@ -319,12 +319,23 @@ def test_leader_cut_from_etcd_stands_down_and_a_new_leader_takes_over(env):
           f"stood down at {max(lost):.3f}, {new} started at {min(started):.3f}")
 
 
+def wait_decode0_idle(cluster) -> None:
+    """Waits (at most 30 s) until the conductor sees decode0 idle: it counts a finished
+    request on decode0 until decode0's next report names it, and placing before that may
+    find decode0 full (429 decode_full, seen in CI)."""
+    def idle() -> bool:
+        v = ((cluster.status() or {}).get("nodes") or {}).get("decode0") or {}
+        return v.get("inflight") == 0 and v.get("decode_batch") == 0
+    wait_until(idle, 30, "the conductor to see decode0 idle", interval_s=REPORT_INTERVAL_S / 4)
+
+
 def test_decode_cut_from_prefill_fails_the_request_in_bounded_time_then_heals(env):
     """The KV hand-over crosses a cut link: the layer-wise push cannot reserve, the READ it
     falls back to times out; with no other decode node the request ends with an OpenAI
     error (never a hang, never output from partial KV); healed, the same prompt gives
     the reference output again."""
     cluster, _, ref = env
+    wait_decode0_idle(cluster)      # a 429 decode_full from the last test's request, once in CI
     cluster.hosts.cut("prefill0", "decode0")
     t0 = time.monotonic()
     cut_status, body = complete(cluster.api_url("cache0"),
@@ -415,19 +426,12 @@ def test_cache_node_cut_while_it_is_the_source_of_a_fetch_the_prefill_recomputes
     # other prompts push it out of prefill0's pages and store (and decode0's store); half
     # as long as PROMPT, so that two fit in decode0's KV: the conductor counts a finished
     # request until decode0's next report names it
-    def decode0_idle() -> bool:
-        # the conductor counts a finished request on decode0 until decode0's next report
-        # names it: placing before that may find decode0 full (429 decode_full)
-        v = ((cluster.status() or {}).get("nodes") or {}).get("decode0") or {}
-        return v.get("inflight") == 0 and v.get("decode_batch") == 0
     for i in range(4):
-        wait_until(decode0_idle, 30, "the conductor to see decode0 idle",
-                   interval_s=REPORT_INTERVAL_S / 4)
+        wait_decode0_idle(cluster)
         r = stream(cluster.api_url("cache0"),
                    PROMPT[:len(PROMPT) // 2].replace("red pens", f"filler {i} cups"))
         assert r[0] == 200, r
-    wait_until(decode0_idle, 30, "the conductor to see decode0 idle",
-               interval_s=REPORT_INTERVAL_S / 4)
+    wait_decode0_idle(cluster)
     before = kv_counters(cluster, "prefill0")
     since = time.time()
     cluster.hosts.cut("cache0", "prefill0")
