@@ -8,12 +8,17 @@ with the fixed default cost model: a 64+-token prompt is predicted faster on the
 shorter one on prefill0. Which node prefilled is read from the API node's `request_done`
 log line; every long prompt carries a fresh cache salt, so no single node holds a prefix of
 it (a cached prefix below cpp_min_tokens uncached rightly keeps a request off the group).
+decode0 checks TBT itself (tbt_slo_s 1 s, its own cost model: 10 ms + 0.4 ms a context
+token a step, so only ~2,500 context tokens or more break it: one ~3,000-token prompt does,
+the concurrent test's 7 x ~240 do not); the conductor's admission is off, so that refusal is
+decode0's whichever node leads.
 Tests run in any order: each starts with every node healthy and undrained
 (autouse fixture) and undoes its drains; the kill test restarts the stage it killed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -31,6 +36,8 @@ from cluster_harness import CONSTRAINED_LOGPROBS, logprob_values, wait_until
 
 from mooncaked.cluster.cpp.pipeline_stage import HELD_IDLE_FACTOR
 from mooncaked.cluster.launcher import LocalCluster, cluster_specs, control_call
+from mooncaked.conductor.cost_model import PolyModel
+from mooncaked.conductor.cost_store import default_cost_model
 
 BIN = Path(sys.executable).parent
 MODEL = "SmolLM2-135M-Instruct.Q4_1"
@@ -41,6 +48,8 @@ WAIT_S = 60.0          # generous: the suite shares two cores with other work
 FREE_S = 10.0
 NODES = ("g0s0", "g0s1", "prefill0", "decode0")
 LONG = " ".join(f"item{i}" for i in range(60))           # ~170 tokens: the group's
+TBT_SLO_S = 1.0
+KV_BYTES_PER_TOKEN = 46080          # SmolLM2-135M, fp32 KV: 30 layers x 2 x 3 heads x 64 x 4
 SHORT = "Hello there"                                   # a few tokens: prefill0's
 
 
@@ -63,16 +72,29 @@ def cluster(tmp_path_factory):
                 "cluster.poll_interval_s": 0.1, "cluster.drain_timeout_s": 5.0,
                 "conductor.refit_cost_model": False,      # placement stays what the default predicts
                 "conductor.cpp_min_tokens": 64, "cpp.chunk_tokens": 32, "cpp.idle_timeout_s": 2.0,
+                # a context of 3,640 tokens (160 MiB / 46,080 bytes a token): room for the
+                # refusal test's prompt
+                "engine.kv_cache_bytes": 160 << 20,
                 # stores large enough that the module never evicts (a prefix test counts
                 # stored blocks)
-                "engine.kv_cache_bytes": 64 << 20, "store.dram_bytes": 192 << 20,
+                "store.dram_bytes": 192 << 20,
                 # With decode0 offloading, a repeated prompt's blocks are on decode0, and
                 # prefill0 fetching them leaves less than cpp_min_tokens uncached, which
                 # rightly keeps the request off the group. This module tests the group's
                 # own prefix reuse, so decode0 keeps nothing.
                 "store.decode_offload": False,
-                "model.num_threads": 1}
-    nodes = cluster_specs(cache=0, prefill=3, decode=1, cpp=2)
+                "model.num_threads": 1, "conductor.admission": "off"}
+    # decode0's own TBT check: the default model's prefill (placement is the same whichever
+    # node leads), decode steps of 10 ms + 0.4 ms a context token
+    slow = dataclasses.replace(default_cost_model(KV_BYTES_PER_TOKEN),
+                               decode=PolyModel(((0, 0), (0, 1)), (0.01, 4e-4)), name="tbt-test",
+                               meta={"source": "test"})
+    slow.save(tmp / "decode0-cost.json")
+    nodes = [dataclasses.replace(n, settings={**n.settings,
+                                              "conductor.cost_model": str(tmp / "decode0-cost.json"),
+                                              "conductor.tbt_slo_s": TBT_SLO_S})
+             if n.node_id == "decode0" else n
+             for n in cluster_specs(cache=0, prefill=3, decode=1, cpp=2)]
     assert [n.node_id for n in nodes] == list(NODES)
     cl = LocalCluster(tmp / "c", nodes, settings=settings)
     with cl:
@@ -278,6 +300,34 @@ def test_more_concurrent_requests_than_receive_slots_all_succeed(cluster):
     assert [s for s, _ in out] == [200] * n, [b for _, b in out]
     assert len({b["choices"][0]["text"] for _, b in out}) == 1, [b for _, b in out]
     assert {prefilled_on(cluster, b) for _, b in out} == {"g0s0"}
+
+
+def test_a_decode_refusal_comes_before_any_stage_computes(cluster):
+    """A ~3,000-token prompt goes to the group, and decode0's TBT check refuses it (predicted
+    step ~1.2 s > 1 s) when stage 0 asks it to admit the request, as a single prefill node
+    asks: the client gets the 429 and no stage computed any of it (issue 31; the check came
+    after the group's whole prefill before)."""
+    prompt = " ".join(f"item{i}" for i in range(770))
+    refused_before = control_call(cluster.control("decode0"), "node.status")["requests"]["refused"]
+    s, body = complete(cluster, prompt, 4, cache_salt=uuid.uuid4().hex)
+    assert s == 429, body
+    assert body["error"]["code"] == "overloaded" and "tbt_slo" in body["error"]["message"], body
+    assert control_call(cluster.control("decode0"), "node.status")["requests"]["refused"] \
+        == refused_before + 1
+
+    def done_line() -> dict | None:
+        lines = [orjson.loads(ln) for ln in cluster.log_path("decode0").read_text().splitlines()
+                 if '"request_done"' in ln]
+        return next((r for r in reversed(lines) if r["prompt_tokens"] > 2500), None)
+    line = wait_until(done_line, WAIT_S, "the refused request's request_done line")
+    assert line["prefill"] == "g0s0" and line["output_tokens"] == 0, line
+    # stage 0 logs cpp_prefill_done before it answers: a prefill computed before the
+    # refusal would be in its log by now
+    assert not [ln for ln in cluster.log_path("g0s0").read_text().splitlines()
+                if '"cpp_prefill_done"' in ln and line["request_id"] in ln]
+    # and the group serves the next request
+    s, body = complete(cluster, LONG, 4, cache_salt=uuid.uuid4().hex)
+    assert s == 200 and prefilled_on(cluster, body) == "g0s0", body
 
 
 def test_a_group_alone_serves_short_prompts(cluster):

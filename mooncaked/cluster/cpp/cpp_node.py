@@ -14,9 +14,13 @@ server (cluster token), its hidden-state segment on the node's transfer engine, 
 stage finds the next one in the membership (group, stage + 1).
 
 `node.prefill` on stage 0 (`CppStageWorker.handle`):
-1. reserves a receive buffer on the decode node (`node.kv_reserve`, the whole model's
-   layer-major shape [num_layers, blocks, 2, block_size, kv_heads, head_dim]), owned by
-   stage 0; its descriptor travels down the chain as `kv_target`;
+1. when the request's turn comes (a receive slot on every stage), reserves a receive
+   buffer on the decode node (`node.kv_reserve`, the whole model's layer-major shape
+   [num_layers, blocks, 2, block_size, kv_heads, head_dim]), owned by stage 0, and in the
+   same call asks the decode node to admit the request (its TBT check, as a single prefill
+   node asks it: a refusal is the API's 429 before any stage computed, and the decode
+   node does not check the request again when it arrives); the buffer's descriptor
+   travels down the chain as `kv_target`;
 2. runs the prompt through the pipeline in `cpp.chunk_tokens` chunks; each stage WRITEs its
    own layers' KV of each chunk's blocks (one byte run per layer of that buffer) as soon as
    it computed the chunk, overlapped with its next chunk, so the one receive buffer takes
@@ -58,7 +62,7 @@ from mooncaked.conductor.cpp_place import stage_info
 from mooncaked.log import get_logger
 from mooncaked.utils import cdiv
 
-from mooncaked.wire.errors import RpcError
+from mooncaked.wire.errors import DecodeRefused, RpcError
 from mooncaked.wire.messages import (CppPrefill, KVHandle, KVReservation, KVReserved,
                                      OutputDelta, PrefillDone, PrefillReply, PrefillRequest,
                                      Release, logprob_from_json, params_to_json)
@@ -200,7 +204,8 @@ class CppStageWorker:
         logprobs; StageFailure on a stage other than 0, when a
         stage fails or dies, or the decode node gives no receive buffer (the API node
         re-places it); ReceiveBuffersFull when the decode node's receive buffers are full
-        (load: the API node answers 429 naming them).
+        (load: the API node answers 429 naming them); DecodeRefused (429) when the decode
+        node's TBT check refuses the request (before any stage computed).
         """
         req = PrefillRequest.from_json(payload)
         ctx, e = self.ctx, self.engine
@@ -318,14 +323,20 @@ class CppStageWorker:
                 e.cfg.num_kv_heads, e.cfg.head_dim]
 
     async def _reserve(self, rid: str, num_tokens: int, req: PrefillRequest) -> dict:
-        """A receive buffer on the decode node for every stage's layers (owner: stage 0).
-        Raises StageFailure when the decode node refuses."""
+        """A receive buffer on the decode node for every stage's layers (owner: stage 0),
+        and with `req.admit_at` the decode node's admission of the request in the same call
+        (its TBT check, before any stage computes, as a single prefill node asks it).
+        Raises DecodeRefused (429) when the TBT check refuses; ReceiveBuffersFull when
+        its receive buffers are full; StageFailure when it gives no buffer otherwise."""
         ctx = self.ctx
+        admit = num_tokens if req.admit_at is not None else 0
         ask = KVReservation(rid, ctx.control_addr, tuple(self._geometry(num_tokens)),
-                            str(self.engine.dtype).removeprefix("torch."), req.ttl_s)
+                            str(self.engine.dtype).removeprefix("torch."), req.ttl_s, admit)
         try:
             r = await ctx.client.call(req.push_to, "node.kv_reserve", ask.to_json())
         except RpcError as ex:
+            if ex.remote_type == DecodeRefused.__name__:          # refused: nothing computed
+                raise DecodeRefused(ex.remote_message, ex.remote_detail or {}) from ex
             if ex.remote_type == ReceiveBuffersFull.__name__:     # load: say so, no re-place
                 raise ReceiveBuffersFull(ex.remote_message) from ex
             raise StageFailure(f"group {self.cpp.group}: the decode node gave no receive buffer: "
