@@ -239,7 +239,15 @@ class CppStageWorker:
         try:
             kv_target = kv = None
             if req.stage and req.push_to:
-                desc = await self._reserve(rid, len(prompt), req)
+                try:
+                    desc = await self._reserve(rid, len(prompt), req)
+                except (ReceiveBuffersFull, StageFailure):
+                    # the decode node admits before it looks for a buffer: withdraw that
+                    # admission now, not at its TTL (it counts in the node's TBT check)
+                    if req.admit_at is not None:
+                        ctx.spawn(release_on(ctx.client, req.push_to,
+                                             Release(rid, ctx.control_addr)))
+                    raise
                 reserved = True
                 kv_target = {"descriptor": desc}
             p = req.params
