@@ -70,8 +70,9 @@ class AsyncLLM:
             self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
-        """Aborts everything, stops the loop and the worker thread, and waits for the
-        offloads into the store already started (the store can then close)."""
+        """Aborts everything, stops the loop and the worker thread, starts the offloads of
+        finished requests the loop had not started, and waits for every offload into the
+        store (the store can then close)."""
         for rid in list(self._queues):
             self.abort(rid)
         if self._task is not None:
@@ -82,6 +83,9 @@ class AsyncLLM:
                 pass
             self._task = None
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self.store is not None:    # no step runs any more: gathering here is safe
+            for export in self.engine.take_offloads():
+                self._offload(export)
         await self.wait_offloads()
 
     async def wait_offloads(self) -> None:
@@ -115,8 +119,13 @@ class AsyncLLM:
                 # blocks are offloaded (the consumers run first, FIFO)
                 if self.store is not None:
                     for out in outputs:
-                        if out.kv_export is not None:
+                        if out.kv_export is not None:      # a hand-over export
                             self._offload(out.kv_export)
+                    if any(out.finished for out in outputs):
+                        await asyncio.sleep(0)             # the streams write their last token
+                        for export in await loop.run_in_executor(self._executor,
+                                                                 self.engine.take_offloads):
+                            self._offload(export)
 
     def _fail_all(self, error: str) -> None:
         for rid, q in list(self._queues.items()):

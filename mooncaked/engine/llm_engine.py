@@ -127,6 +127,12 @@ class LLMEngine:
         self.startup_profile: StartupProfile | None = None
         # Export the full blocks of every finished request (to offload them into the store).
         self.offload_finished = False
+        # Those exports wait here until `take_offloads` (or the next step) gathers them out
+        # of the pages, so the step that finishes a request does not copy them: its last
+        # token goes out first. (keys, block ids, tokens) per request; the freed pages
+        # keep their bytes until a step reuses them.
+        self._offload_pending: list[tuple[list[bytes], list[int], int]] = []
+        self._offload_ready: list[KVExport] = []
         self.kernel_paths = kernel_paths(self.model)
         # Compile (or load from Numba's disk cache) every CPU kernel now, before the node
         # reports ready, instead of on the first request.
@@ -283,7 +289,9 @@ class LLMEngine:
         return outs
 
     def _export(self, seq: Sequence) -> KVExport | None:
-        """Gathers the request's blocks before its pages are freed (None if nothing to give)."""
+        """Gathers the request's blocks before its pages are freed (None if nothing to give).
+        A hand-over export (export_kv) is gathered now, for this step's output; an offload
+        export waits for `take_offloads` (its pages are not reused before the next step)."""
         n_tok = seq.num_computed_tokens
         if seq.handover is not None and seq.handover.export_kv:
             n_blocks = cdiv(n_tok, self.block_size)
@@ -296,6 +304,10 @@ class LLMEngine:
         n_full = n_tok // self.block_size
         self.block_manager.ensure_keys(seq)  # keys of blocks already hashed are reused
         keys = seq.block_keys[:n_full]
+        if seq.handover is None or not seq.handover.export_kv:
+            self._offload_pending.append((list(keys), list(seq.block_table[:n_blocks]),
+                                          min(n_tok, n_blocks * self.block_size)))
+            return None
         blocks, ready = self.runner.read_blocks_to_host(seq.block_table[:n_blocks])
         return KVExport(keys=keys, blocks=blocks, num_tokens=min(n_tok, n_blocks * self.block_size),
                         ready=ready)
@@ -337,10 +349,27 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = reason, stop
         return reason is not None
 
+    def take_offloads(self) -> list[KVExport]:
+        """The full blocks of the requests finished since the last call, to offload into a
+        store (with `offload_finished`): gathered out of the pages now, unless the step
+        after their finish did it already (it must, before it can reuse the pages). Call it
+        from the thread that runs `step`, between steps."""
+        self._gather_offloads()
+        ready, self._offload_ready = self._offload_ready, []
+        return ready
+
+    def _gather_offloads(self) -> None:
+        for keys, block_ids, n_tok in self._offload_pending:
+            blocks, ready = self.runner.read_blocks_to_host(block_ids)
+            self._offload_ready.append(KVExport(keys=keys, blocks=blocks, num_tokens=n_tok,
+                                                ready=ready))
+        self._offload_pending.clear()
+
     def step(self) -> list[RequestOutput]:
         """Runs one step: aborts and new requests, schedule (SchedulerOutput), the KV loads
         into pages, the forward pass over decodes + prefill chunks, sampling, stop checks.
         Returns the outputs it produced (one delta per sampled request, plus aborts)."""
+        self._gather_offloads()      # before this step can reuse the finished requests' pages
         outputs = self._drain()
         sched = self.scheduler.schedule()
         self._load_kv(sched.kv_loads)
