@@ -123,8 +123,10 @@ class AsyncLLM:
                             self._offload(out.kv_export)
                     if any(out.finished for out in outputs):
                         await asyncio.sleep(0)             # the streams write their last token
-                        for export in await loop.run_in_executor(self._executor,
-                                                                 self.engine.take_offloads):
+                        # the copy on the step thread; the exports stay in the engine until
+                        # taken, so a stop() that cancels this await still offloads them
+                        await loop.run_in_executor(self._executor, self.engine.gather_offloads)
+                        for export in self.engine.take_offloads():    # gathered: no copy
                             self._offload(export)
 
     def _fail_all(self, error: str) -> None:

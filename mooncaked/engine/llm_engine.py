@@ -351,14 +351,16 @@ class LLMEngine:
 
     def take_offloads(self) -> list[KVExport]:
         """The full blocks of the requests finished since the last call, to offload into a
-        store (with `offload_finished`): gathered out of the pages now, unless the step
-        after their finish did it already (it must, before it can reuse the pages). Call it
-        from the thread that runs `step`, between steps."""
-        self._gather_offloads()
+        store (with `offload_finished`): gathered out of the pages now (`gather_offloads`),
+        unless that or the step after their finish did it already (it must, before it
+        can reuse the pages). Call it between steps, never while one runs."""
+        self.gather_offloads()
         ready, self._offload_ready = self._offload_ready, []
         return ready
 
-    def _gather_offloads(self) -> None:
+    def gather_offloads(self) -> None:
+        """Copies the finished requests' recorded blocks out of the pages; `take_offloads`
+        hands them over. Call it between steps, never while one runs."""
         for keys, block_ids, n_tok in self._offload_pending:
             blocks, ready = self.runner.read_blocks_to_host(block_ids)
             self._offload_ready.append(KVExport(keys=keys, blocks=blocks, num_tokens=n_tok,
@@ -369,7 +371,7 @@ class LLMEngine:
         """Runs one step: aborts and new requests, schedule (SchedulerOutput), the KV loads
         into pages, the forward pass over decodes + prefill chunks, sampling, stop checks.
         Returns the outputs it produced (one delta per sampled request, plus aborts)."""
-        self._gather_offloads()      # before this step can reuse the finished requests' pages
+        self.gather_offloads()       # before this step can reuse the finished requests' pages
         outputs = self._drain()
         sched = self.scheduler.schedule()
         self._load_kv(sched.kv_loads)
