@@ -212,3 +212,31 @@ def test_kill_a_stage_mid_request(group, prompt):
     group.restart(0)
     r = asyncio.run(_call(group.a0, "cpp.prefill", {"request_id": "after", "token_ids": prompt[:40]}))
     assert isinstance(r["token_id"], int)
+
+
+async def _abort_prefills(group, prompt: list[int], n: int) -> None:
+    """n cpp.prefill calls of 16-token chunks, each dropped by its caller after a different
+    delay: most land while a chunk computes on the stage (its compute thread busy with the
+    request's pages), some between chunks."""
+    async with ControlClient(timeout_s=120.0) as c:
+        for i in range(n):
+            call = asyncio.create_task(c.call(group.a0, "cpp.prefill", {
+                "request_id": f"abort-{i}", "token_ids": prompt, "chunk_tokens": 16}))
+            await asyncio.sleep(0.01 + 0.013 * i)    # where the abort lands, not a wait for state
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+
+def test_aborts_mid_chunk_leave_no_pages(group, prompt):
+    """A request released while its chunk computes (its caller gone) frees the pages that
+    chunk made or kept once it returns, on every stage (a release that freed them under
+    the compute thread left them held: CI at 362ad3a)."""
+    free0 = [asyncio.run(_wait_empty(a))["free_blocks"] for a in (group.a0, group.a1)]
+    asyncio.run(_abort_prefills(group, prompt, 12))
+    for a, want in zip((group.a0, group.a1), free0):
+        st = asyncio.run(_wait_empty(a, IDLE_S - 2))   # before the idle backstop could act
+        assert st["free_blocks"] == want and st["free_slots"] == 2, st
+    r = asyncio.run(_call(group.a0, "cpp.prefill", {"request_id": "after-aborts",
+                                                     "token_ids": prompt[:40]}))
+    assert isinstance(r["token_id"], int)

@@ -170,6 +170,9 @@ class StageServer:
         self._slot_freed = asyncio.Event()        # set whenever a receive slot is freed
         self._progress = time.monotonic()         # last chunk computed or slot freed (stalled())
         self._computing_since: float | None = None   # the worker's chunk in the executor
+        # the request whose chunk the compute thread runs: its pages are the thread's until
+        # the chunk returns, so a release meanwhile leaves them to the worker (_free_pages)
+        self._computing_rid: str | None = None
         self.row_bytes = stage.hidden_size * stage.dtype.itemsize
         self.hidden = None if stage.is_first else torch.zeros((slots, max_tokens, stage.hidden_size),
                                                               dtype=stage.dtype)
@@ -277,7 +280,11 @@ class StageServer:
 
     def _free_pages(self, rid: str) -> bool:
         """StageEngine.release; with a StagePrefix, once the finished blocks' slices the
-        stage's store lacks are copied into it (in the background: a few ms)."""
+        stage's store lacks are copied into it (in the background: a few ms). While rid's
+        chunk computes, nothing here: the worker frees them when the chunk returns (freeing
+        them now would race the compute thread, which makes or extends rid's pages)."""
+        if rid == self._computing_rid:
+            return True
         if self.prefix is not None and self.prefix.offload(rid, lambda: self.stage.release(rid)):
             return True
         return self.stage.release(rid)
@@ -443,7 +450,7 @@ class StageServer:
             want_logits = last and self.stage.is_last
             bs = self.stage.block_size
             blocks = None if req.kv_target is None else (req.pushed_blocks, -(-e // bs))
-            self._computing_since = time.monotonic()
+            self._computing_since, self._computing_rid = time.monotonic(), rid
             try:
                 out, seconds, kv = await loop.run_in_executor(self._compute, self._run_chunk, rid, s,
                                                               inputs, want_logits, blocks)
@@ -451,8 +458,12 @@ class StageServer:
                 self._fail(rid, StageFailure(f"{self.name}: chunk {s}:{e} of {rid}: {ex}"))
                 continue
             finally:
-                self._computing_since = None
+                self._computing_since = self._computing_rid = None
                 self._progress = time.monotonic()
+                if self.reqs.get(rid) is not req:
+                    # released while its chunk computed (a client gone, a failure): the
+                    # pages the chunk made or kept are freed now, or they leak
+                    self._free_pages(rid)
             if self.reqs.get(rid) is not req:
                 continue  # released while this chunk computed: nothing goes downstream
             req.compute_s += seconds
