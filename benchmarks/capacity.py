@@ -315,12 +315,13 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
                                timeout_s=args.timeout, cache_salt=f"rate-{k}")
             records, wall = asyncio.run(replay(cfg, timed))
             flags = [int(met_slo(r, slo["ttft_slo_s"], slo["tbt_slo_s"])) for r in records]
+            ledgers = _ledgers(cl, side, records)
             res = {"rate": round(rate, 4), "side": side,
                    **summarize_rate(records, wall, slo["ttft_slo_s"], slo["tbt_slo_s"],
                                     _median_step(cl, side)),
                    "share_within_slo_ci": share_ci(flags, seed=args.seed + k),
                    "within_flags": flags,
-                   "admission": admission_figures(records, _ledgers(cl, side, records),
+                   "admission": admission_figures(records, ledgers,
                                                   slo["ttft_slo_s"], slo["tbt_slo_s"]),
                    "loop": _loop_stats(cl)}
             out.append(res)
@@ -335,7 +336,9 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
             if args.records:
                 with args.records.open("ab") as f:
                     for r in records:
-                        f.write(orjson.dumps({"side": side, "rate": rate, **r.to_dict()}) + b"\n")
+                        f.write(orjson.dumps({"side": side, "rate": rate, **r.to_dict(),
+                                             "admission": ledgers.get(r.request_id or "", [])})
+                                + b"\n")
     finally:
         cl.stop()
     return out
@@ -409,7 +412,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", type=Path, default=Path("capacity-out"),
                     help="directory for capacity.json and the plots")
     ap.add_argument("--records", type=Path, default=None,
-                    help="append every request's record here (JSON lines)")
+                    help="append every request's record here (JSON lines; with its "
+                         "admission decisions)")
     ap.add_argument("--json", action="store_true")
     return ap
 

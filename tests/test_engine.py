@@ -278,10 +278,18 @@ def test_prefill_export_then_decode_import_equals_one_engine(engine, chats, seed
     first = final.new_token_ids[0]
 
     decoder = engine_without_prefix_cache()
+    started = []                                    # on_start: a decode node's cue for token 1
+    decoder.on_start = lambda rids: started.append((rids, decoder.last_step))
     decoder.add_request(f"d{seed}", prompt, params, kv_import=KVImport(exp.blocks.clone(), exp.num_tokens),
                         first_token=first)
+    decoder.add_request(f"plain{seed}", prompt[:20], params)     # no hand-over: no cue
     tokens, text, cached = [first], held_back(final.new_text, []), None
+    before = decoder.last_step
     outs = step_all(decoder)
+    # once, for the continuation only, in its first step before the forward pass (the
+    # step timing is still the previous step's)
+    assert [r for r, _ in started] == [[f"d{seed}"]] and started[0][1] is before
+    outs = [o for o in outs if o.request_id == f"d{seed}"]
     assert len(outs[0].new_token_ids) == 1          # the first token is not reported again
     for o in outs:
         tokens += o.new_token_ids

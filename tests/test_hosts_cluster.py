@@ -416,6 +416,7 @@ def test_cache_node_cut_while_it_is_the_source_of_a_fetch_the_prefill_recomputes
     # second use may find no holder yet: the prompt is sent again until cache0 holds it,
     # every answer the single process's)
     def replicated() -> int:
+        wait_decode0_idle(cluster)      # else a 429 decode_full (the previous use counted)
         assert stream(cluster.api_url("cache0"), prompt)[:2] == (200, want)
         n = (control_call(cluster.control("cache0"), "node.status", timeout_s=5.0)
              ["store"]["dram_blocks"] - held)

@@ -20,17 +20,19 @@ cache_salt)` and gets RequestOutput deltas. Per request:
    the next layer (cluster/kv_push.py); it answers with the first token once
    every WRITE is done. If p is dead or draining, the request is placed again
    without it;
-3. the first token goes to the client at once (TTFT is p's), then POST
-   /internal/decode on d, read with the node's RPC client (`port.stream`,
+3. POST /internal/decode on d, read with the node's RPC client (`port.stream`,
    wire/rpc.py `ControlClient.stream`: the token, pool and errors of the control
    calls): d takes the pushed KV (or READs p's stage when the push did not happen
    or failed), admits the request with kv_import + first_token (no second TBT
    check for a request it admitted before the prefill), and streams JSON lines
-   back; they carry only d's tokens (the first token is sent once, by this node;
-   d's text starts after `engine.stop.held_back` of the first token's text,
-   exactly the part sent here with it). If d cannot be reached before it
-   produced anything, the decode side is placed again without it (the new node
-   READs p's stage and checks the request on arrival).
+   back: first a line with no token when the request's first step begins on d,
+   then d's tokens. The first token goes to the client with d's first line, as
+   SGLang's and vLLM's decode servers stream every token: the client's first gap
+   is one decode step, not the hand-over (the TTFT includes it instead). It is
+   sent once, by this node; d's text starts after `engine.stop.held_back` of the
+   first token's text, exactly the part sent here with it. If d cannot be
+   reached before it produced anything, the decode side is placed again without
+   it (the new node READs p's stage and checks the request on arrival).
 
 Failures end the request with a clear error naming the node, and nothing waits
 without a bound: place calls use cluster.rpc_timeout_s, the prefill call the
@@ -342,6 +344,7 @@ class ClusterFrontend:
         # A drained node's API keeps serving as a front end (placement avoids its engine);
         # at shutdown the API server itself refuses new requests.
         staged: tuple[str, Release] | None = None    # the prefill node's stage, to release
+        unsent: RequestOutput | None = None          # the first token, held (see step 3)
         pushed: tuple[str, Release] | None = None    # the decode node's receive buffer
         # one info line at the end; the TTFT goes to the conductor (its overhead term)
         done = _RequestLine(request_id, len(prompt_token_ids), port.observed_ttft)
@@ -408,20 +411,34 @@ class ClusterFrontend:
                 if not finished:
                     out.finished, out.finish_reason, out.stop_reason = False, None, None
                 out.num_prompt_tokens, out.num_output_tokens = n, 1
-                done.token(cached, 1, finished)
-                yield out
                 if finished:
+                    done.token(cached, 1, finished)
+                    yield out
                     return
+                # The first token goes out when the decode node begins the request's first
+                # step (its first line), as SGLang's and vLLM's decode servers stream every
+                # token: the client's first gap is then one decode step, not the hand-over
+                # (this call, the KV import, the wait for a step boundary).
+                unsent = out
                 # aclosing: when the client goes away, the decode stream closes now, not at GC.
                 dec = self._decode(pl, pre, prompt_token_ids, params, request_id, cache_salt,
                                    place_req, deadline)
                 async with contextlib.aclosing(dec):
                     async for out in dec:
                         staged = pushed = None       # the decode node admitted it: all released
+                        if unsent is not None:
+                            done.token(cached, 1, False)
+                            yield unsent
+                            unsent = None
+                        if not out.new_token_ids and not out.finished:
+                            continue                 # the start line: no token
                         out.num_prompt_tokens, out.num_cached_tokens = n, cached
                         done.token(cached, len(out.new_token_ids), out.finished)
                         yield out
             except _DecodeLost as e:
+                if unsent is not None:    # the prefill's token stands: the resume follows it
+                    done.token(unsent.num_cached_tokens, 1, False)
+                    yield unsent
                 if e.node_failed:        # the dead node's buffer; the stage expires (stage_ttl_s)
                     staged = pushed = None
                 raise
@@ -658,8 +675,8 @@ class _Replace(Exception):
 
 
 class _DecodeLost(Exception):
-    """The stream broke after the first token: `generate` resumes the request (prompt plus
-    the tokens streamed) on a new placement. node_failed: the decode node died or hung
+    """The decode stream broke (before or after the first token went out): `generate`
+    resumes the request (prompt plus the tokens streamed) on a new placement. node_failed: the decode node died or hung
     (excluded from the new placement); False: the KV hand-over failed (the prefill node's
     stage could not be read), so any node may serve the rest."""
 

@@ -67,6 +67,8 @@ class AsyncLLM:
     async def start(self) -> None:
         """Starts the step loop on the running event loop."""
         if self._task is None:
+            loop = asyncio.get_running_loop()
+            self.engine.on_start = lambda rids: loop.call_soon_threadsafe(self._started, rids)
             self._task = asyncio.create_task(self._run(), name="engine-loop")
 
     async def stop(self) -> None:
@@ -128,6 +130,14 @@ class AsyncLLM:
                         await loop.run_in_executor(self._executor, self.engine.gather_offloads)
                         for export in self.engine.take_offloads():    # gathered: no copy
                             self._offload(export)
+
+    def _started(self, rids: list[str]) -> None:
+        """On the loop: an empty delta to each continuation whose first step began
+        (LLMEngine.on_start), before that step's token."""
+        for rid in rids:
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(RequestOutput(rid, [], "", False))
 
     def _fail_all(self, error: str) -> None:
         for rid, q in list(self._queues.items()):
@@ -204,7 +214,9 @@ class AsyncLLM:
         Args: see LLMEngine.add_request (kv_import: K/V given for the prompt's first tokens;
             export_kv: the final output carries all the request's blocks as a KVExport;
             first_token: the first output token when continuing a prefill node's request
-                (not reported again: the deltas carry only the tokens sampled here);
+                (not reported again: the deltas carry only the tokens sampled here; the
+                first delta, with no token, comes when the request's first step begins:
+                the caller sends the first token to its client then);
             kv_stream: a LayerwiseKV the prompt's K/V is staged into layer by layer).
         Raises: InvalidRequest before the first yield for a bad prompt or parameter.
         Closing the iterator early (client gone) aborts the request and frees its pages.

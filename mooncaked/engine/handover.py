@@ -34,11 +34,15 @@ class HandOver:
             into its final output (RequestOutput.kv_export).
         kv_stream: a LayerwiseKV the prompt's K/V is staged into layer by layer while
             it prefills (the prefill node's push), or None.
+        announce_start: a decode node's continuation (first token sampled elsewhere):
+            the engine tells LLMEngine.on_start when the request's first step begins,
+            then clears it.
     """
 
     kv_import: KVImport | None = None
     export_kv: bool = False
     kv_stream: LayerwiseKV | None = None
+    announce_start: bool = False
 
 
 __all__ = ["HandOver"]

@@ -7,6 +7,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -28,7 +29,7 @@ from .handover import HandOver
 from .kv_stream import LayerwiseKV
 from .model_runner import ModelRunner, block_bytes
 from .scheduler import Scheduler
-from .scheduler_output import KVLoad, ScheduledSeq
+from .scheduler_output import KVLoad, ScheduledSeq, SchedulerOutput
 from .sequence import Sequence, SeqStatus
 from .stop import finish_reason, held_back
 from .structured import GrammarBackend, grammar_accept, grammar_finished
@@ -127,6 +128,11 @@ class LLMEngine:
         self.startup_profile: StartupProfile | None = None
         # Export the full blocks of every finished request (to offload them into the store).
         self.offload_finished = False
+        # Called on the step thread with the ids of continuations (add_request with
+        # first_token) whose first step begins, after their K/V is in pages and before the
+        # forward pass: a decode node sends the client the first token then, so the
+        # client's first gap is this step, not the hand-over (AsyncLLM sets it).
+        self.on_start: Callable[[list[str]], None] | None = None
         # Those exports wait here until `take_offloads` (or the next step) gathers them out
         # of the pages, so the step that finishes a request does not copy them: its last
         # token goes out first. (keys, block ids, tokens) per request; the freed pages
@@ -253,7 +259,8 @@ class LLMEngine:
         seq = Sequence(request_id, prompt_token_ids, params, self.salt(cache_salt), max_tokens, detok)
         seq.grammar = grammar
         if kv_import is not None or export_kv or kv_stream is not None or first_token is not None:
-            seq.handover = HandOver(kv_import, export_kv, kv_stream)
+            seq.handover = HandOver(kv_import, export_kv, kv_stream,
+                                    announce_start=first_token is not None)
             if first_token is not None:
                 seq.num_prompt_tokens -= 1
                 detok.add(first_token)
@@ -367,6 +374,17 @@ class LLMEngine:
                                                 ready=ready))
         self._offload_pending.clear()
 
+    def _announce_starts(self, sched: SchedulerOutput) -> None:
+        """`on_start` with the continuations whose first step this is (see __init__)."""
+        started = []
+        for s in sched.scheduled:
+            ho = s.seq.handover
+            if ho is not None and ho.announce_start:
+                ho.announce_start = False
+                started.append(s.seq.request_id)
+        if started and self.on_start is not None:
+            self.on_start(started)
+
     def step(self) -> list[RequestOutput]:
         """Runs one step: aborts and new requests, schedule (SchedulerOutput), the KV loads
         into pages, the forward pass over decodes + prefill chunks, sampling, stop checks.
@@ -375,6 +393,7 @@ class LLMEngine:
         outputs = self._drain()
         sched = self.scheduler.schedule()
         self._load_kv(sched.kv_loads)
+        self._announce_starts(sched)
         if sched.is_empty:
             return outputs
         t0 = time.perf_counter()
