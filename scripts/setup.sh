@@ -8,6 +8,16 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
+    # The venv takes about 3.3 GB (torch alone 1.5 GB); pip's temporary files need
+    # more. Say so now rather than die half-installed with ENOSPC.
+    need_kb=$((5 * 1024 * 1024))
+    for dir in . "${TMPDIR:-/tmp}"; do
+        free_kb=$(df -Pk "$dir" | awk 'NR == 2 {print $4}')
+        if [ "${free_kb:-0}" -lt "$need_kb" ]; then
+            echo "setup: $(cd "$dir" && pwd) has $((free_kb / 1024)) MB free; a fresh .venv needs about 5 GB (free some space, or set TMPDIR elsewhere for pip's files)" >&2
+            exit 1
+        fi
+    done
     "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/pip install -q --disable-pip-version-check)

@@ -300,7 +300,8 @@ class LLMEngine:
         A hand-over export (export_kv) is gathered now, for this step's output; an offload
         export waits for `take_offloads` (its pages are not reused before the next step)."""
         n_tok = seq.num_computed_tokens
-        if seq.handover is not None and seq.handover.export_kv:
+        handover = seq.handover is not None and seq.handover.export_kv
+        if handover:
             n_blocks = cdiv(n_tok, self.block_size)
         elif self.offload_finished and seq.finish_reason != "abort":
             n_blocks = n_tok // self.block_size
@@ -309,15 +310,15 @@ class LLMEngine:
         if n_blocks == 0:
             return None
         n_full = n_tok // self.block_size
+        num_tokens = min(n_tok, n_blocks * self.block_size)    # the blocks' tokens
         self.block_manager.ensure_keys(seq)  # keys of blocks already hashed are reused
         keys = seq.block_keys[:n_full]
-        if seq.handover is None or not seq.handover.export_kv:
+        if not handover:
             self._offload_pending.append((list(keys), list(seq.block_table[:n_blocks]),
-                                          min(n_tok, n_blocks * self.block_size)))
+                                          num_tokens))
             return None
         blocks, ready = self.runner.read_blocks_to_host(seq.block_table[:n_blocks])
-        return KVExport(keys=keys, blocks=blocks, num_tokens=min(n_tok, n_blocks * self.block_size),
-                        ready=ready)
+        return KVExport(keys=keys, blocks=blocks, num_tokens=num_tokens, ready=ready)
 
     def _finish(self, seq: Sequence, new_ids: list[int], text: str, logprobs) -> RequestOutput:
         seq.status = SeqStatus.FINISHED
