@@ -640,11 +640,19 @@ class StageServer:
         body = CppReserve(rid, req.total, req.keep, req.kv_target, req.sampling,
                           tuple(keys or ()), req.fetch).to_json()
         try:
-            r = await self.client.call(self.next_addr, "cpp.reserve", body)
-        except PeerUnavailable:
-            # A pooled connection to a next stage that was restarted (same address) fails
-            # once; the reservation never reached the new process, so asking again is safe.
-            r = await self.client.call(self.next_addr, "cpp.reserve", body)
+            try:
+                r = await self.client.call(self.next_addr, "cpp.reserve", body)
+            except PeerUnavailable:
+                # A pooled connection to a next stage that was restarted (same address) fails
+                # once; the reservation never reached the new process, so asking again is safe.
+                r = await self.client.call(self.next_addr, "cpp.reserve", body)
+        except asyncio.CancelledError:
+            # released here (its client gone) while the reservation was in flight: the next
+            # stage may hold it already, and no cpp.hold would ever end it there
+            task = asyncio.create_task(self._release_next(rid, self.next_addr))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
+            raise
         if self.reqs.get(rid) is not req:
             # released here while the reservation was in flight: nobody would hold it there
             # (the leak of issue 32, fault 4), so release it on the next stage now
@@ -655,6 +663,12 @@ class StageServer:
         req.next_offset = int(r["offset"])
         req.hold = asyncio.create_task(self._hold(rid, req))
         return int(r.get("cached_blocks") or 0)
+
+    async def _release_next(self, rid: str, addr: str) -> None:
+        """Best-effort cpp.release of rid on the next stage at `addr` (bounded by the
+        client's timeout); never raises."""
+        with contextlib.suppress(Exception):
+            await self.client.call(addr, "cpp.release", CppRequestRef(rid).to_json())
 
     async def _sweep(self) -> None:
         while True:
