@@ -219,8 +219,8 @@ class DecodeWorker:
         """POST /internal/decode: DecodeRequest -> 200 with one JSON object a line:
         OutputDelta lines (the first with no token, when the request's first step
         begins: the API node sends the client the first token then), "{}" keep-alives
-        every stream_idle_timeout_s / 3, or a DecodeFailure line. Answers 503 while draining, 400 for a malformed body, 502 when
-        the KV cannot be read.
+        every stream_idle_timeout_s / 3, or a DecodeFailure line. Answers 503 while
+        draining, 400 for a malformed body, 502 when the KV cannot be read.
         """
 
         if self.ctx.draining():

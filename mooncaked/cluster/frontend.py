@@ -437,7 +437,7 @@ class ClusterFrontend:
                         yield out
             except _DecodeLost as e:
                 if unsent is not None:    # the prefill's token stands: the resume follows it
-                    done.token(unsent.num_cached_tokens, 1, False)
+                    done.token(cached, 1, False)
                     yield unsent
                 if e.node_failed:        # the dead node's buffer; the stage expires (stage_ttl_s)
                     staged = pushed = None
@@ -676,9 +676,10 @@ class _Replace(Exception):
 
 class _DecodeLost(Exception):
     """The decode stream broke (before or after the first token went out): `generate`
-    resumes the request (prompt plus the tokens streamed) on a new placement. node_failed: the decode node died or hung
-    (excluded from the new placement); False: the KV hand-over failed (the prefill node's
-    stage could not be read), so any node may serve the rest."""
+    resumes the request (prompt plus the tokens streamed) on a new placement.
+    node_failed: the decode node died or hung (excluded from the new placement); False:
+    the KV hand-over failed (the prefill node's stage could not be read), so any node may
+    serve the rest."""
 
     def __init__(self, node: str, reason: str, node_failed: bool = True):
         super().__init__(f"decode node {node} lost: {reason}" if node_failed

@@ -656,8 +656,7 @@ class StageServer:
         if self.reqs.get(rid) is not req:
             # released here while the reservation was in flight: nobody would hold it there
             # (the leak of issue 32, fault 4), so release it on the next stage now
-            with contextlib.suppress(Exception):
-                await self.client.call(self.next_addr, "cpp.release", CppRequestRef(rid).to_json())
+            await self._release_next(rid, self.next_addr)
             raise StageFailure(f"{self.name}: request {rid} was released during its reservation")
         req.next_segment = self.transfer.add_peer_segment(r["descriptor"])
         req.next_offset = int(r["offset"])
