@@ -446,3 +446,43 @@ def test_async_llm_and_cluster_frontend_implement_engine_client():
             inspect.signature(impl.stats).bind()
     finally:
         llm._executor.shutdown()
+
+
+def test_a_close_cancelled_while_it_waits_still_aborts_and_counts():
+    """A client that goes away can cancel its handler a second time while `_Run.close`
+    waits for the pumps (after the write's ConnectionResetError; CI at d7068f6 counted
+    the 499 and no abort). The request is still aborted on the engine and counted once.
+    In-process: the real engine behind the API's `_Run`, the cancel placed at that await."""
+    from mooncaked.api.metrics import ApiMetrics
+    from mooncaked.api.protocol import parse_completion
+    from mooncaked.api.server import _Run
+    from mooncaked.config import load_settings
+    from mooncaked.engine.async_llm import AsyncLLM
+    from mooncaked.engine.llm_engine import LLMEngine
+
+    async def main() -> tuple[float, int]:
+        llm = AsyncLLM(LLMEngine(load_settings(None, {})))
+        await llm.start()
+        try:
+            metrics = ApiMetrics(llm.stats)
+            req = parse_completion({"model": llm.model_name, "prompt": LONG_PROMPT,
+                                    "max_tokens": 500, "ignore_eos": True, "temperature": 0,
+                                    "stream": True}, llm)
+            r = _Run(llm, req, "cmpl-close", time.monotonic(), metrics)
+            outputs = r.outputs()
+            await asyncio.wait_for(anext(outputs), 60)       # the request is decoding
+            await outputs.aclose()
+            closing = asyncio.create_task(r.close())
+            await asyncio.sleep(0)           # close() now waits for its cancelled pumps
+            closing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await closing
+            deadline = time.monotonic() + DISCONNECT_WAIT_S
+            while llm.stats().num_running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)    # poll interval, bounded by the deadline
+            return (metrics.requests.labels("abort")._value.get(), llm.stats().num_running)
+        finally:
+            await llm.stop()
+
+    aborted, running = asyncio.run(main())
+    assert (aborted, running) == (1.0, 0)

@@ -168,7 +168,15 @@ class _Run:
         for t in self._tasks:
             if not t.done():
                 t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        try:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        finally:
+            # A client that goes away can cancel the handler here too, after its
+            # ConnectionResetError: the aborts and the metrics must not be skipped.
+            self._settle()
+
+    def _settle(self) -> None:
+        """Aborts the unfinished engine requests and records each choice's metrics."""
         for c in self.choices:
             if not c.finished:
                 with contextlib.suppress(Exception):
