@@ -198,7 +198,7 @@ def _kernel_table(v: dict) -> None:
         if k:
             dtype = k["dtype"] + (" (auto)" if k.get("requested_dtype") == "auto" else "")
             prefill = k["prefill_path"]
-            if k.get("prompt_matmul", "float32") != k["dtype"]:   # bf16 prompt projections
+            if k.get("prompt_matmul", "float32") != k["dtype"]:   # bf16 / int8 prompt projections
                 prefill += f" + {k['prompt_matmul']} matmuls"
             rows.append([nid, k["cpu"], k["isa"], dtype, k["weight_format"], k["decode_path"], prefill])
     if rows:

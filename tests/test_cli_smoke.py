@@ -183,7 +183,8 @@ def test_bench_engine_quick_json():
     assert (res["cpu"], res["isa"]) == (cpu_isa.cpu_name(), cpu_isa.isa_level())
     assert res["decode_path"] == "per-op-torch" or res["decode_path"].startswith("fused-")
     assert res["prefill_path"] in ("sdpa", "sdpa-aligned", "cpu_prefill-avx512_bf16")
-    assert res["prompt_matmul"] in (("float32", "bfloat16") if res["isa"] == "avx512_bf16" else ("float32",))
+    assert res["prompt_matmul"] in {"avx512_bf16": ("float32", "bfloat16"), "avx2": ("float32", "int8"),
+                                    "avx512_vnni": ("float32", "int8")}.get(res["isa"], ("float32",))
     assert res["reps"] == 1 and res["statistic"] == "median"
     assert res["engine"]["kv_cache_bytes"] == 64 * 1024 * 1024
     assert positive(res["wall_s"]) and positive(res["torch_threads"])

@@ -274,9 +274,11 @@ def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
         assert (k["dtype"], k["requested_dtype"]) == (want_dtype, "auto"), nid
         assert k["decode_path"] == "per-op-torch" or k["decode_path"].startswith("fused-")
         assert k["prefill_path"] in ("sdpa", "sdpa-aligned", "cpu_prefill-avx512_bf16")
-        # bf16 prompt projections only where the CPU has native bf16 (model/numerics.py)
-        assert k["prompt_matmul"] in (("float32", "bfloat16") if cpu_isa.isa_level() == "avx512_bf16"
-                                      else ("float32",)), nid
+        # bf16 prompt projections only where the CPU has native bf16, int8 activations on
+        # other x86 levels (model/numerics.py)
+        assert k["prompt_matmul"] in {"avx512_bf16": ("float32", "bfloat16"), "avx2": ("float32", "int8"),
+                                      "avx512_vnni": ("float32", "int8")}.get(cpu_isa.isa_level(),
+                                                                             ("float32",)), nid
         assert view["nodes"][nid]["info"]["model"]["dtype"] == want_dtype
         line = next(orjson.loads(ln) for ln in cluster.log_path(nid).read_text().splitlines()
                     if '"numerics"' in ln)
@@ -287,7 +289,7 @@ def test_each_node_reports_its_cpu_isa_and_kernel_paths(cluster):
     assert out.returncode == 0, out.stderr
     table = out.stdout[out.stdout.index("kernels"):]
     assert cpu_isa.isa_level() in table and f"{want_dtype} (auto)" in table
-    assert ("bfloat16 matmuls" in table) == (k["prompt_matmul"] == "bfloat16")
+    assert (f"{k['prompt_matmul']} matmuls" in table) == (k["prompt_matmul"] != "float32")
 
 
 def test_cost_model_is_calibrated_by_the_startup_profiles_before_any_request(cluster):

@@ -31,15 +31,18 @@ NEW_TOKENS = 24
 
 
 @pytest.mark.parametrize("isa, dtype, keep, prompt", [
-    ("portable", "float32", False, "float32"), ("avx2", "float32", True, "float32"),
-    ("avx512_vnni", "float32", True, "float32"), ("avx512_bf16", "float32", True, "bfloat16")])
+    ("portable", "float32", False, "float32"), ("avx2", "float32", True, "int8"),
+    ("avx512_vnni", "float32", True, "int8"), ("avx512_bf16", "float32", True, "bfloat16")])
 def test_auto_on_the_cpu_is_float32_with_the_files_blocks_on_x86(isa, dtype, keep, prompt):
     n = resolve("auto", "auto", "cpu", isa)
     assert (n.dtype, n.weight_format, n.keep_quantized) == (dtype, "auto" if keep else "dequantized", keep)
     assert n.torch_dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    assert n.prompt_dtype == prompt   # bf16 prompt matmuls only where the CPU has native bf16
+    # bf16 prompt matmuls only where the CPU has native bf16, int8 activations on other x86
+    assert n.prompt_dtype == prompt
+    assert n.torch_prompt_dtype == {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                    "int8": torch.int8}[prompt]
     assert isa in n.reason
-    # the exact options never take bf16 prompt matmuls
+    # the exact options never take bf16 or int8 prompt matmuls
     assert resolve("auto", "dequantized", "cpu", isa).prompt_dtype == "float32"
     assert resolve("float32", "auto", "cpu", isa).prompt_dtype == "float32"
 
@@ -118,8 +121,9 @@ def test_auto_matches_the_fp32_reference(engines, bundled_model):
         # aligned prefill attention: other summation orders than float32's, 1.6e-5 measured)
         assert got[0] == want[0]
         assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=1e-4)
-    elif auto.numerics.dtype == "float32":   # bf16 prompt projections, the fp32 head
-        assert auto.model.layers[0]["wqkv"].kind == "bf16"
+    elif auto.numerics.dtype == "float32":   # bf16 / int8 prompt projections, the fp32 head
+        assert auto.model.layers[0]["wqkv"].kind == {"bfloat16": "bf16",
+                                                      "int8": "int8-activations"}[auto.model.prompt_matmul]
         assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=LOGPROB_ATOL)
     else:   # bf16: the fused head for the first token too
         assert got_lp[0].logprob == pytest.approx(want_lp[0].logprob, abs=LOGPROB_ATOL)
@@ -147,8 +151,7 @@ def test_kernel_paths_report_the_models_decisions(engines):
                                                 "prefill_path", "prompt_matmul"}
     assert ref.kernel_paths.prompt_matmul == "float32"
     assert auto.kernel_paths.prompt_matmul == auto.model.prompt_matmul == (
-        "bfloat16" if auto.numerics.prompt_dtype == "bfloat16" and auto.model.prompt_matmul_why is None
-        else "float32")
+        auto.numerics.prompt_dtype if auto.model.prompt_matmul_why is None else "float32")
 
 
 def test_bench_engine_skips_only_emulated_bf16_cases():

@@ -106,3 +106,38 @@ def logits(model: LlamaModel, hidden: torch.Tensor) -> torch.Tensor:
     """LlamaModel.logits of the fused step's fp32 hidden states: fp32 [N, vocab]."""
     from mooncaked.kernels.cpu_fused_decode import head_logits  # noqa: PLC0415 - needs numba
     return head_logits(model.fused, hidden.numpy(), model.cfg.rms_norm_eps)
+
+
+_PROMPT_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
+                       "w_down": ("w_down",)}
+
+
+def prompt_gemm_why_not(tensors: dict, layers: range) -> str | None:
+    """None when the layers' projections can run prompt rows through kernels/cpu_gemm.py
+    (int8 activations over the GGUF's Q4 blocks), else the reason they cannot."""
+    try:
+        from mooncaked.kernels import cpu_gemm  # noqa: PLC0415 - needs numba
+    except ImportError as e:
+        return f"Numba kernels unavailable: {e}"
+    if not cpu_gemm.supported():
+        return f"needs a CPU with AVX2+FMA; this one runs ISA level {cpu_isa.isa_level()}"
+    for i in layers:
+        for name in _LINEARS:
+            v = tensors.get(f"layers.{i}.{name}")
+            if not isinstance(v, quant.QuantizedWeight) or v.qtype not in (quant.Q4_0, quant.Q4_1):
+                return f"layers.{i}.{name} is not Q4_0/Q4_1"
+            if v.shape[0] % cpu_gemm.COLS or v.shape[1] % 64:
+                return f"layers.{i}.{name} is {list(v.shape)} (rows a multiple of 8, columns of 64)"
+    return None
+
+
+def prompt_linears(tensors: dict, layer: int) -> dict[str, quant.Linear]:
+    """Layer `layer`'s four projections (wqkv, wo, w_gate_up, w_down) as quant.Int8ActLinear
+    over the file's blocks (check `prompt_gemm_why_not` first)."""
+    from mooncaked.kernels.cpu_gemm import PackedWeight, gemm  # noqa: PLC0415 - needs numba
+    from mooncaked.kernels.cpu_gemv import GemvWeight  # noqa: PLC0415 - needs numba
+    out = {}
+    for key, parts in _PROMPT_PROJECTIONS.items():
+        g = GemvWeight.stack([_gemv_weight(tensors[f"layers.{layer}.{p}"]) for p in parts])
+        out[key] = quant.Int8ActLinear(PackedWeight.from_gemv(g), gemm)
+    return out

@@ -119,8 +119,11 @@ class LlamaModel:
 
     `prompt_dtype` bfloat16 (model/numerics.py: `dtype = auto` on AVX512-BF16) runs a
     row-invariant fp32 model's layer projections (which then serve prompt rows only) as
-    quant.Bf16Linear, when this CPU's bf16 matmul is measured row-invariant;
-    `prompt_matmul` says which dtype they run in, `prompt_matmul_why` why not bf16.
+    quant.Bf16Linear, when this CPU's bf16 matmul is measured row-invariant; `prompt_dtype`
+    int8 (auto on AVX2 and AVX-512 without bf16) runs them as quant.Int8ActLinear over the
+    GGUF's Q4 blocks (kernels/cpu_gemm.py, row-invariant by construction). `prompt_matmul`
+    says which they run ("float32", "bfloat16" or "int8"), `prompt_matmul_why` why not the
+    one asked for.
 
     `layers` (a pipeline stage, engine/stage.py) builds only that contiguous range: the
     forward pass then runs those layers over a kv_cache holding only them, the embedding
@@ -193,18 +196,29 @@ class LlamaModel:
         if row_invariant is None:
             row_invariant = self.fused is not None and dtype == torch.float32
         self.row_invariant = row_invariant and hasattr(ops, "paged_prefill_attention_aligned")
-        self.prompt_matmul, self.prompt_matmul_why = self._prompt_matmul(prompt_dtype)
+        self.prompt_matmul, self.prompt_matmul_why = self._prompt_matmul(prompt_dtype, tensors)
 
-    def _prompt_matmul(self, prompt_dtype: torch.dtype | None) -> tuple[str, str | None]:
-        """Run the layers' projections in bf16 where `prompt_dtype` asks for it (an fp32 model
-        whose prompt rows run row-invariantly: only prompt rows reach these linears, the
-        decode rows take the fused step) and this CPU's bf16 matmul keeps rows invariant
-        (quant.bf16_rows_invariant). Returns (the projections' dtype name, why not bf16 or
-        None)."""
-        if prompt_dtype != torch.bfloat16 or self.dtype != torch.float32:
+    def _prompt_matmul(self, prompt_dtype: torch.dtype | None,
+                       tensors: dict[str, torch.Tensor]) -> tuple[str, str | None]:
+        """Run the layers' projections in bf16 or with int8 activations where `prompt_dtype`
+        asks for it (an fp32 model whose prompt rows run row-invariantly: only prompt rows
+        reach these linears, the decode rows take the fused step): bf16 where this CPU's
+        bf16 matmul keeps rows invariant (quant.bf16_rows_invariant), int8 where the
+        weights are Q4 blocks and the CPU has AVX2 (fused.prompt_gemm_why_not). Returns
+        (what the projections run: "float32", "bfloat16" or "int8"; why not the one asked
+        for, or None)."""
+        if prompt_dtype not in (torch.bfloat16, torch.int8) or self.dtype != torch.float32:
             return str(self.dtype).removeprefix("torch."), None
+        asked = str(prompt_dtype).removeprefix("torch.")
         if not self.row_invariant or self.device.type != "cpu":
-            return "float32", "bf16 prompt matmuls need an fp32 CPU model with row-invariant prompt rows"
+            return "float32", f"{asked} prompt matmuls need an fp32 CPU model with row-invariant prompt rows"
+        if prompt_dtype == torch.int8:
+            why = fused.prompt_gemm_why_not(tensors, self.layer_range)
+            if why is not None:
+                return "float32", f"int8 prompt matmuls: {why}"
+            for i, layer in zip(self.layer_range, self.layers):
+                layer.update(fused.prompt_linears(tensors, i))
+            return "int8", None
         names = ("wqkv", "wo", "w_gate_up", "w_down")
         shapes = {tuple(layer[k].weight.shape) for layer in self.layers for k in names}
         if not quant.bf16_rows_invariant(shapes, MIN_GEMM_ROWS):

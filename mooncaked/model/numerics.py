@@ -7,13 +7,13 @@ pages, the store's block-key salt, a P/D handover's dtype check) reads its `Nume
 What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
 
 - CPU with AVX2+FMA, AVX-512 VNNI or AVX512-BF16 (``avx2``, ``avx512_vnni``,
-  ``avx512_bf16``): float32 activations and KV with the GGUF's blocks kept (on
-  ``avx512_bf16``, prompt tokens' projections in bf16: below). (On an
-  AVX512-BF16 CPU, auto was bfloat16 until the suite first ran there: bf16 sums depend
+  ``avx512_bf16``): float32 activations and KV with the GGUF's blocks kept (prompt
+  tokens' projections in bf16 on ``avx512_bf16``, with int8 activations on the others:
+  below). (On an AVX512-BF16 CPU, auto was bfloat16 until the suite first ran there: bf16 sums depend
   on the batch, so batched != alone and P/D != one process; `dtype = bfloat16` keeps
   that faster, path-dependent choice for whoever asks for it.) Prompt tokens take the
-  exact dense fp32 path (the blocks dequantized, as `dtype = float32`), and a prompt's
-  first token the dense fp32 head: `dtype = float32`'s weights and arithmetic, run row-
+  dense fp32 path but for those projections (the blocks dequantized, as `dtype =
+  float32`), and a prompt's first token the dense fp32 head: `dtype = float32`'s weights and arithmetic, run row-
   invariantly (LlamaModel.row_invariant: other summation orders, logprobs within 1e-4 of
   float32's). Generated tokens take the fused decode step (kernels/cpu_fused_decode.py
   over cpu_gemv's AVX2 / VNNI GEMV: int8 activations quantized per row, as llama.cpp's
@@ -31,10 +31,16 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
   fp32, and the log says why): a cold prefill takes 0.6x the time (AMD EPYC Zen 4, 1,000
   tokens, 2.91 -> 1.83 s) for a prompt logit error of 0.6-0.7 against float32 (greedy
   equal where the top-2 gap exceeds CLEAR_MARGIN, first-token logprob within 0.5:
-  tests/test_numerics.py). AVX2 and AVX-512 without bf16 keep fp32 prompts: torch's bf16
-  matmul is emulated there (5-10x slower than fp32), and the one faster arithmetic they
-  have, int8 activations, measured 4-8 logits of error on prompts (W8A8 per row, docs/
-  benchmarks.md).
+  tests/test_numerics.py). On ``avx2`` and ``avx512_vnni`` (torch's bf16 matmul is
+  emulated there, 5-10x slower than fp32) the prompt tokens' four layer projections run
+  with int8 activations over the GGUF's own Q4 blocks (`prompt_dtype` int8,
+  quant.Int8ActLinear, kernels/cpu_gemm.py): the activations rounded per block of 32 as
+  the generated tokens' are, the weights exact, row-invariant by construction. The
+  projections take 0.46-0.51x the time of MKL's fp32 matmul (AMD EPYC Zen 4 compiled for
+  AVX2, 1,000 rows, one thread) for a prompt logit error of 1.3-1.7 against float32
+  (greedy equal where the top-2 gap exceeds CLEAR_MARGIN, first-token logprob within 0.3:
+  tests/test_prompt_int8.py). (Per-row W8A8 through one int8 GEMM measured 4-8 logits
+  of error: docs/benchmarks.md.) Where the weights are not Q4 blocks, fp32 prompts.
 - any other CPU (no AVX2+FMA, ARM): float32, the exact dense path (as `dtype = float32`).
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
 
@@ -57,6 +63,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+PROMPT_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 @dataclass(frozen=True)
@@ -70,8 +77,9 @@ class Numerics:
         keep_quantized: load the GGUF's quantized blocks as quant.QuantizedWeight
             (for the quantized linears or the fused decode step) instead of dequantized.
         reason: why, in words (for the start-up log).
-        prompt_dtype: the dtype of prompt tokens' layer projections ("float32" or
-            "bfloat16"; LlamaModel `prompt_dtype`, which may still fall back to fp32).
+        prompt_dtype: the arithmetic of prompt tokens' layer projections ("float32",
+            "bfloat16", or "int8": int8 activations over the Q4 blocks; LlamaModel
+            `prompt_dtype`, which may still fall back to fp32).
     """
 
     dtype: str
@@ -87,8 +95,8 @@ class Numerics:
 
     @property
     def torch_prompt_dtype(self) -> torch.dtype:
-        """The torch dtype of `prompt_dtype`."""
-        return DTYPES[self.prompt_dtype]
+        """The torch dtype of `prompt_dtype` (torch.int8 for int8 activations)."""
+        return PROMPT_DTYPES[self.prompt_dtype]
 
 
 def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numerics:
@@ -118,9 +126,12 @@ def resolve(dtype: str, weight_format: str, device_type: str, isa: str) -> Numer
         return Numerics("float32", weight_format, True,
                         f"auto on {isa}: float32, prompt projections in bf16, generated "
                         f"tokens through the fused decode step", prompt_dtype="bfloat16")
+    if isa in ("avx2", "avx512_vnni") and weight_format != "dequantized":
+        return Numerics("float32", weight_format, True,
+                        f"auto on {isa}: float32, prompt projections with int8 activations, "
+                        f"generated tokens through the fused decode step", prompt_dtype="int8")
     if isa in ("avx2", "avx512_vnni", "avx512_bf16"):
-        return Numerics("float32", weight_format, weight_format != "dequantized",
-                        f"auto on {isa}: float32, prompts exact, generated tokens through "
-                        f"the fused decode step")
+        return Numerics("float32", weight_format, False,
+                        f"auto on {isa}: float32, the exact dense path (weight_format dequantized)")
     return Numerics("float32", "dequantized", False,
                     f"auto on a CPU without AVX2 ({isa}): float32, the exact dense path")

@@ -180,6 +180,35 @@ class Bf16Linear(Linear):
         return F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
 
 
+class Int8ActLinear(Linear):
+    """A dense fp32 model's projection run for prompt rows over the GGUF's own Q4_0/Q4_1
+    blocks with int8 activations (`dtype = auto` on AVX2 and on AVX-512 without bf16,
+    model/numerics.py): x [T, in] fp32 -> [T, out] fp32 by kernels/cpu_gemm.py's GEMM (the
+    activations rounded to int8 per block of 32, as the fused decode step and llama.cpp
+    round them; the weights exact). Keeps only the repacked codes and fp32 scales (1.25 bytes
+    a weight against 4 for the fp32 copy); `weight` is None.
+
+    Args:
+        packed: the cpu_gemm.PackedWeight [out, in].
+        gemm: cpu_gemm.gemm (passed in: this module does not import the Numba kernels).
+    """
+
+    kind = "int8-activations"
+
+    def __init__(self, packed, gemm):
+        super().__init__(None)
+        self.packed, self._gemm = packed, gemm
+        self.shape = packed.shape
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._gemm(self.packed, x.detach().contiguous().numpy(), torch.get_num_threads())
+        return torch.from_numpy(y)
+
+    def nbytes(self) -> int:
+        """Bytes this weight keeps in memory."""
+        return self.packed.nbytes()
+
+
 def bf16_rows_invariant(shapes: set[tuple[int, int]], min_rows: int, seed: int = 0) -> bool:
     """Whether torch's bf16 matmul on this CPU gives a row the same bits in any batch of at
     least `min_rows` rows, for weights of each (out, in) shape: rows computed in batches of

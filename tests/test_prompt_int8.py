@@ -1,0 +1,84 @@
+"""Prompt projections with int8 activations (`dtype = auto` on AVX2 and AVX-512 without bf16;
+model/numerics.py, quant.Int8ActLinear over kernels/cpu_gemm.py) against the exact fp32
+forward of the same weights.
+
+Stated accuracy: every prompt row's logits within MAX_LOGIT_ERR of the fp32 forward
+(measured on the bundled model, AMD EPYC Zen 4: 1.26-1.68 over chat prompts and 265-277
+tokens of English text), the greedy pick equal where the fp32 top-2 gap exceeds
+CLEAR_MARGIN (measured: none changed above 0.5), and the first token's logprob within
+LOGPROB_ATOL (measured <= 0.28). The kernel is row-invariant by construction, so the
+prompt rows keep the chunking invariance that test_fused_decode checks for fp32.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mooncaked.kernels import cpu_ops
+from mooncaked.model import quant
+from mooncaked.model.llama import LlamaModel
+from mooncaked.model.tokenizer import Tokenizer
+from mooncaked.model.weights import load_weights
+
+from test_fused_decode import assert_prompt_rows_chunk_invariant
+from test_prompt_bf16 import CLEAR_MARGIN, TEXT, _prompt_logits
+
+pytestmark = pytest.mark.cpu_isa("avx2")
+
+MAX_LOGIT_ERR = 2.0   # logits of prompt rows, int8 activations vs fp32 (measured <= 1.68)
+LOGPROB_ATOL = 0.5    # the first token's logprob (test_numerics' bound; measured <= 0.28)
+PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
+
+
+@pytest.fixture(scope="module")
+def models(bundled_model):
+    """(fp32 dense reference, the fp32 model with the fused step and int8 prompt
+    projections, tokenizer)."""
+    cfg, tensors = load_weights(bundled_model, keep_quantized=True)
+    dev = torch.device("cpu")
+    ref = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 1024, weight_format="dequantized")
+    i8 = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 1024, weight_format="auto",
+                    fused_decode_max_batch=4, row_invariant=True, prompt_dtype=torch.int8)
+    return ref, i8, Tokenizer(bundled_model, cfg.eos_token_ids)
+
+
+def test_int8_prompt_projections_stay_within_the_stated_error(models):
+    ref, i8, tok = models
+    assert i8.prompt_matmul == "int8" and i8.prompt_matmul_why is None
+    assert {i8.layers[0][k].kind for k in PROJECTIONS} == {"int8-activations"}
+    prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
+               for c in ("What is the capital of France?", "List three prime numbers.")]
+    prompts.append(tok.encode(TEXT))
+    assert len(prompts[-1]) > 250
+    for ids in prompts:
+        want, got = _prompt_logits(ref, ids), _prompt_logits(i8, ids)
+        err = (got - want).abs().max().item()
+        assert 0 < err <= MAX_LOGIT_ERR, err   # > 0: the int8 path really ran
+        top2 = want.topk(2, -1).values
+        clear = (top2[:, 0] - top2[:, 1]) > CLEAR_MARGIN
+        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+        lp_want, lp_got = torch.log_softmax(want[-1], -1), torch.log_softmax(got[-1], -1)
+        pick = want[-1].argmax()
+        assert abs(lp_got[pick] - lp_want[pick]).item() <= LOGPROB_ATOL
+
+
+def test_int8_prompt_rows_are_chunk_invariant_and_smaller(models):
+    ref, i8, tok = models
+    assert_prompt_rows_chunk_invariant(i8, tok)
+    # a byte a weight and two fp32 per block of 32 (1.25 bytes), against 4 for the fp32 copy
+    mine = sum(i8.layers[0][k].nbytes() for k in PROJECTIONS)
+    dense = sum(ref.layers[0][k].nbytes() for k in PROJECTIONS)
+    assert mine == dense * 1.25 / 4
+
+
+def test_int8_prompts_need_a_row_invariant_fp32_model_of_q4_blocks(bundled_model):
+    cfg, tensors = load_weights(bundled_model, keep_quantized=True)
+    plain = LlamaModel(cfg, tensors, torch.float32, torch.device("cpu"), cpu_ops, 64,
+                       weight_format="dequantized", prompt_dtype=torch.int8)
+    assert plain.prompt_matmul == "float32" and "row-invariant" in plain.prompt_matmul_why
+    assert plain.layers[0]["wqkv"].kind == "dense"
+    one_dense = {**tensors, "layers.3.wo": quant.dense(tensors["layers.3.wo"])}
+    mixed = LlamaModel(cfg, one_dense, torch.float32, torch.device("cpu"), cpu_ops, 64,
+                       weight_format="auto", row_invariant=True, prompt_dtype=torch.int8)
+    assert mixed.prompt_matmul == "float32" and "layers.3.wo is not Q4_0/Q4_1" in mixed.prompt_matmul_why
