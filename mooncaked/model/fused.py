@@ -9,6 +9,10 @@ and written as it is), every matmul width a multiple of 64, the whole model (not
 pipeline stage), the CPU kernel set (attention_backend auto or cpu), and a CPU whose
 ISA level runs one of cpu_gemv's compiled variants: AVX2+FMA or AVX-512 VNNI, chosen
 at build (kernels/cpu_isa.py; MOONCAKED_CPU_ISA caps it).
+
+`prompt_gemm_why_not` and `prompt_linears` do the same for the prompt rows' projections
+over the same blocks (kernels/cpu_gemm.py, int8 activations; `dtype = auto` on AVX2 /
+AVX-512 VNNI): Q4_0/Q4_1 weights and a CPU with AVX2+FMA, in a whole model or a stage.
 """
 
 from __future__ import annotations
