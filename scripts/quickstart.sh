@@ -38,8 +38,8 @@ done
 [ -n "$ready" ] || { echo "quickstart: the cluster did not become ready"; cat "$LOG"; exit 1; }
 cat "$LOG"
 echo
-echo "quickstart: POST $URL/v1/chat/completions: What is the capital of France?"
-BODY='{"messages": [{"role": "user", "content": "What is the capital of France?"}], "max_tokens": 64, "temperature": 0}'
+echo "quickstart: POST $URL/v1/chat/completions: What is the capital of Japan?"
+BODY='{"messages": [{"role": "user", "content": "What is the capital of Japan?"}], "max_tokens": 64, "temperature": 0}'
 for _ in $(seq 1 30); do   # the conductor may need a moment to see every node
     code=$(curl -sS -o "$ANSWER" -w '%{http_code}' "$URL/v1/chat/completions" \
         -H 'Content-Type: application/json' -d "$BODY") || code=000

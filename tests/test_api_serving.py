@@ -175,7 +175,10 @@ def test_completion_logprobs_and_seed(server):
 
 
 def test_chat_non_streaming_and_streaming(server, model):
-    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    # A question whose first answer token is clear (fp32 top-2 gap 2.5 nats): France's is a
+    # 0.08-nat tie between "The" and "L" even in fp32, which the int8 prompt projections of
+    # auto on AVX2 (model/numerics.py) resolve the other way.
+    msgs = [{"role": "user", "content": "What is the capital of Japan?"}]
 
     async def go():
         async with aiohttp.ClientSession() as s:
@@ -184,7 +187,7 @@ def test_chat_non_streaming_and_streaming(server, model):
             status, full = await post(s, f"{server.url}/v1/chat/completions", req)
             assert status == 200, full
             parts = [{"role": "user", "content": [
-                {"type": "text", "text": "What is the capital of France?"}]}]
+                {"type": "text", "text": "What is the capital of Japan?"}]}]
             _, by_parts = await post(s, f"{server.url}/v1/chat/completions",
                                      {**req, "messages": parts})
             events = await stream(s, f"{server.url}/v1/chat/completions", {**req, "stream": True})
@@ -193,7 +196,7 @@ def test_chat_non_streaming_and_streaming(server, model):
         assert full["object"] == "chat.completion" and full["id"].startswith("chatcmpl-")
         (choice,) = full["choices"]
         assert choice["message"]["role"] == "assistant"
-        assert "Paris" in choice["message"]["content"]
+        assert "Tokyo" in choice["message"]["content"]
         assert choice["finish_reason"] in ("stop", "length")
         if choice["finish_reason"] == "length":
             assert full["usage"]["completion_tokens"] == 12

@@ -341,6 +341,20 @@ def test_ready_is_notified_to_systemd(env):
     assert "READY=1" in msgs
 
 
+def test_a_second_start_leaves_no_process_behind(env):
+    """Starting a running node (or the running cluster) again raises and spawns nothing: a
+    second process of a node would outlive stop() (a debugging script's `with
+    LocalCluster(...)` plus `start()` once left nine idle nodes up)."""
+    cluster, _ = env
+    pids = {n: p.pid for n, p in cluster.procs.items()}
+    with pytest.raises(RuntimeError, match="p1 still runs"):
+        cluster.start_node("p1")
+    with pytest.raises(RuntimeError, match="the cluster is running"):
+        cluster.start()
+    assert {n: p.pid for n, p in cluster.procs.items()} == pids
+    assert all(p.poll() is None for p in cluster.procs.values())
+
+
 def test_greedy_output_equals_single_process(env):
     cluster, ref = env
     api = cluster.api_url("c1")

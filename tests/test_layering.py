@@ -67,6 +67,7 @@ LAZY = {
     ("mooncaked.kernels.bench", "mooncaked.kernels.triton_ops"): "triton, optional",
     ("mooncaked.model.fused", "mooncaked.kernels.cpu_gemv"): "numba (the fused CPU decode step)",
     ("mooncaked.model.fused", "mooncaked.kernels.cpu_fused_decode"): "numba",
+    ("mooncaked.model.fused", "mooncaked.kernels.cpu_gemm"): "numba (the int8 prompt GEMM)",
     ("mooncaked.engine.model_runner", "mooncaked.kernels.jit_watch"): "numba (the CPU warm-up's compile count)",
     ("mooncaked.coord.factory", "mooncaked.coord.etcd"): "aetcd + grpc (~0.4 s), etcd only",
 }

@@ -279,7 +279,13 @@ class LocalCluster:
 
         Raises: ClusterStartError (with the failing node's log tail); CoordinationError
         when etcd cannot start. Whatever was started is stopped before raising.
+        RuntimeError, stopping nothing, when a node of this cluster still runs (a second
+        start: `with LocalCluster(...)` has started it already).
         """
+        running = sorted(n for n, p in self.procs.items() if p.poll() is None)
+        if running:
+            raise RuntimeError(f"the cluster is running ({', '.join(running)}): a second start() would "
+                               f"leave those processes behind; stop() it first")
         try:
             self.start_backend()
             for spec in self.nodes.values():
@@ -307,7 +313,13 @@ class LocalCluster:
                                    **where).start()
 
     def start_node(self, node_id: str) -> subprocess.Popen:
-        """(Re)starts one node's process (same id, same port if it had one)."""
+        """(Re)starts one node's process (same id, same port if it had one).
+
+        Raises: RuntimeError when the node's process still runs (`restart_node` stops it
+        first; a second process would be left behind)."""
+        old = self.procs.get(node_id)
+        if old is not None and old.poll() is None:
+            raise RuntimeError(f"node {node_id} still runs (pid {old.pid}): restart_node() or kill() it first")
         spec = self.nodes[node_id]
         taken = {*self.ports.values(), *self.rpc_ports.values()}
         port = self.ports.get(node_id) or spec.port or free_port(exclude=taken)

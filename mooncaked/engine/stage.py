@@ -16,6 +16,7 @@ its calls); each request owns a list of pages until `release`.
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import threading
 import time
@@ -115,7 +116,10 @@ class StageEngine:
         if num_threads:
             torch.set_num_threads(num_threads)
         t0 = time.monotonic()
-        cfg, tensors = load_weights(model_path, layers)
+        # auto's int8 prompt projections run over the file's blocks: keep them where the
+        # nodes' auto takes those (the rest is dequantized below, as dtype float32 does)
+        nodes = resolve_numerics(dtype, "auto", torch.device(device).type, cpu_isa.isa_level())
+        cfg, tensors = load_weights(model_path, layers, keep_quantized=nodes.prompt_dtype == "int8")
         self.cfg: ModelConfig = cfg
         self.layers = layers
         self.is_first, self.is_last = layers.start == 0, layers.stop == cfg.num_layers
@@ -123,11 +127,11 @@ class StageEngine:
         # a stage runs dense weights; "auto" resolves as a whole-model engine's dtype does
         # (model/numerics.py), so the stages' KV and block keys match the group's nodes
         self.dtype = resolve_numerics(dtype, "dequantized", dev.type, cpu_isa.isa_level()).torch_dtype
-        self.weight_bytes = sum(t.numel() for t in tensors.values()) * self.dtype.itemsize
+        # weights counted dense (numel of each tensor, blocks or not) in the stage's dtype
+        self.weight_bytes = sum(math.prod(t.shape) for t in tensors.values()) * self.dtype.itemsize
         # where a whole-model node's auto takes the fused step (fp32 with the file's blocks),
         # the prompt rows run row-invariant there (LlamaModel.row_invariant): so here too,
         # so that the group's prompt K/V and first token are the single node's bit for bit
-        nodes = resolve_numerics(dtype, "auto", dev.type, cpu_isa.isa_level())
         self.model = LlamaModel(cfg, tensors, self.dtype, dev, attention_ops(dev, "auto"),
                                 max_positions=min(max_positions, cfg.max_position_embeddings),
                                 layers=layers,
