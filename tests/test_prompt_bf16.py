@@ -66,21 +66,34 @@ def _bf16_linears(bf: LlamaModel, ref: LlamaModel) -> None:
             mine[k] = quant.Bf16Linear(theirs[k].weight)
 
 
-@pytest.mark.cpu_isa("avx512_bf16")
-def test_bf16_prompt_projections_stay_within_the_stated_error(models):
-    ref, bf, tok = models
-    _bf16_linears(bf, ref)
+def assert_prompt_rows_near(ref: LlamaModel, model: LlamaModel, tok: Tokenizer, max_logit_err: float,
+                            logprob_atol: float | None = None) -> None:
+    """Two chat prompts and 277 tokens of English text through `model` and the fp32 `ref`:
+    every prompt row's logits within max_logit_err (and not equal: the other path ran),
+    greedy equal where ref's top-2 gap exceeds CLEAR_MARGIN, and with logprob_atol the
+    first token's logprob within it."""
     prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
                for c in ("What is the capital of France?", "List three prime numbers.")]
     prompts.append(tok.encode(TEXT))
     assert len(prompts[-1]) > 250
     for ids in prompts:
-        want, got = _prompt_logits(ref, ids), _prompt_logits(bf, ids)
+        want, got = _prompt_logits(ref, ids), _prompt_logits(model, ids)
         err = (got - want).abs().max().item()
-        assert 0 < err <= MAX_LOGIT_ERR, err   # > 0: the bf16 path really ran
+        assert 0 < err <= max_logit_err, err
         top2 = want.topk(2, -1).values
         clear = (top2[:, 0] - top2[:, 1]) > CLEAR_MARGIN
         assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+        if logprob_atol is not None:
+            pick = want[-1].argmax()
+            lp_err = torch.log_softmax(got[-1], -1)[pick] - torch.log_softmax(want[-1], -1)[pick]
+            assert abs(lp_err.item()) <= logprob_atol
+
+
+@pytest.mark.cpu_isa("avx512_bf16")
+def test_bf16_prompt_projections_stay_within_the_stated_error(models):
+    ref, bf, tok = models
+    _bf16_linears(bf, ref)
+    assert_prompt_rows_near(ref, bf, tok, MAX_LOGIT_ERR)
 
 
 def test_bf16_linear_rounds_inputs_and_keeps_the_callers_dtype():

@@ -5,9 +5,10 @@ forward of the same weights.
 Stated accuracy: every prompt row's logits within MAX_LOGIT_ERR of the fp32 forward
 (measured on the bundled model, AMD EPYC Zen 4: 1.26-1.68 over chat prompts and 265-277
 tokens of English text), the greedy pick equal where the fp32 top-2 gap exceeds
-CLEAR_MARGIN (measured: none changed above 0.5), and the first token's logprob within
-LOGPROB_ATOL (measured <= 0.28). The kernel is row-invariant by construction, so the
-prompt rows keep the chunking invariance that test_fused_decode checks for fp32.
+test_prompt_bf16's CLEAR_MARGIN (measured: none changed above 0.5; over 30 chat questions
+5 first tokens changed, each at an fp32 gap <= 0.11), and the first token's logprob
+within LOGPROB_ATOL (measured <= 0.28). The kernel is row-invariant by construction, so
+the prompt rows keep the chunking invariance that test_fused_decode checks for fp32.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import load_weights
 
 from test_fused_decode import assert_prompt_rows_chunk_invariant
-from test_prompt_bf16 import CLEAR_MARGIN, TEXT, _prompt_logits
+from test_prompt_bf16 import assert_prompt_rows_near
 
 pytestmark = pytest.mark.cpu_isa("avx2")
 
@@ -47,20 +48,7 @@ def test_int8_prompt_projections_stay_within_the_stated_error(models):
     ref, i8, tok = models
     assert i8.prompt_matmul == "int8" and i8.prompt_matmul_why is None
     assert {i8.layers[0][k].kind for k in PROJECTIONS} == {"int8-activations"}
-    prompts = [tok.apply_chat_template([{"role": "user", "content": c}])
-               for c in ("What is the capital of France?", "List three prime numbers.")]
-    prompts.append(tok.encode(TEXT))
-    assert len(prompts[-1]) > 250
-    for ids in prompts:
-        want, got = _prompt_logits(ref, ids), _prompt_logits(i8, ids)
-        err = (got - want).abs().max().item()
-        assert 0 < err <= MAX_LOGIT_ERR, err   # > 0: the int8 path really ran
-        top2 = want.topk(2, -1).values
-        clear = (top2[:, 0] - top2[:, 1]) > CLEAR_MARGIN
-        assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
-        lp_want, lp_got = torch.log_softmax(want[-1], -1), torch.log_softmax(got[-1], -1)
-        pick = want[-1].argmax()
-        assert abs(lp_got[pick] - lp_want[pick]).item() <= LOGPROB_ATOL
+    assert_prompt_rows_near(ref, i8, tok, MAX_LOGIT_ERR, LOGPROB_ATOL)
 
 
 def test_int8_prompt_rows_are_chunk_invariant_and_smaller(models):

@@ -39,7 +39,8 @@ What `auto` picks, and the accuracy it costs (tests/test_numerics.py checks it):
   projections take 0.46-0.51x the time of MKL's fp32 matmul (AMD EPYC Zen 4 compiled for
   AVX2, 1,000 rows, one thread) for a prompt logit error of 1.3-1.7 against float32
   (greedy equal where the top-2 gap exceeds CLEAR_MARGIN, first-token logprob within 0.3:
-  tests/test_prompt_int8.py). (Per-row W8A8 through one int8 GEMM measured 4-8 logits
+  tests/test_prompt_int8.py; over 30 chat questions 5 first answer tokens changed, each a
+  near tie of fp32 itself, top-2 gap <= 0.11 nats; bf16 projections changed 1). (Per-row W8A8 through one int8 GEMM measured 4-8 logits
   of error: docs/benchmarks.md.) Where the weights are not Q4 blocks, fp32 prompts.
 - any other CPU (no AVX2+FMA, ARM): float32, the exact dense path (as `dtype = float32`).
 - CUDA: bfloat16 (dense weights; the Triton kernels' native dtype).
