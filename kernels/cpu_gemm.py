@@ -35,6 +35,7 @@ and `cpu_gemv.gemv_reference` (NumPy) as the portable contract.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -213,13 +214,17 @@ def _gemm(codes, d, m, xq, dx, xs, out, g_start, g_stop):  # pragma: no cover - 
 
 
 _pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
 
 
 def _threads_pool() -> ThreadPoolExecutor:
+    """The process's worker threads for split GEMMs (made once, on first use; threads start
+    as they are needed)."""
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="cpu_gemm")
-    return _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="cpu_gemm")
+        return _pool
 
 
 def gemm(w: PackedWeight, x: np.ndarray, threads: int = 1) -> np.ndarray:
