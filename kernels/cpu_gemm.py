@@ -250,8 +250,10 @@ def gemm(w: PackedWeight, x: np.ndarray, threads: int = 1) -> np.ndarray:
         _gemm(w.codes, w.d, w.m, xq, dx, xs, out, 0, groups)
         return out
     bounds = [groups * i // parts for i in range(parts + 1)]
+    # the caller computes the first part itself: one hand-off fewer, and its core busy
     futures = [_threads_pool().submit(_gemm, w.codes, w.d, w.m, xq, dx, xs, out, a, b)
-               for a, b in zip(bounds, bounds[1:])]
+               for a, b in zip(bounds[1:-1], bounds[2:])]
+    _gemm(w.codes, w.d, w.m, xq, dx, xs, out, bounds[0], bounds[1])
     for f in futures:
         f.result()
     return out
