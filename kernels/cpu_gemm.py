@@ -25,8 +25,11 @@ path needs (model/llama.py).
 Measured (AMD EPYC Zen 4, one thread, compiled for AVX2 only: NUMBA_CPU_NAME=haswell,
 torch capped to AVX2), 1,000 rows, the bundled model's four shapes (K x N: 576 x 960,
 576 x 576, 576 x 3072, 1536 x 576), quantization included, against torch's fp32 matmul
-(MKL) of the dequantized weights: 36.6 against 71.3 ms a layer (0.51x). Relative error
-of the product against the fp32 one: 0.5% (the activations' int8 rounding).
+(MKL) of the dequantized weights: 35.1 against 75.7 ms a layer (0.46x; 36.6 against 71.3
+in a first run); split over two threads 20.5 ms. Relative error of the product against
+the fp32 one: 0.5% (the activations' int8 rounding). At two torch threads the split
+needs torch's OpenMP workers not to spin on the cores (GOMP_SPINCOUNT, set in
+mooncaked/__init__.py).
 
 Variants: "avx2" (Numba + LLVM IR over the AVX2 intrinsics) where the CPU has AVX2+FMA,
 and `cpu_gemv.gemv_reference` (NumPy) as the portable contract.
