@@ -112,7 +112,7 @@ class PackedWeight:
 
 
 def _make_tile(rows: int):
-    """The code generator of `_tile`: `rows` activation rows by one group of 8 columns,
+    """The code generator of `_tile_intrinsic(rows)`: `rows` activation rows by one group of 8 columns,
     over all K / 32 blocks, stored to out (see the module doc for the arithmetic)."""
 
     def codegen(context, builder, sig, args):

@@ -33,16 +33,21 @@ TEXT = ("The lighthouse stood on a rock a mile from the shore. Every evening the
         "his log the hour the light was lit, the state of the sea and the ships he counted. ") * 3
 
 
-@pytest.fixture(scope="module")
-def models(bundled_model):
-    """(fp32 dense reference, the fp32 model with the fused step and bf16 prompt
-    projections, tokenizer)."""
-    cfg, tensors = load_weights(bundled_model, keep_quantized=True)
+def prompt_models(path, prompt_dtype: torch.dtype) -> tuple[LlamaModel, LlamaModel, Tokenizer]:
+    """(fp32 dense reference, the fp32 model with the fused step and `prompt_dtype` prompt
+    projections, tokenizer) of the GGUF at `path`."""
+    cfg, tensors = load_weights(path, keep_quantized=True)
     dev = torch.device("cpu")
     ref = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 1024, weight_format="dequantized")
-    bf = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 1024, weight_format="auto",
-                    fused_decode_max_batch=4, row_invariant=True, prompt_dtype=torch.bfloat16)
-    return ref, bf, Tokenizer(bundled_model, cfg.eos_token_ids)
+    model = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 1024, weight_format="auto",
+                       fused_decode_max_batch=4, row_invariant=True, prompt_dtype=prompt_dtype)
+    return ref, model, Tokenizer(path, cfg.eos_token_ids)
+
+
+@pytest.fixture(scope="module")
+def models(bundled_model):
+    """prompt_models with bf16 prompt projections."""
+    return prompt_models(bundled_model, torch.bfloat16)
 
 
 def _prompt_logits(model: LlamaModel, ids: list[int], linears=None) -> torch.Tensor:

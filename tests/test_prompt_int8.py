@@ -19,11 +19,10 @@ import torch
 from mooncaked.kernels import cpu_ops
 from mooncaked.model import quant
 from mooncaked.model.llama import LlamaModel
-from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import load_weights
 
 from test_fused_decode import assert_prompt_rows_chunk_invariant
-from test_prompt_bf16 import assert_prompt_rows_near
+from test_prompt_bf16 import assert_prompt_rows_near, prompt_models
 
 pytestmark = pytest.mark.cpu_isa("avx2")
 
@@ -34,14 +33,8 @@ PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 @pytest.fixture(scope="module")
 def models(bundled_model):
-    """(fp32 dense reference, the fp32 model with the fused step and int8 prompt
-    projections, tokenizer)."""
-    cfg, tensors = load_weights(bundled_model, keep_quantized=True)
-    dev = torch.device("cpu")
-    ref = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 1024, weight_format="dequantized")
-    i8 = LlamaModel(cfg, tensors, torch.float32, dev, cpu_ops, 1024, weight_format="auto",
-                    fused_decode_max_batch=4, row_invariant=True, prompt_dtype=torch.int8)
-    return ref, i8, Tokenizer(bundled_model, cfg.eos_token_ids)
+    """test_prompt_bf16's prompt_models with int8 prompt projections."""
+    return prompt_models(bundled_model, torch.int8)
 
 
 def test_int8_prompt_projections_stay_within_the_stated_error(models):

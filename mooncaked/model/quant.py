@@ -198,7 +198,6 @@ class Int8ActLinear(Linear):
     def __init__(self, packed, gemm):
         super().__init__(None)
         self.packed, self._gemm = packed, gemm
-        self.shape = packed.shape
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self._gemm(self.packed, x.detach().contiguous().numpy(), torch.get_num_threads())
