@@ -13,7 +13,7 @@ import math
 
 import pytest
 
-from mooncaked.cluster.admission import DecodeAdmission
+from mooncaked.cluster.admission import START_DELAY_MIN_SAMPLES, DecodeAdmission, still_decoding
 from cluster_harness import place, report
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
                                                   Decision, decide)
@@ -163,10 +163,11 @@ def test_decode_node_check_shadow_and_warmup():
 def test_prefills_queued_for_a_decode_node_count_only_when_their_decodes_overlap():
     """Issue 33's false rejections: six 1,000-token requests wait in one prefill queue
     (10.1 s each, first tokens 10.1 ... 60.6 s from now) for a decode node decoding one
-    request. A seventh decodes from about 60.6 s on, when only the sixth still decodes
-    there (each decodes 10 tokens in under a second): its predicted step is that of 1 + 1
-    + 1 requests (0.08 s, within the 0.1 s TBT SLO), not 1 + 6 + 1 (0.13 s), and 2,500
-    free KV tokens hold it beside the sixth (1,010 tokens each), not beside all six."""
+    request. A seventh decodes from 70.7 s on, after the sixth's prefill and its own,
+    when none of the six still decodes there (each decodes 10 tokens in under a second):
+    its predicted step is that of 1 + 0 + 1 requests (0.07 s, within the 0.1 s TBT SLO;
+    r0 counts, its end unknown), not 1 + 6 + 1 (0.13 s), and 2,500 free KV tokens hold
+    it (1,010 tokens each), not beside all six."""
     s = settings("enforce", ttft_slo=100.0)
     s.conductor.tbt_slo_s = 0.1
     svc = ConductorService("c1", None, None, s, cost=COST)
@@ -177,7 +178,7 @@ def test_prefills_queued_for_a_decode_node_count_only_when_their_decodes_overlap
     assert all(p["ok"] for p in placed), placed[-1]
     assert [round(p["predicted_ttft_s"], 6) for p in placed] == \
         [round(10.1 * (i + 1), 6) for i in range(7)]
-    assert abs(placed[-1]["predicted_tbt_s"] - (0.05 + 0.01 * 3)) < 1e-9
+    assert abs(placed[-1]["predicted_tbt_s"] - (0.05 + 0.01 * 2)) < 1e-9
     assert svc.admissions()["rejected"] == 0 and svc.admissions()["shadow_rejected"] == 0
     # a short request on a second, idle prefill node decodes within the next second,
     # beside r0 alone (q0's decode starts at 10.1 s): a batch of 1 + 0 + 1
@@ -185,6 +186,23 @@ def test_prefills_queued_for_a_decode_node_count_only_when_their_decodes_overlap
     r = place(svc, "now", n=10)
     assert r["ok"] and r["prefill"]["node"] == "p2"
     assert abs(r["predicted_tbt_s"] - (0.05 + 0.01 * 2)) < 1e-9
+
+
+def test_the_node_check_counts_the_requests_still_decoding_when_the_request_starts():
+    """The decode node's TBT check: a request admitted before its prefill starts to decode
+    after it, predicted from the recent admissions' seconds per prompt token (admission
+    to arrival); the running requests count only while their output tokens left reach
+    past that start at the step time now."""
+    adm = DecodeAdmission(settings("enforce"), 1000)
+    assert adm.starts_in_s(200) == 0.0          # nothing observed: every running one counts
+    for i in range(START_DELAY_MIN_SAMPLES):
+        adm.observe_start(100, 0.4 + 0.02 * i)  # 4.0 ... 5.4 ms a token
+    assert adm.starts_in_s(200) == pytest.approx(200 * 0.0047)
+    # at 10 ms a step: 10 tokens left end in 0.1 s, 1,000 in 10 s, unknown: counted
+    running = [(100, 10), (200, 1000), (50, None)]
+    assert still_decoding(running, 0.01, 0.94) == (2, 250)
+    assert still_decoding(running, 0.01, 0.0) == (3, 350)
+    assert still_decoding([], 0.01, 1.0) == (0, 0)
 
 
 def test_metrics_export_verdicts_scales_and_errors():

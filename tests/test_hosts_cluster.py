@@ -343,7 +343,7 @@ def test_decode_cut_from_prefill_fails_the_request_in_bounded_time_then_heals(en
     elapsed = time.monotonic() - t0
     # a clear error in bounded time: the transfer's failure. (A 429 decode_full seen once
     # came from the conductor counting the request's own first placement when it placed it
-    # again: fixed, load.decoding_during.)
+    # again: fixed, load.decode_load_during.)
     assert cut_status in (502, 503, 504), (cut_status, body)
     assert body["error"]["message"] and body["error"]["type"], body
     assert elapsed <= CUT_KV_BOUND_S, elapsed

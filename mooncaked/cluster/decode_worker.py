@@ -33,7 +33,7 @@ from mooncaked import failpoints
 from mooncaked.conductor.refit import STARTUP_PROFILE
 from mooncaked.log import get_logger
 
-from .admission import DecodeAdmission
+from .admission import DecodeAdmission, still_decoding
 from mooncaked.wire.errors import DecodeRefused
 from mooncaked.wire.messages import (DecodeFailure, DecodeRequest, GenerateRequest, KVReservation,
                                      KVReserved, MessageError, OutputDelta, Release)
@@ -53,6 +53,7 @@ class Admission:
     owner: str
     tokens: int
     until: float
+    at: float = 0.0              # admitted when (monotonic s)
 
 
 @dataclass
@@ -89,6 +90,7 @@ class DecodeWorker:
         self.engine, self.transfer, self.client = ctx.engine, ctx.transfer, ctx.client
         self.counters, self.activity = ctx.kv_transfer, ctx.activity
         self.requests: dict[str, int] = {}            # rid -> context tokens
+        self.tokens_left: dict[str, int] = {}         # rid -> output tokens it may still make
         self.buffers: dict[str, ReceiveBuffer] = {}
         # (rid, owner) released before its reservation arrived -> until when (monotonic s):
         # a prefill node that gave up on a request while its node.kv_reserve was still in
@@ -162,7 +164,7 @@ class DecodeWorker:
         refusal = self._check(rid, tokens)
         if refusal is not None:
             raise DecodeRefused(refusal["error"], refusal)
-        self.admitted[rid] = Admission(owner, tokens, now + self.settings.cluster.stage_ttl_s)
+        self.admitted[rid] = Admission(owner, tokens, now + self.settings.cluster.stage_ttl_s, now)
 
     def release(self, rid: str, owner: str | None = None) -> Any:
         """Withdraws rid's receive segment and admission (only if `owner`, when given, holds
@@ -235,6 +237,8 @@ class DecodeWorker:
             refused = self._refuse(rid, len(req.prompt))     # as the conductor predicts it
             if refused is not None:
                 return refused
+        else:
+            self.admission.observe_start(admitted.tokens, time.monotonic() - admitted.at)
         t0 = time.monotonic()
         try:
             buf = await self._kv_for(req)
@@ -245,6 +249,8 @@ class DecodeWorker:
         self.ctx.spawn(release_on(self.client, req.prefill, Release(rid)))
         prompt = list(req.prompt)
         self.requests[rid] = len(prompt) + 1
+        if req.params.max_tokens is not None:
+            self.tokens_left[rid] = req.params.max_tokens - 1   # its first token came along
         self.activity.arrived.append(rid)
         log.debug("decode_admit", request_id=rid, kv_bytes=buf.numel() * buf.element_size(),
                   read_s=round(time.monotonic() - t0, 4))
@@ -256,8 +262,12 @@ class DecodeWorker:
 
     def _check(self, rid: str, tokens: int) -> dict | None:
         """The TBT admission check (cluster/admission.py) of rid with `tokens` prompt tokens
-        over the running requests and the other admitted ones: None, or the refusal."""
-        _, batch, context = self.load()
+        over the running requests still decoding when rid is predicted to start
+        (`still_decoding`) and the other admitted ones: None, or the refusal."""
+        _, now_batch, now_context = self.load()
+        batch, context = still_decoding(
+            [(c, self.tokens_left.get(r)) for r, c in self.requests.items()],
+            self.admission.step_s(now_batch, now_context), self.admission.starts_in_s(tokens))
         waiting = [a for r, a in self.admitted.items() if r != rid and r not in self.requests]
         batch += len(waiting)
         context += sum(a.tokens + 1 for a in waiting)
@@ -345,6 +355,8 @@ class DecodeWorker:
                         done = True
                         break
                     self.requests[rid] = self.requests.get(rid, 0) + len(item.new_token_ids)
+                    if rid in self.tokens_left:
+                        self.tokens_left[rid] -= len(item.new_token_ids)
                     self.tokens_out += len(item.new_token_ids)    # throughput.py
                     self.prompts.pop(rid, None)
                     lines.append(orjson.dumps(OutputDelta.of(item).to_json()))
@@ -359,6 +371,7 @@ class DecodeWorker:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
             self.requests.pop(rid, None)
+            self.tokens_left.pop(rid, None)
             self.prompts.pop(rid, None)
         return resp
 

@@ -5,6 +5,7 @@ reports does not all land on the same node)."""
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 from mooncaked.wire.messages import NodeReport
@@ -26,9 +27,9 @@ class InflightPrefill:
 
 @dataclass(frozen=True)
 class InflightDecode:
-    """A placement on a decode node that its reports do not count yet: KV tokens it will
-    hold (prompt + output), when it was placed, and when the conductor stops counting it
-    unless a report names it (monotonic seconds).
+    """A decode placement: KV tokens it will hold (prompt + output), when it was placed,
+    and when the conductor stops counting it unless a report names it (monotonic
+    seconds).
 
     The decode node only learns of a request when its prefill is done, so the entry must
     outlive the prefill: `expires_at` = placement + predicted TTFT + INFLIGHT_TTL_S (see
@@ -36,17 +37,19 @@ class InflightDecode:
     from decode placement, and a second request land on the same node meanwhile.
 
     `starts_at` .. `ends_at`: when it is predicted to decode there (placement + predicted
-    TTFT, then its output tokens at the predicted step time, + INFLIGHT_TTL_S): a new
-    request's TBT and KV room count it only when their decodes overlap
-    (`decoding_during`). Counting every placement still in a prefill queue as decoding
-    now made a queue of prefills look like a full decode batch (issue 33: 9 of 11
-    predicted misses were such `decode_full`s, with 1 request decoding)."""
+    TTFT, then `decode_s`: its output tokens at the predicted step time). A new request's
+    TBT and KV room count it only when their decodes overlap (`decode_load_during`).
+    Counting every placement still in a prefill queue as decoding now made a queue of
+    prefills look like a full decode batch (issue 33: 9 of 11 predicted misses were such
+    `decode_full`s, with 1 request decoding). Once a report names it, its end moves to
+    `NodeView.decoding`, re-anchored at that report (`apply_load`)."""
 
     tokens: int
     placed_at: float
     expires_at: float
     starts_at: float = 0.0
     ends_at: float = math.inf
+    decode_s: float = math.inf
 
 
 def inflight_decode(tokens: int, now: float, predicted_ttft_s: float,
@@ -58,21 +61,37 @@ def inflight_decode(tokens: int, now: float, predicted_ttft_s: float,
     ttft = predicted_ttft_s if predicted_ttft_s == predicted_ttft_s and predicted_ttft_s > 0 else 0.0
     dec = decode_s if decode_s == decode_s and decode_s >= 0 else math.inf
     return InflightDecode(tokens, now, now + ttft + INFLIGHT_TTL_S, now + ttft,
-                          now + ttft + dec + INFLIGHT_TTL_S)
+                          now + ttft + dec, dec)
 
 
-def decoding_during(v: NodeView, start: float, end: float, rid: str | None = None
-                    ) -> tuple[int, int]:
-    """(requests, KV tokens) of the decode placements in flight to node v that are
-    predicted to decode at some time within [start, end] (monotonic seconds): those a
-    request decoding on v over that window shares steps and KV with. The placement of
-    request `rid` itself is not counted: a request placed again (its KV hand-over failed,
-    its stream resumed, its prefill node refused) replaces its earlier placement, it does
-    not share KV with it (counted, it made a decode node with room for the request look
-    full: a 429 decode_full for a request sent across a cut link, issue 34)."""
-    xs = [x for r, x in v.inflight_decode.items()
-          if r != rid and x.starts_at <= end and x.ends_at >= start]
-    return len(xs), sum(x.tokens for x in xs)
+def decode_load_during(v: NodeView, start: float, end: float, now: float,
+                       rid: str | None = None) -> tuple[int, int, int]:
+    """(requests, KV tokens, KV tokens in flight) a request decoding on node v over [start, end] (monotonic
+    seconds; `now`: the present) shares its steps with: the reported batch less the
+    requests predicted to have finished by `start` (`v.decoding`), plus the placements
+    in flight to v predicted to decode within the window. A placement not decoding yet
+    decodes from `now` at the earliest, whatever its predicted start said. The placement
+    of request `rid` itself is not counted: a request placed again (its KV hand-over
+    failed, its stream resumed, its prefill node refused) replaces its earlier
+    placement, it does not share KV with it (counted, it made a decode node with room
+    for the request look full: a 429 decode_full for a request sent across a cut link,
+    issue 34).
+
+    Counting the whole reported batch predicted a request's step at the batch of the
+    moment it was placed, though with outputs of tens of tokens most of that batch has
+    finished by its first token (issue 33: predicted steps 1.5-2x the gaps observed).
+    The third figure, the in-flight placements' tokens alone, is what KV room must keep
+    free (a finished request's pages are only predicted to be free)."""
+    done = [t for r, (e, t) in v.decoding.items() if r in v.decode_rids and e < start]
+    batch = max(0, v.decode_batch - len(done))
+    context = max(0, v.decode_context_tokens - sum(done))
+    inflight = 0
+    for r, x in v.inflight_decode.items():
+        first = max(x.starts_at, now)
+        if r != rid and first <= end and first + x.decode_s >= start:
+            batch += 1
+            inflight += x.tokens
+    return batch, context + inflight, inflight
 
 
 @dataclass
@@ -89,6 +108,8 @@ class NodeView:
     # rid -> (new tokens, cached tokens)
     prefill_pending: dict[str, tuple[int, int]] = field(default_factory=dict)
     prefill_waiting: set[str] = field(default_factory=set)   # pending, not computing yet
+    # rid -> when a report first listed it computing (pending, not waiting; monotonic s)
+    prefill_running_since: dict[str, float] = field(default_factory=dict)
     decode_rids: set[str] = field(default_factory=set)
     decode_batch: int = 0
     decode_context_tokens: int = 0
@@ -96,6 +117,9 @@ class NodeView:
     store_seq: int = -1                      # last store event seq applied (-1: no inventory yet)
     inflight_prefill: dict[str, InflightPrefill] = field(default_factory=dict)
     inflight_decode: dict[str, InflightDecode] = field(default_factory=dict)
+    # rid -> (predicted end of its decode, monotonic s; its KV tokens) of the placements
+    # its reports name as decoding (moved from inflight_decode by apply_load)
+    decoding: dict[str, tuple[float, int]] = field(default_factory=dict)
     placed: int = 0                          # requests placed here (prefill or decode)
     # peer -> bytes/s its transfer engine measured on the transfers it started with the
     # peer (READs: peer -> node, WRITEs: node -> peer; ConductorService.path_rates)
@@ -113,11 +137,18 @@ def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
     v.draining = r.draining or bool(v.info.get("draining", False))
     v.prefill_pending = dict(r.pending)
     v.prefill_waiting = set(r.waiting) & v.prefill_pending.keys()
+    running = v.prefill_pending.keys() - v.prefill_waiting
+    v.prefill_running_since = {rid: v.prefill_running_since.get(rid, now) for rid in running}
     v.decode_rids = set(r.decode.rids)
     v.decode_batch = r.decode.batch
     v.decode_context_tokens = r.decode.context_tokens
     v.free_kv_tokens = r.decode.free_kv_tokens
     seen = set(r.arrived) | v.prefill_pending.keys() | v.decode_rids
+    for rid in v.decode_rids & v.inflight_decode.keys():   # it decodes from now on
+        x = v.inflight_decode[rid]
+        v.decoding[rid] = (now + x.decode_s, x.tokens)
+    for rid in [x for x in v.decoding if x not in v.decode_rids]:
+        del v.decoding[rid]
     for rid in [x for x, e in v.inflight_prefill.items()
                 if x in seen or now - e.placed_at > INFLIGHT_TTL_S]:
         del v.inflight_prefill[rid]
@@ -126,13 +157,24 @@ def apply_load(v: NodeView, r: NodeReport, now: float) -> None:
         del v.inflight_decode[rid]
 
 
-def queue_s(v: NodeView, cost: CostModel) -> float:
-    """Predicted prefill work queued on node v, seconds: its reported pending prefills and
-    the placements its reports do not count yet."""
-    work = list(v.prefill_pending.values())
-    work += [(x.new, x.cached) for rid, x in v.inflight_prefill.items()
-             if rid not in v.prefill_pending]
-    return sum(cost.prefill_s(a, b) for a, b in work)
+def queue_s(v: NodeView, cost: CostModel, now: float | None = None) -> float:
+    """Predicted prefill work queued on node v at monotonic `now` (default: the present),
+    seconds: its reported pending prefills and the placements its reports do not count
+    yet, less the time the oldest running prefill has computed since a report first
+    listed it (at least 0; a lower bound on its progress, as it started before that
+    report; one only, as the node computes its queue in turn). Counting a running
+    prefill's whole cost over-predicted TTFTs under load by the part it had done, and by
+    a finished one's whole cost until the next report (issue 33: TTFT prediction error
+    0.4-0.5 at P/D's top rates)."""
+    now = time.monotonic() if now is None else now
+    work = {rid: cost.prefill_s(new, cached) for rid, (new, cached) in v.prefill_pending.items()}
+    total = sum(work.values())
+    if v.prefill_running_since:
+        rid = min(v.prefill_running_since, key=v.prefill_running_since.__getitem__)
+        total -= min(work.get(rid, 0.0), max(0.0, now - v.prefill_running_since[rid]))
+    total += sum(cost.prefill_s(x.new, x.cached) for rid, x in v.inflight_prefill.items()
+                 if rid not in v.prefill_pending)
+    return total
 
 
 def queued_work(v: NodeView, cost: CostModel) -> list[float]:
@@ -152,5 +194,5 @@ def queued_work(v: NodeView, cost: CostModel) -> list[float]:
 
 
 __all__ = ["INFLIGHT_TTL_S", "InflightDecode", "InflightPrefill", "NodeView", "apply_load",
-           "decoding_during", "inflight_decode",
+           "decode_load_during", "inflight_decode",
            "queue_s", "queued_work"]

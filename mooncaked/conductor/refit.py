@@ -350,6 +350,8 @@ class CostModelRefitter:
                                       for k in ("prefill", "decode")},
                     "warmed_by": dict(self.warmed_by),
                     "profile_steps": dict(self.profile_steps),
+                    # the polynomials in use now (after calibration and refits)
+                    "prefill": cost.prefill.to_dict(), "decode": cost.decode.to_dict(),
                     "meta": cost.meta},
                 "ttft_prediction": _error_summary(list(self.errors)),
                 # what admission checks against the TTFT SLO: predicted + this overhead

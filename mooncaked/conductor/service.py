@@ -52,7 +52,7 @@ from .cost_model import CostModel, step_with_request_s, with_measured_bandwidth
 from .index import BlockEvent, PrefixIndex
 from .cpp_place import (Group, GroupLearner, group_chunk_prediction, place_with_groups,
                         split_groups, stalled_groups, usable_groups)
-from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decoding_during,
+from .load import (INFLIGHT_TTL_S, InflightPrefill, NodeView, apply_load, decode_load_during,
                    inflight_decode,
                    queue_s, queued_work)
 from .refit import STARTUP_PROFILE, CostModelRefitter
@@ -454,22 +454,24 @@ class ConductorService:
             # placeholder with no queue, fully cached).
             snap_pre = (["-"], [0.0], [len(keys)])
         else:
-            queue = [queue_s(v, cost) for v in pre]
+            queue = [queue_s(v, cost, now) for v in pre]
             snap_pre = ([v.node_id for v in pre], queue,
                         self.index.match(keys, [v.node_id for v in pre]))
             if cfg.prefill_order == "spf":    # the wait under the order the nodes run
                 queued = [QueuedWork.of(queued_work(v, cost)) for v in pre]
         # The request decodes from its first token (at the soonest after the shortest prefill
-        # queue) for max_new steps: the placements in flight to a decode node count in its
-        # batch and KV only when they decode then too (load.decoding_during).
+        # queue and its own prefill) for max_new steps: the placements in flight to a
+        # decode node count in its batch and KV only when they decode then too, and the
+        # batch decoding now only until it is predicted to finish (load.decode_load_during).
         start = now + (min(queue) if queue else 0.0)
         dbatch, dctx, dfree = [], [], []
+        first = start + (0.0 if decode_only else cost.prefill_s(n, 0))
         for v in dec:
-            end = start + (0.0 if decode_only else cost.prefill_s(n, 0)) + max_new * \
-                cost.decode_step_s(v.decode_batch + 1, v.decode_context_tokens + n)
-            k, infl = decoding_during(v, start, end, rid)
-            dbatch.append(v.decode_batch + k)
-            dctx.append(v.decode_context_tokens + infl)
+            end = first + max_new * cost.decode_step_s(v.decode_batch + 1,
+                                                       v.decode_context_tokens + n)
+            b, c, infl = decode_load_during(v, first, end, now, rid)
+            dbatch.append(b)
+            dctx.append(c)
             free = v.free_kv_tokens if v.reported_at else \
                 int((v.info.get("model") or {}).get("kv_capacity_tokens", 0))   # not reported yet
             dfree.append(free - infl)
@@ -545,7 +547,7 @@ class ConductorService:
                            ttft_slo_s=self._ttft_budget_s(), tbt_slo_s=cs.tbt_slo_s,
                            min_retry_after_s=cs.min_retry_after_s)
         ids = [v.node_id for v in nodes]
-        snap = Snapshot(ids, [queue_s(v, cost) for v in nodes], self.index.match(keys, ids))
+        snap = Snapshot(ids, [queue_s(v, cost, now) for v in nodes], self.index.match(keys, ids))
         preq = PlacementRequest(keys, n, max_new)
         result = place(preq, snap, cost, cfg, self.rng)
         if isinstance(result, Rejection):
@@ -564,9 +566,9 @@ class ConductorService:
             miss = False
         v = self.nodes[result.prefill]
         start = now + result.predicted_ttft_s
-        k, infl = decoding_during(v, start, start + max_new * cost.decode_step_s(
-            v.decode_batch + 1, v.decode_context_tokens + n), req.rid)
-        tbt = step_with_request_s(cost, v.decode_batch + k, v.decode_context_tokens + infl, n)
+        b, c, _ = decode_load_during(v, start, start + max_new * cost.decode_step_s(
+            v.decode_batch + 1, v.decode_context_tokens + n), now, req.rid)
+        tbt = step_with_request_s(cost, b, c, n)
         result = dataclasses.replace(result, decode=result.prefill, predicted_tbt_s=tbt)
         if tbt * self.model.tbt_factor() > cs.tbt_slo_s and cs.admission != "off" and not miss:
             over = Rejection("tbt_slo", cs.min_retry_after_s, result.predicted_ttft_s, tbt)
