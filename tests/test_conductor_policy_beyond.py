@@ -265,7 +265,8 @@ def test_live_spf_queues_are_predicted_as_the_simulator_predicts_them():
     # a: x's 3 s then q's 1 s (q overtakes y); b: z's 10 s first
     assert (want.prefill, want.predicted_ttft_s) == ("a", pytest.approx(4.0))
     assert live["prefill"]["node"] == "a"
-    assert live["predicted_ttft_s"] == pytest.approx(want.predicted_ttft_s)
+    # (x runs: the milliseconds since a's report come off its work)
+    assert live["predicted_ttft_s"] == pytest.approx(want.predicted_ttft_s, abs=0.01)
 
 
 def _ttfts(order: str, aging: float = 10.0) -> list[float]:
