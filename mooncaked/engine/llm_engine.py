@@ -121,7 +121,13 @@ class LLMEngine:
         self.last_step = StepTiming()
         # Recent pure-decode steps as (batch size, context tokens, seconds), for the
         # conductor's decode cost model (a cluster's decode node reports and drains them).
+        # The seconds are the gap a request in the step sees: from the end of the
+        # previous pure-decode step to this one's end when a request ran in both (the
+        # time between steps included: KV imports, the event loop, a core shared with
+        # another process), else the step itself. Measured, the step alone was half the
+        # gap clients saw on a loaded 2-core machine (issue 33).
         self.decode_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
+        self._last_decode: tuple[float, frozenset[str]] | None = None   # (ended at, rids)
         # (new tokens, tokens cached before them, seconds) of steps of prefill chunks only
         self.prefill_steps: deque[tuple[int, int, float]] = deque(maxlen=256)
         # What the start-up profile measured (engine/startup_profile.py), once it ran.
@@ -170,6 +176,7 @@ class LLMEngine:
         self.block_manager, self.scheduler = self._new_scheduler()
         self.prefill_steps.clear()
         self.decode_steps.clear()
+        self._last_decode = None
         self.last_step = StepTiming()
 
     # -- requests
@@ -417,8 +424,14 @@ class LLMEngine:
             context_tokens=sum(s.seq.num_computed_tokens + s.num_new_tokens for s in batch))
         st = self.last_step
         if st.num_prefill_tokens == 0 and st.num_decode_seqs:
-            self.decode_steps.append((st.num_decode_seqs, st.context_tokens, st.seconds))
-        elif st.num_prefill_tokens and not st.num_decode_seqs:
+            end, rids = t0 + st.seconds, frozenset(s.seq.request_id for s in batch)
+            last = self._last_decode
+            gap = end - last[0] if last is not None and last[1] & rids else st.seconds
+            self.decode_steps.append((st.num_decode_seqs, st.context_tokens, gap))
+            self._last_decode = (end, rids)
+        else:
+            self._last_decode = None
+        if st.num_prefill_tokens and not st.num_decode_seqs:
             self.prefill_steps.append((st.num_prefill_tokens, st.context_tokens
                                        - st.num_prefill_tokens, st.seconds))
         for i, s in enumerate(batch):
