@@ -18,7 +18,7 @@ from cluster_harness import place, report
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
                                                   Decision, decide)
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
-from mooncaked.conductor.refit import CALIBRATE_EVERY
+from mooncaked.conductor.refit import CALIBRATE_EVERY, TBT_MIN_SAMPLES
 from mooncaked.conductor.cost_store import default_cost_model
 from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
@@ -297,3 +297,43 @@ def test_tbt_check_predicts_the_tail_of_the_gaps_not_the_median_step():
     r = place(svc, "b")
     assert not r["ok"] and r["reason"] == "tbt_slo"
     assert svc.status()["cost_model"]["tbt_factor"] == pytest.approx(3.0)
+
+
+def test_the_tbt_factor_comes_from_the_tbts_streams_saw_once_enough_reported():
+    """The TBT a client sees holds gaps no engine step has (the hand-over, event loops, a
+    shared core). Once TBT_MIN_SAMPLES admitted requests reported the TBT their stream
+    sent them with (the decode node's writes; the API node's, in NodeReport.tbts), the
+    factor is their median observed TBT / the step predicted at admission: here 1.2,
+    which overrides the steps' tail (3.0) and admits a request that tail refused."""
+    steps = [[b, 0, COST.decode_step_s(b, 0) * (3.0 if i % 10 == 9 else 1.0)]
+             for i, b in enumerate([1, 2, 3, 4] * 10)]
+    adm = DecodeAdmission(settings("enforce"), 1000)
+    adm.model.cost = COST
+    adm.observe(steps)
+    assert adm.model.tbt_factor() == pytest.approx(3.0)
+    assert adm.check(39, 0, 0, "tail-refused") is not None       # 3 x 0.45 s > 1 s
+    for i in range(TBT_MIN_SAMPLES):
+        rid = f"r{i}"
+        assert adm.check(i, 0, 0, rid) is None                    # step 0.06 + 0.01 i s
+        gap = 1.2 * COST.decode_step_s(i + 1, 0)
+        times = [0.0, gap / 2, gap, 2 * gap, 2.5 * gap]           # longest gap: 1.2 x step
+        assert adm.model.tbt_factor() == pytest.approx(3.0)       # not enough TBTs yet
+        adm.observe_tbt(rid, times)
+    adm.observe_tbt("never-admitted", [0.0, 50.0])                # ignored
+    adm.observe_tbt("tail-refused", [0.0, 50.0])                  # refused: no prediction
+    assert adm.model.tbt_factor() == pytest.approx(1.2)
+    st = adm.status()["tbt_factor"]
+    assert st["tbt_factor_from"] == "observed TBTs" and st["observed_tbts"] == TBT_MIN_SAMPLES
+    assert adm.check(39, 0, 0, "now-admitted") is None            # 1.2 x 0.45 s < 1 s
+    assert adm.check(80, 0, 0, "still-refused") is not None       # 1.2 x 0.86 s > 1 s
+    # the conductor: the step it predicted at placement, the TBT the API node saw
+    svc = ConductorService("c1", None, None, settings("enforce", ttft_slo=100.0), cost=COST)
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode", decode_steps=steps)
+    replies = {f"q{i}": place(svc, f"q{i}") for i in range(TBT_MIN_SAMPLES)}
+    assert all(r["ok"] for r in replies.values())
+    assert svc.status()["cost_model"]["tbt_factor"] == pytest.approx(3.0)
+    report(svc, "c0", "cache", tbts=[[rid, 1.5 * r["predicted_tbt_s"]]
+                                     for rid, r in replies.items()])
+    assert svc.status()["cost_model"]["tbt_factor"] == pytest.approx(1.5)
+    assert svc.status()["cost_model"]["tbt_factor_from"] == "observed TBTs"

@@ -331,14 +331,19 @@ def test_cost_model_is_calibrated_by_the_startup_profiles_before_any_request(clu
     assert "calibrated by: prefill " in out.stdout
 
 
-def test_api_node_reports_observed_ttfts_to_the_conductor(cluster):
-    """issue 33: c1's front end sends the TTFT it saw for each request in its next report
-    (NodeReport.ttfts); the conductor scores its end-to-end TTFT prediction with them."""
-    def e2e_samples() -> int:
+def test_api_node_reports_observed_ttfts_and_tbts_to_the_conductor(cluster):
+    """issue 33: c1's front end sends the TTFT and the TBT it saw for each request in its
+    next report (NodeReport.ttfts, .tbts); the conductor scores its end-to-end TTFT
+    prediction with them and learns its TBT factor; the decode node learns its own from
+    the TBT its stream sent."""
+    def samples() -> tuple[int, int, int]:
         leader = control_call(cluster.control("c1"), "node.status")["leader"]
         st = control_call(cluster.control(leader), "conductor.status")
-        return st["ttft_e2e_prediction_compute_only"]["samples"]
-    before = e2e_samples()
-    status, body = complete(cluster, "How far away is the moon?", 2)
-    assert status == 200, body
-    wait_until(lambda: e2e_samples() > before, WAIT_S, "the conductor to get c1's TTFT")
+        d1 = control_call(cluster.control("d1"), "node.status")["admission"]
+        return (st["ttft_e2e_prediction_compute_only"]["samples"],
+                st["cost_model"]["observed_tbts"], d1["tbt_factor"]["observed_tbts"])
+    before = samples()
+    status, body = complete(cluster, "The capital of France is", 4)    # " Paris.\n\n"
+    assert status == 200 and body["usage"]["completion_tokens"] >= 2, body
+    wait_until(lambda: all(a > b for a, b in zip(samples(), before)), WAIT_S,
+               "the conductor to get c1's TTFT and TBT, and d1 its stream's TBT", samples)

@@ -95,7 +95,9 @@ def test_admission_adds_the_learned_overhead_to_the_predicted_ttft():
     assert r["ok"] and r["predicted_ttft_s"] == pytest.approx(1.7)
 
 
-def test_report_carries_the_observed_ttfts():
-    r = NodeReport("c0", "cache", ttfts=(("a", 0.25), ("b", 1.5)))
-    assert NodeReport.from_json(r.to_json()).ttfts == (("a", 0.25), ("b", 1.5))
-    assert NodeReport.from_json({"node": "old"}).ttfts == ()      # an older node's report
+def test_report_carries_the_observed_ttfts_and_tbts():
+    r = NodeReport("c0", "cache", ttfts=(("a", 0.25), ("b", 1.5)), tbts=(("a", 0.02),))
+    back = NodeReport.from_json(r.to_json())
+    assert back.ttfts == (("a", 0.25), ("b", 1.5)) and back.tbts == (("a", 0.02),)
+    old = NodeReport.from_json({"node": "old"})                  # an older node's report
+    assert old.ttfts == () and old.tbts == ()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -34,6 +35,7 @@ from mooncaked.conductor.cost_model import CostModel, step_with_request_s
 from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.conductor.refit import SERVED, CostModelRefitter
 from mooncaked.config import Settings
+from mooncaked.measures import tbt_s
 
 
 START_DELAY_MIN_SAMPLES = 8    # admissions that reached the node before their start is predicted
@@ -129,6 +131,8 @@ class DecodeAdmission:
             self.ledger.record(rid, Decision(verdict, "" if verdict == ADMIT else "tbt_slo",
                                              math.nan, tbt, calibrated))
         if verdict != REJECT:
+            if rid:
+                self.model.predicted_tbt(rid, tbt, time.monotonic())
             return None
         self.refused += 1
         return {"error": f"decode node at its TBT budget: predicted step time {tbt:.3f} s with "
@@ -136,6 +140,13 @@ class DecodeAdmission:
                          f"context tokens) exceeds the TBT SLO {self.slo_s:.3f} s",
                 "reason": "tbt_slo", "predicted_tbt_s": tbt, "tbt_slo_s": self.slo_s,
                 "retry_after_s": self.retry_after_s}
+
+    def observe_tbt(self, rid: str, token_times_s: list[float]) -> None:
+        """rid finished: its TBT as this node's stream sent it (measures.tbt_s of the
+        send times of its tokens, seconds, the first token's included) teaches the TBT
+        factor (CostModelRefitter.observe_tbt). Fewer than two tokens: nothing."""
+        if len(token_times_s) >= 2 and math.isfinite(self.slo_s):
+            self.model.observe_tbt(rid, tbt_s(token_times_s))
 
     def ledger_view(self, rids: list[str] | None = None) -> dict[str, Any]:
         """The mode, counts and decisions (for `rids`, or all it holds) of this check."""
@@ -150,6 +161,9 @@ class DecodeAdmission:
                 "calibrated": self.model.calibrated("decode"),
                 "calibrated_by": self.model.calibration_source("decode"),
                 "decode_step_prediction": m["decode_step_prediction"],
+                "tbt_factor": None if m["cost_model"] is None else {
+                    k: m["cost_model"][k] for k in ("tbt_factor", "tbt_factor_from",
+                                                    "observed_tbts")},
                 "cost_model": None if m["cost_model"] is None else {
                     k: m["cost_model"][k] for k in ("name", "source", "scale", "observed_steps",
                                                     "profile_steps", "decode_refits")}}

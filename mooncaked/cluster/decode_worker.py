@@ -332,6 +332,9 @@ class DecodeWorker:
         task = asyncio.create_task(pump())
         resp = web.StreamResponse(status=200, headers={"Content-Type": "application/x-ndjson"})
         keepalive = self.settings.cluster.stream_idle_timeout_s / 3
+        # when each token left (a continuation's start line stands for its first token,
+        # which the API node sends with it): the request's TBT for the admission check
+        sent_at: list[float] = []
         try:
             await resp.prepare(request)
             done = False
@@ -347,6 +350,7 @@ class DecodeWorker:
                 while not q.empty():
                     items.append(q.get_nowait())
                 lines = []
+                now = time.monotonic()
                 for item in items:
                     if isinstance(item, Exception):
                         status = 400 if isinstance(item, InvalidRequest) else 500
@@ -359,11 +363,15 @@ class DecodeWorker:
                         self.tokens_left[rid] -= len(item.new_token_ids)
                     self.tokens_out += len(item.new_token_ids)    # throughput.py
                     self.prompts.pop(rid, None)
+                    if item.new_token_ids or not sent_at:     # a token, or the start line
+                        sent_at += [now] * max(1, len(item.new_token_ids))
                     lines.append(orjson.dumps(OutputDelta.of(item).to_json()))
                     if item.finished:
                         done = True
                         break
                 await resp.write(b"\n".join(lines) + b"\n")
+                if done and getattr(item, "finish_reason", None) in ("stop", "length"):
+                    self.admission.observe_tbt(rid, sent_at)
         except ConnectionResetError:
             log.info("decode_client_gone", request_id=rid)
         finally:

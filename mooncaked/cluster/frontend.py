@@ -63,6 +63,7 @@ from mooncaked.engine.detokenizer import IncrementalDetokenizer
 from mooncaked.engine.stop import held_back
 from mooncaked.engine.types import EngineStats, InvalidRequest, RequestOutput, SamplingParams
 from mooncaked.log import get_logger
+from mooncaked.measures import tbt_s
 from mooncaked.store.keys import block_keys, make_salt
 
 from mooncaked.wire.errors import (BadReply, NotConnected, NotLeader, PeerUnavailable, RpcError,
@@ -102,6 +103,7 @@ class FrontendPort(Protocol):
     def spawn(self, coro: Any) -> Any: ...
     def serving(self) -> contextlib.AbstractContextManager: ...
     def observed_ttft(self, rid: str, seconds: float) -> None: ...
+    def observed_tbt(self, rid: str, seconds: float) -> None: ...
 
 
 class Overloaded(ApiError):
@@ -347,7 +349,8 @@ class ClusterFrontend:
         unsent: RequestOutput | None = None          # the first token, held (see step 3)
         pushed: tuple[str, Release] | None = None    # the decode node's receive buffer
         # one info line at the end; the TTFT goes to the conductor (its overhead term)
-        done = _RequestLine(request_id, len(prompt_token_ids), port.observed_ttft)
+        done = _RequestLine(request_id, len(prompt_token_ids), port.observed_ttft,
+                            port.observed_tbt)
         with port.serving():
             try:
                 deadline = time.monotonic() + self.request_timeout_s
@@ -622,11 +625,15 @@ class _RequestLine:
     """The `request_done` info line of one request (issue: one line per finished request):
     id, chosen prefill and decode nodes, prompt, cached and output tokens, TTFT and TBT
     (mean gap between output tokens after the first, seconds), as this API node saw them.
-    `on_first(rid, ttft_s)` runs when the first token arrives."""
+    `on_first(rid, ttft_s)` runs when the first token arrives; `on_tbt(rid, tbt_s)` when
+    a request finished with two tokens or more, with its TBT as sent (measures.tbt_s)."""
 
     def __init__(self, rid: str, prompt_tokens: int,
-                 on_first: Callable[[str, float], None] | None = None):
+                 on_first: Callable[[str, float], None] | None = None,
+                 on_tbt: Callable[[str, float], None] | None = None):
         self.rid, self.prompt_tokens, self.on_first = rid, prompt_tokens, on_first
+        self.on_tbt = on_tbt
+        self.sent_at: list[float] = []      # when each token went out (monotonic)
         self.t0 = time.monotonic()
         self.first: float | None = None
         self.last = self.t0
@@ -645,8 +652,11 @@ class _RequestLine:
                 self.on_first(self.rid, now - self.t0)
         self.last, self.cached, self.finished = now, cached, finished
         self.output += n
+        self.sent_at += [now] * n
 
     def log(self) -> None:
+        if self.finished and self.on_tbt is not None and len(self.sent_at) >= 2:
+            self.on_tbt(self.rid, tbt_s(self.sent_at))
         ttft = None if self.first is None else round(self.first - self.t0, 4)
         tbt = round((self.last - self.first) / (self.output - 1), 4) \
             if self.first is not None and self.output > 1 else None

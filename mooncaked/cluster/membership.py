@@ -217,7 +217,8 @@ class ClusterView:
             log.debug("report_failed", error=str(e))
             self._activity.trim()
             return
-        self._activity.reported(len(report.arrived), len(report.done), len(report.ttfts))
+        self._activity.reported(len(report.arrived), len(report.done), len(report.ttfts),
+                                len(report.tbts))
 
     def conductor_not_ready(self) -> str | None:
         """Why the current conductor would not place a request now (its answer to this

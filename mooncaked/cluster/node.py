@@ -275,6 +275,11 @@ class ClusterNode:
         (NodeReport.ttfts: the conductor's TTFT overhead)."""
         self.activity.ttfts.append((rid, seconds))
 
+    def observed_tbt(self, rid: str, seconds: float) -> None:
+        """The TBT this node's API front end sent rid with (seconds, measures.tbt_s), for
+        the next report (NodeReport.tbts: the conductor's TBT factor)."""
+        self.activity.tbts.append((rid, seconds))
+
     @contextlib.contextmanager
     def serving(self):
         """Counts one request this node's API serves while the block runs (drain waits
@@ -506,7 +511,7 @@ class ClusterNode:
                           {peer: e.bytes_per_s
                            for peer, e in self.transfer.bandwidth.estimates().items()},
                           (self.worker.stalled() or "") if self.worker is not None else "",
-                          tuple(self.activity.ttfts))
+                          tuple(self.activity.ttfts), tuple(self.activity.tbts))
 
     async def _on_member(self, member: Member) -> None:
         """A cache node starts its store once a model node has published the block size."""

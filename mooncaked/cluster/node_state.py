@@ -73,18 +73,20 @@ class KVTransferCounters:
 @dataclass
 class Activity:
     """What happened on the node since its last report to the conductor: requests that
-    arrived (prefill or decode), finished prefills, and the TTFTs its API front end
-    observed ((rid, seconds): NodeReport.ttfts)."""
+    arrived (prefill or decode), finished prefills, and the TTFTs and TBTs its API front
+    end observed ((rid, seconds): NodeReport.ttfts, NodeReport.tbts)."""
 
     arrived: list[str] = field(default_factory=list)
     done: list[PrefillDone] = field(default_factory=list)
     ttfts: list[tuple[str, float]] = field(default_factory=list)
+    tbts: list[tuple[str, float]] = field(default_factory=list)
 
-    def reported(self, n_arrived: int, n_done: int, n_ttfts: int = 0) -> None:
+    def reported(self, n_arrived: int, n_done: int, n_ttfts: int = 0, n_tbts: int = 0) -> None:
         """Forgets the first entries, which the conductor has now."""
         del self.arrived[:n_arrived]
         del self.done[:n_done]
         del self.ttfts[:n_ttfts]
+        del self.tbts[:n_tbts]
 
     def trim(self) -> None:
         """Bounds what is kept while the leader cannot be reached (its index heals from a
@@ -92,6 +94,7 @@ class Activity:
         del self.arrived[:-MAX_PENDING_REPORT_ITEMS]
         del self.done[:-MAX_PENDING_REPORT_ITEMS]
         del self.ttfts[:-MAX_PENDING_REPORT_ITEMS]
+        del self.tbts[:-MAX_PENDING_REPORT_ITEMS]
 
 
 async def release_on(client: Any, addr: str | None, msg: Release) -> None:

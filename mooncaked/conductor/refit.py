@@ -16,7 +16,10 @@ model drives placement, so it must track the hardware).
 - refit: finished prefills that ran alone on their node and the prefill steps refit
   the prefill polynomial; timed decode steps refit the decode-step model; a refit
   replaces the model only when it predicts the recent samples 20% better (and, for
-  decode, has no negative coefficient).
+  decode, has no negative coefficient);
+- TBT: admission multiplies the predicted step by `tbt_factor`, learned from the TBT
+  each finished request's stream saw (the API node's for the conductor, the decode
+  node's writes for its own check) over the step predicted when it was admitted.
 
 `conductor.refit_cost_model = false` keeps the loaded model fixed (no calibration
 either); predictions are still scored. `calibrated(kind)` says whether admission may
@@ -27,6 +30,7 @@ the built-in default, or one calibrated from `conductor.admission_warmup` steps.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -46,6 +50,8 @@ CALIBRATE_EVERY = 8         # timed steps of a kind between two calibrations
 CALIBRATE_TOLERANCE = 0.15  # a median observed/predicted ratio within 1 +- this is left alone
 TAIL_MIN_STEPS = 20         # timed decode steps before the TBT tail factor departs from 1
 OVERHEAD_MIN_SAMPLES = 8    # observed TTFTs before the learned TTFT overhead departs from 0
+TBT_MIN_SAMPLES = 8         # observed request TBTs before they set the TBT factor
+TBT_WINDOW = 64             # the recent request TBTs the factor is the median of
 SERVED = "served steps"     # where a timed step came from: a request the node served,
 STARTUP_PROFILE = "startup profile"   # or its start-up profile (engine/startup_profile.py)
 
@@ -133,6 +139,10 @@ class CostModelRefitter:
         self._ttft_placed: dict[str, tuple[float, float, float]] = {}
         self.ttft_gaps: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.e2e_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
+        # request TBT: rid -> (predicted step s, monotonic) until the request's TBT as its
+        # stream saw it comes back; observed TBT / predicted step of finished requests
+        self._tbt_placed: dict[str, tuple[float, float]] = {}
+        self.tbt_ratios: deque[float] = deque(maxlen=TBT_WINDOW)
         self.e2e_compute_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
@@ -212,14 +222,38 @@ class CostModelRefitter:
             return True
         return self.observed[kind] >= self.settings.conductor.admission_warmup
 
+    def predicted_tbt(self, rid: str, step_s: float, now: float) -> None:
+        """Remembers the decode step predicted for rid with it in the batch (seconds),
+        until its stream reports the TBT it saw (`observe_tbt`)."""
+        if step_s > 0 and math.isfinite(step_s):
+            self._tbt_placed[rid] = (step_s, now)
+            if len(self._tbt_placed) > 10_000:       # requests that never reported back
+                for old in [r for r, v in self._tbt_placed.items() if now - v[1] > 600]:
+                    del self._tbt_placed[old]
+
+    def observe_tbt(self, rid: str, tbt_s: float) -> None:
+        """Folds in rid's TBT as its stream saw it (seconds, the paper's mean of the
+        longest 10% of its gaps; measures.tbt_s): a sample of observed TBT / predicted
+        step for `tbt_factor`. A rid without a prediction is ignored."""
+        placed = self._tbt_placed.pop(rid, None)
+        if placed is not None and tbt_s > 0:
+            self.tbt_ratios.append(tbt_s / placed[0])
+
     def tbt_factor(self) -> float:
         """The paper's TBT (the mean of a request's longest 10% gaps) over the step time
-        the model predicts: the mean of the largest 10% of recent measured/predicted step
-        ratios over their median (>= 1; 1 before TAIL_MIN_STEPS steps, or with
-        conductor.refit_cost_model false). Admission compares predicted step x this with
-        the TBT SLO: the median step can meet it while the tail a request sees does not."""
+        the model predicts. Once TBT_MIN_SAMPLES requests reported the TBT their streams
+        saw (`observe_tbt`): the median of their observed TBT / predicted step, which
+        holds every gap a client sees beyond the engine step (the hand-over, the event
+        loops, a core shared with other processes). Before that: the mean of the largest
+        10% of recent measured/predicted step ratios over their median (>= 1; 1 before
+        TAIL_MIN_STEPS steps). 1 with conductor.refit_cost_model false. Admission
+        compares predicted step x this with the TBT SLO."""
+        if not self.settings.conductor.refit_cost_model:
+            return 1.0
+        if len(self.tbt_ratios) >= TBT_MIN_SAMPLES:
+            return statistics.median(self.tbt_ratios)
         r = sorted(self._step_ratios)
-        if len(r) < TAIL_MIN_STEPS or not self.settings.conductor.refit_cost_model:
+        if len(r) < TAIL_MIN_STEPS:
             return 1.0
         top = r[-max(1, len(r) // 10):]
         return max(1.0, statistics.fmean(top) / statistics.median(r))
@@ -260,6 +294,8 @@ class CostModelRefitter:
         self.calibrations += 1
         if kind == "decode":
             self._step_ratios.clear()    # relative to the model this calibration replaced
+            # the TBTs' steps were predicted by the model before: now r times larger
+            self.tbt_ratios = deque((x / r for x in self.tbt_ratios), maxlen=TBT_WINDOW)
         info = {"prefill_scale": round(self.scale["prefill"], 4),
                 "decode_scale": round(self.scale["decode"], 4), "steps": dict(self.observed)}
         model = self.cost.prefill if kind == "prefill" else self.cost.decode
@@ -273,7 +309,11 @@ class CostModelRefitter:
         self.scale[kind] = 1.0
         self._ratios[kind].clear()
         if kind == "decode":
-            self._step_ratios.clear()    # relative to the replaced polynomial
+            # relative to the replaced polynomial. The TBT ratios are kept: a refit
+            # replaces a model only by one that predicts the same steps better, and
+            # clearing them on every refit (each few seconds when the load moves) left
+            # the factor on its fallback most of the time (issue 33).
+            self._step_ratios.clear()
 
     def observe_prefill_step(self, new_tokens: int, cached_tokens: int, seconds: float,
                              source: str = SERVED) -> None:
@@ -344,6 +384,10 @@ class CostModelRefitter:
                     "refits": self.refits, "decode_refits": self.decode_refits,
                     "calibrations": self.calibrations, "scale": dict(self.scale),
                     "tbt_factor": round(self.tbt_factor(), 4),
+                    # what tbt_factor rests on: the TBTs streams saw, or the steps' tail
+                    "tbt_factor_from": ("observed TBTs" if len(self.tbt_ratios)
+                                        >= TBT_MIN_SAMPLES else "step tail"),
+                    "observed_tbts": len(self.tbt_ratios),
                     "observed_steps": dict(self.observed),
                     "calibrated": {k: self.calibrated(k) for k in ("prefill", "decode")},
                     "calibrated_by": {k: self.calibration_source(k)

@@ -252,6 +252,8 @@ class ConductorService:
             self.model.observe_prefill_step(*step)
         for rid, seconds in r.ttfts:          # what the API nodes saw: the TTFT overhead
             self.model.observe_ttft(rid, seconds)
+        for rid, seconds in r.tbts:           # and the TBT factor
+            self.model.observe_tbt(rid, seconds)
         self._save_calibration(time.monotonic())
 
     def _machine_key(self) -> dict | None:
@@ -646,6 +648,7 @@ class ConductorService:
             pv.inflight_prefill[rid] = InflightPrefill(n - p.prefix_tokens, p.prefix_tokens, now)
             pv.placed += 1
             self.model.predicted(rid, p.predicted_ttft_s, now)
+        self.model.predicted_tbt(rid, p.predicted_tbt_s, now)
         dv.inflight_decode[rid] = inflight_decode(n + max_new, now, p.predicted_ttft_s,
                                                   max_new * p.predicted_tbt_s)
         dv.placed += 1

@@ -651,7 +651,10 @@ class NodeReport:
     `stalled`: why the node cannot take a request now ("" when it can: a CPP stage whose
     slots are all held without progress, or hung); `ttfts`: (rid, seconds) of the requests
     whose first token this node's API front end sent since the last report, from the
-    request's arrival there (the conductor learns the TTFT overhead from them)."""
+    request's arrival there (the conductor learns the TTFT overhead from them); `tbts`:
+    (rid, seconds) of the requests this node's API front end finished since the last
+    report, each its TBT as sent to the client (measures.tbt_s: the conductor learns the
+    TBT factor from them)."""
 
     node: str
     role: str = ""
@@ -668,11 +671,13 @@ class NodeReport:
     links: Mapping[str, float] = dataclasses.field(default_factory=dict)
     stalled: str = ""
     ttfts: tuple[tuple[str, float], ...] = ()
+    tbts: tuple[tuple[str, float], ...] = ()
 
     def to_json(self) -> dict:
         return {"node": self.node, "role": self.role, "draining": self.draining,
                 "links": dict(self.links), "stalled": self.stalled,
                 "ttfts": [[rid, s] for rid, s in self.ttfts],
+                "tbts": [[rid, s] for rid, s in self.tbts],
                 "pending": {rid: list(v) for rid, v in self.pending.items()},
                 "waiting": list(self.waiting),
                 "arrived": list(self.arrived), "decode": self.decode.to_json(),
@@ -692,6 +697,7 @@ class NodeReport:
                            _get(d, "prefill_steps", list, []))
             links = {str(p): float(r) for p, r in _get(d, "links", dict, {}).items()}
             ttfts = tuple((str(rid), float(s)) for rid, s in _get(d, "ttfts", list, []))
+            tbts = tuple((str(rid), float(s)) for rid, s in _get(d, "tbts", list, []))
         except (TypeError, ValueError) as e:
             raise MessageError(f"report: {e}") from None
         return cls(_get(d, "node", str), _get(d, "role", str, ""),
@@ -702,7 +708,7 @@ class NodeReport:
                    tuple(StoreEventMsg.from_json(e) for e in _get(d, "events", list, [])),
                    tuple(PrefillDone.from_json(x) for x in _get(d, "done", list, [])), steps,
                    tuple(str(r) for r in _get(d, "waiting", list, [])), psteps, links,
-                   _get(d, "stalled", str, ""), ttfts)
+                   _get(d, "stalled", str, ""), ttfts, tbts)
 
 
 # ---- chunked pipeline parallelism: a CPP group's stages (cluster/cpp/pipeline_stage.py)
