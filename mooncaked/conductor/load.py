@@ -36,8 +36,8 @@ class InflightDecode:
     `inflight_decode`). A fixed TTL from placement let a long prefill's request vanish
     from decode placement, and a second request land on the same node meanwhile.
 
-    `starts_at` .. `ends_at`: when it is predicted to decode there (placement + predicted
-    TTFT, then `decode_s`: its output tokens at the predicted step time). A new request's
+    `starts_at`, `decode_s`: when it is predicted to decode there (placement + predicted
+    TTFT) and for how long (its output tokens at the predicted step time). A new request's
     TBT and KV room count it only when their decodes overlap (`decode_load_during`).
     Counting every placement still in a prefill queue as decoding now made a queue of
     prefills look like a full decode batch (issue 33: 9 of 11 predicted misses were such
@@ -48,7 +48,6 @@ class InflightDecode:
     placed_at: float
     expires_at: float
     starts_at: float = 0.0
-    ends_at: float = math.inf
     decode_s: float = math.inf
 
 
@@ -60,16 +59,16 @@ def inflight_decode(tokens: int, now: float, predicted_ttft_s: float,
     predicted to take `decode_s` seconds (NaN: unknown, inf)."""
     ttft = predicted_ttft_s if predicted_ttft_s == predicted_ttft_s and predicted_ttft_s > 0 else 0.0
     dec = decode_s if decode_s == decode_s and decode_s >= 0 else math.inf
-    return InflightDecode(tokens, now, now + ttft + INFLIGHT_TTL_S, now + ttft,
-                          now + ttft + dec, dec)
+    return InflightDecode(tokens, now, now + ttft + INFLIGHT_TTL_S, now + ttft, dec)
 
 
 def decode_load_during(v: NodeView, start: float, end: float, now: float,
                        rid: str | None = None) -> tuple[int, int, int]:
-    """(requests, KV tokens, KV tokens in flight) a request decoding on node v over [start, end] (monotonic
-    seconds; `now`: the present) shares its steps with: the reported batch less the
-    requests predicted to have finished by `start` (`v.decoding`), plus the placements
-    in flight to v predicted to decode within the window. A placement not decoding yet
+    """(requests, KV tokens, KV tokens in flight) a request decoding on node v over
+    [start, end] (monotonic seconds; `now`: the present) shares its steps with: the
+    reported batch less the requests predicted to have finished by `start`
+    (`v.decoding`), plus the placements in flight to v predicted to decode within the
+    window. A placement not decoding yet
     decodes from `now` at the earliest, whatever its predicted start said. The placement
     of request `rid` itself is not counted: a request placed again (its KV hand-over
     failed, its stream resumed, its prefill node refused) replaces its earlier
