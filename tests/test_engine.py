@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -414,3 +415,23 @@ def test_timed_steps_are_kept_by_kind(engine):
     # the prefill samples the first token; two decode steps make the other two
     assert [(b, c) for b, c, _ in engine.decode_steps] == [(1, 101), (1, 102)]
     assert all(s > 0 for *_, s in [*engine.prefill_steps, *engine.decode_steps])
+
+
+def test_a_decode_step_records_the_gap_its_requests_saw(engine):
+    """A pure decode step after another one with a request in common records the time
+    from that step's end to its own: what happened between the steps (here 0.2 s of
+    nothing) is part of the gap a client sees (issue 33). The first decode step after
+    the prefill records its compute time."""
+    engine.decode_steps.clear()
+    engine.add_request("gap", list(range(2000, 2050)),
+                       SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True), "gaps")
+    engine.step()                                   # the prefill (and first token)
+    t0 = time.perf_counter()
+    engine.step()                                   # decode 1
+    first = time.perf_counter() - t0
+    time.sleep(0.2)                                 # the gap under test, not a wait
+    engine.step()                                   # decode 2
+    (_, _, s1), (_, _, s2) = engine.decode_steps
+    assert s1 <= first
+    assert s2 >= 0.2
+    assert not engine.has_work()

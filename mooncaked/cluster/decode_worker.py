@@ -161,7 +161,7 @@ class DecodeWorker:
         cluster.stage_ttl_s (the staged KV's own bound). Raises: DecodeRefused."""
         now = time.monotonic()
         self.admitted = {r: a for r, a in self.admitted.items() if a.until > now and r != rid}
-        refusal = self._check(rid, tokens)
+        refusal = self._check(rid, tokens, self.admission.starts_in_s(tokens))
         if refusal is not None:
             raise DecodeRefused(refusal["error"], refusal)
         self.admitted[rid] = Admission(owner, tokens, now + self.settings.cluster.stage_ttl_s, now)
@@ -260,14 +260,15 @@ class DecodeWorker:
                                    first_token=req.first_token)
         return await self._stream(request, rid, gen)
 
-    def _check(self, rid: str, tokens: int) -> dict | None:
+    def _check(self, rid: str, tokens: int, starts_in_s: float = 0.0) -> dict | None:
         """The TBT admission check (cluster/admission.py) of rid with `tokens` prompt tokens
-        over the running requests still decoding when rid is predicted to start
-        (`still_decoding`) and the other admitted ones: None, or the refusal."""
+        over the running requests still decoding when rid is predicted to start,
+        `starts_in_s` seconds from now (`still_decoding`; 0: a request here to decode, or
+        a coupled node's), and the other admitted ones: None, or the refusal."""
         _, now_batch, now_context = self.load()
         batch, context = still_decoding(
             [(c, self.tokens_left.get(r)) for r, c in self.requests.items()],
-            self.admission.step_s(now_batch, now_context), self.admission.starts_in_s(tokens))
+            self.admission.step_s(now_batch, now_context), starts_in_s)
         waiting = [a for r, a in self.admitted.items() if r != rid and r not in self.requests]
         batch += len(waiting)
         context += sum(a.tokens + 1 for a in waiting)
