@@ -295,6 +295,10 @@ def _print_conductor(c: dict) -> None:
     if by:
         typer.echo("calibrated by: " + ", ".join(f"{k} {by.get(k) or '-'}"
                                                  for k in ("prefill", "decode")))
+    if "tbt_factor" in cm:    # what the TBT check multiplies the predicted step by
+        typer.echo(f"TBT factor: x{cm['tbt_factor']:.3g} from "
+                   f"{cm.get('tbt_factor_from', '-')} ({cm.get('observed_tbts', 0)} "
+                   f"observed TBTs in the last minute)")
     profiles = c.get("startup_profiles") or {}
     if profiles:
         typer.echo("startup profiles: " + "; ".join(

@@ -10,6 +10,7 @@ DecodeAdmission.
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -18,7 +19,7 @@ from cluster_harness import place, report
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
                                                   Decision, decide)
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
-from mooncaked.conductor.refit import CALIBRATE_EVERY, TBT_MIN_SAMPLES
+from mooncaked.conductor.refit import CALIBRATE_EVERY, TBT_MAX_AGE_S, TBT_MIN_SAMPLES
 from mooncaked.conductor.cost_store import default_cost_model
 from mooncaked.conductor.service import ConductorService
 from mooncaked.config import Settings
@@ -188,6 +189,38 @@ def test_prefills_queued_for_a_decode_node_count_only_when_their_decodes_overlap
     assert abs(r["predicted_tbt_s"] - (0.05 + 0.01 * 2)) < 1e-9
 
 
+def test_a_calibration_while_requests_decode_does_not_skew_the_tbt_factor():
+    """A burst: requests are admitted with steps the model predicts, the model is then
+    calibrated 3.5x up (their steps measured 3.5x slower), and their TBTs come back at
+    1.2x those measured steps. The factor is 1.2 against the model as it now is, not
+    4.2 against the predictions made before the calibration (a fresh cluster refused
+    every request, idle too, with 6.8). Ratios older than TBT_MAX_AGE_S no longer count:
+    a check that refuses everything falls back to the steps' tail."""
+    adm = DecodeAdmission(settings("enforce"), 1000)
+    adm.model.cost = COST
+    rids = [f"b{i}" for i in range(TBT_MIN_SAMPLES)]
+    predicted = {}
+    for rid in rids:
+        assert adm.check(0, 0, 0, rid) is None
+        predicted[rid] = COST.decode_step_s(1, 0)
+    adm.observe([[1, 0, 3.5 * COST.decode_step_s(1, 0)]] * CALIBRATE_EVERY)
+    assert adm.model.cost.decode_step_s(1, 0) == pytest.approx(3.5 * predicted["b0"])
+    for rid in rids:
+        gap = 1.2 * 3.5 * predicted[rid]
+        adm.observe_tbt(rid, [0.0, gap])
+    assert adm.model.tbt_factor() == pytest.approx(1.2)
+    adm.model.tbt_ratios = type(adm.model.tbt_ratios)(
+        ((x, at - TBT_MAX_AGE_S - 1) for x, at in adm.model.tbt_ratios),
+        maxlen=adm.model.tbt_ratios.maxlen)
+    assert adm.status()["tbt_factor"]["tbt_factor_from"] == "step tail"
+    # a refusal tells the TBT that was set against the SLO: the step x the factor
+    adm.model.tbt_ratios.extend((3.0, time.monotonic()) for _ in range(TBT_MIN_SAMPLES))
+    refusal = adm.check(9, 0, 0, "over")                        # 3 x 0.525 s > 1 s
+    step = adm.model.cost.decode_step_s(10, 0)
+    assert refusal is not None and refusal["predicted_tbt_s"] == pytest.approx(3.0 * step)
+    assert f"{3.0 * step:.3f} s (step {step:.3f} s x TBT factor 3.00)" in refusal["error"]
+
+
 def test_the_node_check_counts_the_requests_still_decoding_when_the_request_starts():
     """The decode node's TBT check: a request admitted before its prefill starts to decode
     after it, predicted from the recent admissions' seconds per prompt token (admission
@@ -230,6 +263,7 @@ def test_ctl_status_prints_calibration_and_admission(capsys):
     out = capsys.readouterr().out
     assert "admission: shadow, admitted 2, rejected 0, shadow-rejected 1 (ttft_slo 1)" in out
     assert "calibration: prefill x1 from 0 steps, decode x1 from 0 steps" in out
+    assert "TBT factor: x1 from step tail (0 observed TBTs in the last minute)" in out
     assert "prefill step - over 0 steps" in out
 
 
@@ -285,7 +319,8 @@ def test_tbt_check_predicts_the_tail_of_the_gaps_not_the_median_step():
     assert adm.model.tbt_factor() == pytest.approx(3.0)
     assert adm.model.scale["decode"] == 1.0                   # the median is right: no scaling
     refusal = adm.check(39, 0, 0, "after")
-    assert refusal is not None and refusal["predicted_tbt_s"] == pytest.approx(0.45)
+    # what it tells is what it set against the SLO: the step x the factor
+    assert refusal is not None and refusal["predicted_tbt_s"] == pytest.approx(3 * 0.45)
     # the conductor decides the same from the same steps
     svc = ConductorService("c1", None, None, settings("enforce", ttft_slo=100.0), cost=COST)
     report(svc, "p1", "prefill")

@@ -125,7 +125,8 @@ class DecodeAdmission:
             return None
         tbt = step_with_request_s(self._cost(), batch, context_tokens, prompt_tokens)
         calibrated = self.model.calibrated("decode")
-        over = tbt * self.model.tbt_factor() > self.slo_s     # the tail of its gaps, not the median
+        factor = self.model.tbt_factor()
+        over = tbt * factor > self.slo_s     # its longest gaps, not the step
         verdict = decide(self.mode, "tbt_slo" if over else None, calibrated)
         if rid:
             self.ledger.record(rid, Decision(verdict, "" if verdict == ADMIT else "tbt_slo",
@@ -135,10 +136,11 @@ class DecodeAdmission:
                 self.model.predicted_tbt(rid, tbt, time.monotonic())
             return None
         self.refused += 1
-        return {"error": f"decode node at its TBT budget: predicted step time {tbt:.3f} s with "
-                         f"this request ({batch + 1} requests, {context_tokens + prompt_tokens} "
-                         f"context tokens) exceeds the TBT SLO {self.slo_s:.3f} s",
-                "reason": "tbt_slo", "predicted_tbt_s": tbt, "tbt_slo_s": self.slo_s,
+        return {"error": f"decode node at its TBT budget: predicted TBT {tbt * factor:.3f} s "
+                         f"(step {tbt:.3f} s x TBT factor {factor:.2f}) with this request "
+                         f"({batch + 1} requests, {context_tokens + prompt_tokens} context "
+                         f"tokens) exceeds the TBT SLO {self.slo_s:.3f} s",
+                "reason": "tbt_slo", "predicted_tbt_s": tbt * factor, "tbt_slo_s": self.slo_s,
                 "retry_after_s": self.retry_after_s}
 
     def observe_tbt(self, rid: str, token_times_s: list[float]) -> None:

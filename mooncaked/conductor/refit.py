@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Sequence
 from typing import Any
@@ -52,6 +53,7 @@ TAIL_MIN_STEPS = 20         # timed decode steps before the TBT tail factor depa
 OVERHEAD_MIN_SAMPLES = 8    # observed TTFTs before the learned TTFT overhead departs from 0
 TBT_MIN_SAMPLES = 8         # observed request TBTs before they set the TBT factor
 TBT_WINDOW = 64             # the recent request TBTs the factor is the median of
+TBT_MAX_AGE_S = 60.0        # ... observed within this many seconds (else the step-tail factor)
 SERVED = "served steps"     # where a timed step came from: a request the node served,
 STARTUP_PROFILE = "startup profile"   # or its start-up profile (engine/startup_profile.py)
 
@@ -141,8 +143,12 @@ class CostModelRefitter:
         self.e2e_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         # request TBT: rid -> (predicted step s, monotonic) until the request's TBT as its
         # stream saw it comes back; observed TBT / predicted step of finished requests
+        # (predicted step / _decode_gain at the time, monotonic s): in-flight predictions
+        # in the units of the first decode model, so that a calibration while the request
+        # decodes cannot skew its ratio
         self._tbt_placed: dict[str, tuple[float, float]] = {}
-        self.tbt_ratios: deque[float] = deque(maxlen=TBT_WINDOW)
+        self._decode_gain = 1.0     # the product of every decode calibration's ratio
+        self.tbt_ratios: deque[tuple[float, float]] = deque(maxlen=TBT_WINDOW)  # (ratio, at)
         self.e2e_compute_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
@@ -226,7 +232,7 @@ class CostModelRefitter:
         """Remembers the decode step predicted for rid with it in the batch (seconds),
         until its stream reports the TBT it saw (`observe_tbt`)."""
         if step_s > 0 and math.isfinite(step_s):
-            self._tbt_placed[rid] = (step_s, now)
+            self._tbt_placed[rid] = (step_s / self._decode_gain, now)
             if len(self._tbt_placed) > 10_000:       # requests that never reported back
                 for old in [r for r, v in self._tbt_placed.items() if now - v[1] > 600]:
                     del self._tbt_placed[old]
@@ -234,29 +240,39 @@ class CostModelRefitter:
     def observe_tbt(self, rid: str, tbt_s: float) -> None:
         """Folds in rid's TBT as its stream saw it (seconds, the paper's mean of the
         longest 10% of its gaps; measures.tbt_s): a sample of observed TBT / predicted
-        step for `tbt_factor`. A rid without a prediction is ignored."""
+        step for `tbt_factor`, against that prediction as the model now makes it (scaled
+        by the calibrations since: a burst that calibrated the model 3.5x up while its
+        requests decoded otherwise left a factor of 6.8 that refused every request on an
+        idle cluster). A rid without a prediction is ignored."""
         placed = self._tbt_placed.pop(rid, None)
         if placed is not None and tbt_s > 0:
-            self.tbt_ratios.append(tbt_s / placed[0])
+            self.tbt_ratios.append((tbt_s / (placed[0] * self._decode_gain), time.monotonic()))
 
     def tbt_factor(self) -> float:
         """The paper's TBT (the mean of a request's longest 10% gaps) over the step time
         the model predicts. Once TBT_MIN_SAMPLES requests reported the TBT their streams
-        saw (`observe_tbt`): the median of their observed TBT / predicted step, which
-        holds every gap a client sees beyond the engine step (the hand-over, the event
-        loops, a core shared with other processes). Before that: the mean of the largest
-        10% of recent measured/predicted step ratios over their median (>= 1; 1 before
-        TAIL_MIN_STEPS steps). 1 with conductor.refit_cost_model false. Admission
-        compares predicted step x this with the TBT SLO."""
+        saw within TBT_MAX_AGE_S (`observe_tbt`): the median of their observed TBT /
+        predicted step, which holds what a request's longest gaps hold beyond its
+        predicted step. Otherwise: the mean of the largest 10% of recent
+        measured/predicted step ratios over their median (>= 1; 1 before TAIL_MIN_STEPS
+        steps). 1 with conductor.refit_cost_model false. Admission compares predicted
+        step x this with the TBT SLO. The age bound lets a check that refuses everything
+        (so that no TBT comes back) fall back to the step tail within a minute."""
         if not self.settings.conductor.refit_cost_model:
             return 1.0
-        if len(self.tbt_ratios) >= TBT_MIN_SAMPLES:
-            return statistics.median(self.tbt_ratios)
+        recent = self._recent_tbt_ratios()
+        if len(recent) >= TBT_MIN_SAMPLES:
+            return statistics.median(recent)
         r = sorted(self._step_ratios)
         if len(r) < TAIL_MIN_STEPS:
             return 1.0
         top = r[-max(1, len(r) // 10):]
         return max(1.0, statistics.fmean(top) / statistics.median(r))
+
+    def _recent_tbt_ratios(self) -> list[float]:
+        """The observed TBT / predicted step ratios of the last TBT_MAX_AGE_S seconds."""
+        now = time.monotonic()
+        return [x for x, at in self.tbt_ratios if now - at <= TBT_MAX_AGE_S]
 
     def calibration_source(self, kind: str) -> str | None:
         """What `calibrated(kind)` rests on: the model's own source when it is not the
@@ -295,7 +311,9 @@ class CostModelRefitter:
         if kind == "decode":
             self._step_ratios.clear()    # relative to the model this calibration replaced
             # the TBTs' steps were predicted by the model before: now r times larger
-            self.tbt_ratios = deque((x / r for x in self.tbt_ratios), maxlen=TBT_WINDOW)
+            self.tbt_ratios = deque(((x / r, at) for x, at in self.tbt_ratios),
+                                    maxlen=TBT_WINDOW)
+            self._decode_gain *= r
         info = {"prefill_scale": round(self.scale["prefill"], 4),
                 "decode_scale": round(self.scale["decode"], 4), "steps": dict(self.observed)}
         model = self.cost.prefill if kind == "prefill" else self.cost.decode
@@ -385,9 +403,9 @@ class CostModelRefitter:
                     "calibrations": self.calibrations, "scale": dict(self.scale),
                     "tbt_factor": round(self.tbt_factor(), 4),
                     # what tbt_factor rests on: the TBTs streams saw, or the steps' tail
-                    "tbt_factor_from": ("observed TBTs" if len(self.tbt_ratios)
+                    "tbt_factor_from": ("observed TBTs" if len(self._recent_tbt_ratios())
                                         >= TBT_MIN_SAMPLES else "step tail"),
-                    "observed_tbts": len(self.tbt_ratios),
+                    "observed_tbts": len(self._recent_tbt_ratios()),
                     "observed_steps": dict(self.observed),
                     "calibrated": {k: self.calibrated(k) for k in ("prefill", "decode")},
                     "calibrated_by": {k: self.calibration_source(k)
@@ -418,5 +436,5 @@ def _error_summary(errs: list[float]) -> dict:
 
 
 __all__ = ["CALIBRATE_EVERY", "CALIBRATE_TOLERANCE", "CostModelRefitter", "REFIT_MIN_SAMPLES",
-           "OVERHEAD_MIN_SAMPLES", "SERVED", "STARTUP_PROFILE", "TAIL_MIN_STEPS", "scaled",
-           "ttft_overhead_s"]
+           "OVERHEAD_MIN_SAMPLES", "SERVED", "STARTUP_PROFILE", "TAIL_MIN_STEPS", "TBT_MAX_AGE_S",
+           "scaled", "ttft_overhead_s"]

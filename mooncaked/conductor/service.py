@@ -626,7 +626,11 @@ class ConductorService:
         return int(m.get("block_size") or self.settings.engine.block_size)
 
     def _reject(self, r: Rejection) -> PlaceRejected:
+        # what the client is told is what was set against the SLOs: the TTFT with the
+        # learned overhead, and for a TBT rejection the step x the TBT factor
         r = dataclasses.replace(r, predicted_ttft_s=self._e2e_ttft(r.predicted_ttft_s))
+        if r.reason == "tbt_slo":
+            r = dataclasses.replace(r, predicted_tbt_s=r.predicted_tbt_s * self.model.tbt_factor())
         self.rejected[r.reason] = self.rejected.get(r.reason, 0) + 1
         log.info("placement_rejected", reason=r.reason, retry_after_s=r.retry_after_s,
                  predicted_ttft_s=r.predicted_ttft_s, predicted_tbt_s=r.predicted_tbt_s)
