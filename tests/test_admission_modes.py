@@ -10,7 +10,6 @@ DecodeAdmission.
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
@@ -214,7 +213,9 @@ def test_a_calibration_while_requests_decode_does_not_skew_the_tbt_factor():
         maxlen=adm.model.tbt_ratios.maxlen)
     assert adm.status()["tbt_factor"]["tbt_factor_from"] == "step tail"
     # a refusal tells the TBT that was set against the SLO: the step x the factor
-    adm.model.tbt_ratios.extend((3.0, time.monotonic()) for _ in range(TBT_MIN_SAMPLES))
+    for i in range(TBT_MIN_SAMPLES):                            # TBTs 3x their steps
+        assert adm.check(0, 0, 0, f"s{i}") is None
+        adm.observe_tbt(f"s{i}", [0.0, 3.0 * adm.model.cost.decode_step_s(1, 0)])
     refusal = adm.check(9, 0, 0, "over")                        # 3 x 0.525 s > 1 s
     step = adm.model.cost.decode_step_s(10, 0)
     assert refusal is not None and refusal["predicted_tbt_s"] == pytest.approx(3.0 * step)

@@ -141,14 +141,14 @@ class CostModelRefitter:
         self._ttft_placed: dict[str, tuple[float, float, float]] = {}
         self.ttft_gaps: deque[float] = deque(maxlen=ERROR_WINDOW)
         self.e2e_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
-        # request TBT: rid -> (predicted step s, monotonic) until the request's TBT as its
-        # stream saw it comes back; observed TBT / predicted step of finished requests
-        # (predicted step / _decode_gain at the time, monotonic s): in-flight predictions
-        # in the units of the first decode model, so that a calibration while the request
-        # decodes cannot skew its ratio
+        # Request TBTs, in the units of the first decode model (a prediction divided by
+        # _decode_gain, the product of every decode calibration's ratio), so that a
+        # calibration while a request decodes cannot skew its ratio: rid -> (predicted
+        # step, monotonic s) until its stream's TBT comes back, then (observed TBT /
+        # that step, monotonic s) of the finished requests.
         self._tbt_placed: dict[str, tuple[float, float]] = {}
-        self._decode_gain = 1.0     # the product of every decode calibration's ratio
-        self.tbt_ratios: deque[tuple[float, float]] = deque(maxlen=TBT_WINDOW)  # (ratio, at)
+        self._decode_gain = 1.0
+        self.tbt_ratios: deque[tuple[float, float]] = deque(maxlen=TBT_WINDOW)
         self.e2e_compute_errors: deque[float] = deque(maxlen=ERROR_WINDOW)
         # /metrics: sums over every prediction that got its observation (cluster/node_metrics)
         self.ttft_pairs = 0
@@ -246,7 +246,7 @@ class CostModelRefitter:
         idle cluster). A rid without a prediction is ignored."""
         placed = self._tbt_placed.pop(rid, None)
         if placed is not None and tbt_s > 0:
-            self.tbt_ratios.append((tbt_s / (placed[0] * self._decode_gain), time.monotonic()))
+            self.tbt_ratios.append((tbt_s / placed[0], time.monotonic()))
 
     def tbt_factor(self) -> float:
         """The paper's TBT (the mean of a request's longest 10% gaps) over the step time
@@ -262,7 +262,7 @@ class CostModelRefitter:
             return 1.0
         recent = self._recent_tbt_ratios()
         if len(recent) >= TBT_MIN_SAMPLES:
-            return statistics.median(recent)
+            return statistics.median(recent) / self._decode_gain
         r = sorted(self._step_ratios)
         if len(r) < TAIL_MIN_STEPS:
             return 1.0
@@ -310,10 +310,7 @@ class CostModelRefitter:
         self.calibrations += 1
         if kind == "decode":
             self._step_ratios.clear()    # relative to the model this calibration replaced
-            # the TBTs' steps were predicted by the model before: now r times larger
-            self.tbt_ratios = deque(((x / r, at) for x, at in self.tbt_ratios),
-                                    maxlen=TBT_WINDOW)
-            self._decode_gain *= r
+            self._decode_gain *= r       # the TBT ratios' unit (see __init__)
         info = {"prefill_scale": round(self.scale["prefill"], 4),
                 "decode_scale": round(self.scale["decode"], 4), "steps": dict(self.observed)}
         model = self.cost.prefill if kind == "prefill" else self.cost.decode
@@ -397,15 +394,16 @@ class CostModelRefitter:
     def status(self) -> dict:
         """The model's name, source and refit counts, and both prediction-error summaries."""
         cost = self.cost
+        observed_tbts = len(self._recent_tbt_ratios())
         return {"cost_model": None if cost is None else {
                     "name": cost.name, "source": cost.meta.get("source", ""),
                     "refits": self.refits, "decode_refits": self.decode_refits,
                     "calibrations": self.calibrations, "scale": dict(self.scale),
                     "tbt_factor": round(self.tbt_factor(), 4),
                     # what tbt_factor rests on: the TBTs streams saw, or the steps' tail
-                    "tbt_factor_from": ("observed TBTs" if len(self._recent_tbt_ratios())
-                                        >= TBT_MIN_SAMPLES else "step tail"),
-                    "observed_tbts": len(self._recent_tbt_ratios()),
+                    "tbt_factor_from": ("observed TBTs" if observed_tbts >= TBT_MIN_SAMPLES
+                                        else "step tail"),
+                    "observed_tbts": observed_tbts,
                     "observed_steps": dict(self.observed),
                     "calibrated": {k: self.calibrated(k) for k in ("prefill", "decode")},
                     "calibrated_by": {k: self.calibration_source(k)
