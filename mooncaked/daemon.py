@@ -183,6 +183,13 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         return 2
     runners: list[web.AppRunner] = []
     app = None
+
+    def failed(code: int) -> int:
+        # the cleanup below (leaving the coordinator, the listeners, the engine) is bounded:
+        # a start that failed exits with its own code, never hangs
+        stop.bound_failed_start(code, SHUTDOWN_SLACK_S)
+        return code
+
     try:
         if stop.requested:
             return 0
@@ -192,7 +199,7 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         label_registry(app[SERVER_KEY].metrics, node)   # node/role on every series
         runner = await _listen(app, settings.server.host, settings.server.port)
         if runner is None:
-            return 1
+            return failed(1)
         runners.append(runner)
         host, port = runner.addresses[0][:2]
         # The control plane listens apart from the public API (never on its port).
@@ -200,7 +207,7 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         capp.add_routes(node.routes())
         crunner = await _listen(capp, cs.rpc_host, cs.rpc_port)
         if crunner is None:
-            return 1
+            return failed(1)
         runners.append(crunner)
         control = _addr(cs.rpc_host, crunner.addresses[0][1])
         try:
@@ -211,10 +218,10 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
             return 0
         except ConfigError as e:          # e.g. an etcd certificate file that cannot be read
             log.error("config_error", error=str(e))
-            return 2
+            return failed(2)
         except (ClusterError, OSError) as e:
             log.error("cluster_join_failed", backend=cs.backend, error=str(e))
-            return 1
+            return failed(1)
         log.info("ready", url=_url(host, port), node=node.node_id, role=role,
                  control=control, model=node.frontend.model_name)
         _notify("READY=1")

@@ -24,6 +24,8 @@ Points used in the code (grep ``failpoints.hit``):
 - ``node.prefill``: a prefill node holds a request after it counts as queued,
   before its prefill starts (async);
 - ``node.kv_reserve``: a decode node refuses a receive buffer (the push is refused);
+- ``prefill.kv_reserved``: a prefill node holds the decode node's answer to its
+  reservation before reading it (async; a test cancels the request meanwhile);
 - ``kv_push.write``: a prefill node's WRITE of pushed KV fails (the push fails
   part-way; the decode node READs instead);
 - ``store.locate``: a store refuses a peer's read of its blocks (a prefix fetch fails);

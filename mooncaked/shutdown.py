@@ -82,12 +82,22 @@ class Shutdown:
         if self._loop is not None and self._event is not None:
             self._loop.call_soon_threadsafe(self._event.set)
 
-    def _watch(self) -> None:
-        time.sleep(self.bound_s)
-        sys.stderr.write(f"mooncaked: graceful stop did not finish within {self.bound_s:.0f} s; "
-                         f"exiting\n")
+    def _watch(self, bound_s: float | None = None, exit_code: int = EXIT_WATCHDOG,
+               what: str = "graceful stop") -> None:
+        bound_s = self.bound_s if bound_s is None else bound_s
+        time.sleep(bound_s)
+        sys.stderr.write(f"mooncaked: {what} did not finish within {bound_s:.0f} s; exiting\n")
         sys.stderr.flush()
-        os._exit(EXIT_WATCHDOG)
+        os._exit(exit_code)
+
+    def bound_failed_start(self, exit_code: int, bound_s: float) -> None:
+        """After a start-up step failed (the daemon returns `exit_code`): arms a watchdog
+        that ends the process with that same code if its cleanup (leaving the coordinator,
+        closing listeners and threads) is not over within bound_s seconds, so a failed
+        start always exits and says why in its code."""
+        threading.Thread(target=self._watch,
+                         args=(bound_s, exit_code, "cleanup after a failed start"),
+                         name="failed-start-watchdog", daemon=True).start()
 
     async def wait(self) -> None:
         """Returns once a stop has been requested (at once if it already was)."""

@@ -616,6 +616,47 @@ def test_client_disconnect_during_a_pushed_prefill_frees_both_sides(env):
     assert after["store"]["puts_dram"] == before["store"]["puts_dram"]
 
 
+def test_client_disconnect_while_the_reservation_is_answered_frees_the_buffer(env):
+    """The client leaves after the decode node reserved a receive buffer but before the
+    prefill node read its answer (a paused failpoint holds the answer, as a busy event loop
+    would): the prefill node withdraws the reservation at once, not at its TTL."""
+    cluster, _ = env
+    prompt = token_ids(700)
+
+    async def start_and_drop() -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+            req = asyncio.ensure_future(s.post(f"{cluster.api_url('c1')}/v1/completions",
+                                               data=orjson.dumps(completion(20, prompt,
+                                                                            stream=True))))
+            try:
+                deadline = time.monotonic() + 60
+                while not (await asyncio.to_thread(_fired, cluster, "p1", "prefill.kv_reserved")
+                           and any(status(cluster, d)["requests"]["receiving"]
+                                   for d in ("d1", "d2"))):
+                    assert not req.done(), f"answered before a receive buffer: {req.result()}"
+                    assert time.monotonic() < deadline, "no reservation held within 60 s"
+                    await asyncio.sleep(0.05)   # poll interval
+            finally:
+                req.cancel()         # the client goes away while p1 holds the answer
+                with contextlib.suppress(asyncio.CancelledError):
+                    await req
+
+    failpoint(cluster, "p1", "prefill.kv_reserved", "pause")
+    try:
+        asyncio.run(start_and_drop())
+        # freed while the failpoint still pauses: the cancel, not the pause's end, frees it
+        wait_until(lambda: all_freed(cluster), FREED_WITHIN_S,
+                   "the receive buffer freed", lambda: kv_held(cluster))
+    finally:
+        failpoint(cluster, "p1", "prefill.kv_reserved", "off")
+
+
+def _fired(cluster: LocalCluster, nid: str, name: str) -> int:
+    """How many times failpoint `name` fired on node `nid` since it was set."""
+    r = control_call(cluster.control(nid), "debug.failpoint", {"name": name})
+    return r["failpoints"].get(name, {}).get("fired", 0)
+
+
 def failpoint(cluster: LocalCluster, nid: str, name: str, action: str) -> None:
     """Sets failpoint `name` on node `nid` (it runs with MOONCAKED_FAILPOINTS set)."""
     control_call(cluster.control(nid), "debug.failpoint", {"name": name, "action": action})

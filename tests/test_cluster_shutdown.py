@@ -171,3 +171,19 @@ time.sleep(300)
         if parent.poll() is None:
             os.killpg(parent.pid, signal.SIGKILL)
             parent.wait(10)
+
+
+def test_a_failed_start_whose_cleanup_hangs_exits_with_its_own_code():
+    """A start-up step failed and the cleanup after it blocks (here: the main thread
+    sleeps): the watchdog ends the process with the failure's code (3), not 70 and not
+    never, and says why on stderr."""
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", """
+import time
+from mooncaked.shutdown import Shutdown
+Shutdown(60).bound_failed_start(3, 1.0)
+time.sleep(60)
+"""], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 3, out.stderr
+    assert "cleanup after a failed start did not finish within 1 s" in out.stderr, out.stderr
+    assert time.monotonic() - t0 < 30

@@ -141,7 +141,8 @@ class PrefillWorker:
         self.activity.arrived.append(rid)
         t0 = time.monotonic()
         kv_stream = pusher = None
-        handed_over = held = admitted = replied = False
+        handed_over = held = replied = False
+        asked: str | None = None    # the decode node asked to admit rid or to reserve its buffer
         self.waiting.add(rid)
         try:
             await failpoints.ahit("node.prefill")
@@ -155,11 +156,17 @@ class PrefillWorker:
             pushing = kv_stream is not None and req.push_to is not None
             reserved: Any = None
             if req.admit_at is not None or pushing:
-                # the decode node admits (or refuses) the request before it computes here
-                reserved = await self._reserve(rid, len(prompt), kv_stream if pushing else None,
-                                               req.push_to if pushing else req.admit_at,
-                                               req.ttl_s, req.admit_at is not None)
-                admitted = req.admit_at is not None and not isinstance(reserved, Exception)
+                # the decode node admits (or refuses) the request before it computes here.
+                # From the ask on it may hold an admission and a buffer for rid, even when
+                # this handler is cancelled before the answer arrives (the client left)
+                asked = req.push_to if pushing else req.admit_at
+                try:
+                    reserved = await self._reserve(rid, len(prompt),
+                                                   kv_stream if pushing else None, asked,
+                                                   req.ttl_s, req.admit_at is not None)
+                except DecodeRefused:
+                    asked = None                 # refused: it holds nothing for rid
+                    raise
             if pushing:
                 pusher = self._pusher(kv_stream, reserved)
                 kv_stream.on_layer = pusher.on_layer
@@ -198,12 +205,17 @@ class PrefillWorker:
                 self.queue.release()
             self.waiting.discard(rid)
             self.requests.pop(rid, None)
-            if pusher is not None:
-                await pusher.aclose()
-                if pusher.attempted and not handed_over:
-                    self.ctx.spawn(release_on(self.client, req.push_to, Release(rid, self.control_addr)))
-            elif admitted and not replied:         # failed after its admission: withdraw it
-                self.ctx.spawn(release_on(self.client, req.admit_at, Release(rid, self.control_addr)))
+            # what the decode node holds for rid goes, unless it takes it over: a request
+            # that fails or is cancelled after the ask (its admission, its buffer), or a
+            # push that was not handed over (the decode node READs the stage instead)
+            unused_buffer = pusher is not None and pusher.attempted and not handed_over
+            try:
+                if pusher is not None:
+                    await pusher.aclose()
+            finally:
+                if asked is not None and (unused_buffer or not replied):
+                    self.ctx.spawn(release_on(self.client, asked,
+                                              Release(rid, self.control_addr)))
 
     def _predict(self, new: int, cached: int) -> float:
         """Predicted prefill seconds, the spf queue's key: the cost model the conductor
@@ -228,6 +240,7 @@ class PrefillWorker:
         ask = KVReservation(rid, self.control_addr, shape, dtype, ttl_s, tokens if admit else 0)
         try:
             r = await self.client.call(decode_control, "node.kv_reserve", ask.to_json())
+            await failpoints.ahit("prefill.kv_reserved")   # tests: cancel before the answer
             return {"descriptor": KVReserved.from_json(r).descriptor}
         except RpcError as e:
             if e.remote_type == "DecodeRefused":

@@ -239,16 +239,19 @@ class CppStageWorker:
         try:
             kv_target = kv = None
             if req.stage and req.push_to:
+                # from the ask on the decode node may hold a buffer and an admission for
+                # rid, even when this handler is cancelled before the answer (the client left)
+                reserved = True
                 try:
                     desc = await self._reserve(rid, len(prompt), req)
+                except DecodeRefused:
+                    reserved = False             # refused: it holds nothing for rid
+                    raise
                 except (ReceiveBuffersFull, StageFailure):
                     # the decode node admits before it looks for a buffer: withdraw that
                     # admission now, not at its TTL (it counts in the node's TBT check)
-                    if req.admit_at is not None:
-                        ctx.spawn(release_on(ctx.client, req.push_to,
-                                             Release(rid, ctx.control_addr)))
+                    reserved = req.admit_at is not None
                     raise
-                reserved = True
                 kv_target = {"descriptor": desc}
             p = req.params
             greedy = p.greedy and p.logprobs is None and p.repetition_penalty == 1.0 \
