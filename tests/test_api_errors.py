@@ -98,6 +98,12 @@ CASES = [
      "top_logprobs", None),
     ("n_zero", "/v1/completions", comp(n=0), 400, "n", None),
     ("token_id_out_of_vocab", "/v1/completions", comp(prompt=[1, 10**9]), 400, "prompt", None),
+    # wider than 64 bits: the JSON parser gives a float; still an id out of the vocabulary
+    ("token_id_wider_than_64_bits", "/v1/completions",
+     b'{"prompt": [1, 123456789012345678901234567890], "max_tokens": 2}', 400, "prompt", None),
+    ("token_id_wider_than_64_bits_in_a_batch", "/v1/completions",
+     b'{"prompt": [[1], [123456789012345678901234567890]], "max_tokens": 2}', 400, "prompt",
+     None),
     ("stop_token_id_out_of_vocab", "/v1/completions", comp(stop_token_ids=[-1]), 400,
      "stop_token_ids", None),
     ("stream_options_without_stream", "/v1/completions",

@@ -89,6 +89,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _is_token_id_like(v: Any) -> bool:
+    """An int, or an integer too wide for 64 bits that the JSON parser (orjson) gave as a
+    float: a token id out of the vocabulary, to be reported as such, not as a float."""
+    return _is_int(v) or (isinstance(v, float) and v.is_integer() and abs(v) >= 2.0 ** 63)
+
+
 def _is_num(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
@@ -150,7 +156,7 @@ def _stop(body: dict) -> list[str]:
 
 def token_ids(v: Any, key: str, vocab_size: int) -> list[int]:
     """`v` checked as a list of token ids in [0, vocab_size). Raises ApiError 400."""
-    if not isinstance(v, list) or not all(_is_int(t) for t in v):
+    if not isinstance(v, list) or not all(_is_token_id_like(t) for t in v):
         raise _type_error(key, "a list of integers", v)
     bad = next((t for t in v if not 0 <= t < vocab_size), None)
     if bad is not None:
@@ -317,7 +323,7 @@ def _prompts(v: Any, engine: EngineInfo) -> list[Prompt]:
     if isinstance(v, str):
         return [Prompt(tok.encode(v), v)]
     if isinstance(v, list) and v:
-        if all(_is_int(t) for t in v):
+        if all(_is_token_id_like(t) for t in v):
             ids = token_ids(v, "prompt", tok.vocab_size)
             return [Prompt(ids, tok.decode(ids))]
         if all(isinstance(s, str) for s in v):
