@@ -222,3 +222,51 @@ def test_profile_steps_before_calibration_inflate_neither_tbt_nor_the_error():
     assert adm.model.tbt_factor() < 1.1, adm.model.tbt_factor()
     err = adm.status()["decode_step_prediction"]
     assert err["samples"] == len(served) and err["median_abs_rel_error"] < 0.05, err
+
+
+def _shaped_profile(fixed_s: float, per_sequence_s: float) -> StartupProfile:
+    """A decode profile of a machine whose step is fixed_s + per_sequence_s a request
+    (the built-in default's fixed step is 10x its per-sequence cost; this CPU's is ~1.3x)."""
+    return StartupProfile(3.0, 10.0, True, (),
+                          tuple((b, 18 * b, fixed_s + per_sequence_s * b)
+                                for b in DECODE_BATCHES for _ in range(3)))
+
+
+@pytest.mark.parametrize("fixed_s, per_sequence_s", [(0.006, 0.0045), (0.012, 0.002)])
+def test_a_profile_fits_the_decode_models_shape_not_only_its_scale(tmp_path, fixed_s,
+                                                                   per_sequence_s):
+    """The start-up profile's batches of 1 to 8 set the decode model's fixed and
+    per-sequence costs, at the conductor and at the decode node's own check. Scaled only,
+    the default's shape is off by +30% at batch 1 and -45% at batch 8 on the first machine
+    (+4% and -12% on the second), so a fresh cluster refused lone requests and admitted
+    full batches on a wrong model until served steps at three batch sizes refit it."""
+    prof = _shaped_profile(fixed_s, per_sequence_s)
+    svc = _conductor(tmp_path)
+    svc._upsert("d1", {"role": "decode", "started": 1.0, "model": _model(prof)})
+    s = Settings()
+    s.conductor.tbt_slo_s = 1.0
+    adm = DecodeAdmission(s, 1000)
+    adm.observe(prof.decode_steps, STARTUP_PROFILE)
+    for model in (svc.model.cost, adm.model.cost):
+        for b in (1, 8):
+            want = fixed_s + per_sequence_s * b
+            assert abs(model.decode_step_s(b, 18 * b) / want - 1) < 0.05, (b, model.decode)
+    assert svc.model.decode_refits == 1 and adm.model.decode_refits == 1
+    assert svc.status()["cost_model"]["meta"]["decode_refit"]["source"] == STARTUP_PROFILE
+
+
+def test_a_profile_of_the_defaults_shape_leaves_it_alone_and_refits_off_keep_it(tmp_path):
+    """A profile the scaled default already predicts is not refitted (no 20% gain), and
+    with conductor.refit_cost_model false nothing is refitted from a profile."""
+    s = Settings()
+    s.conductor.tbt_slo_s = 1.0
+    adm = DecodeAdmission(s, 1000)
+    adm.observe(_profile(2.0).decode_steps, STARTUP_PROFILE)
+    assert adm.model.decode_refits == 0
+    assert math.isclose(adm.status()["cost_model"]["scale"]["decode"], 2.0)
+    s = Settings()
+    s.conductor.refit_cost_model = False
+    adm = DecodeAdmission(s, 1000)
+    adm.model.cost = default_cost_model(1000)
+    adm.model.fit_decode_profile(_shaped_profile(0.006, 0.0045).decode_steps)
+    assert adm.model.decode_refits == 0 and adm.model.cost == default_cost_model(1000)

@@ -33,7 +33,7 @@ from typing import Any
 from mooncaked.conductor.admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
 from mooncaked.conductor.cost_model import CostModel, step_with_request_s
 from mooncaked.conductor.cost_store import load_cost_model
-from mooncaked.conductor.refit import SERVED, CostModelRefitter
+from mooncaked.conductor.refit import SERVED, STARTUP_PROFILE, CostModelRefitter
 from mooncaked.config import Settings
 from mooncaked.measures import tbt_s
 
@@ -94,8 +94,11 @@ class DecodeAdmission:
         if not math.isfinite(self.slo_s):
             return
         self._cost()
+        steps = list(steps)
         for b, c, s in steps:
             self.model.observe_step(b, c, s, source)
+        if source == STARTUP_PROFILE:
+            self.model.fit_decode_profile(steps)
 
     def observe_start(self, prompt_tokens: int, seconds: float) -> None:
         """Folds in one admitted request's arrival: `seconds` from its admission (before its

@@ -14,7 +14,9 @@ model drives placement, so it must track the hardware).
   it serves (source STARTUP_PROFILE; the conductor takes it from the node's member
   record), so the built-in default is calibrated before the first request;
 - refit: finished prefills that ran alone on their node and the prefill steps refit
-  the prefill polynomial; timed decode steps refit the decode-step model; a refit
+  the prefill polynomial; timed decode steps refit the decode-step model, and a
+  start-up profile's batches of 1 to 8 fit its fixed and per-sequence costs at once
+  (`fit_decode_profile`: calibration alone keeps the default's shape); a refit
   replaces the model only when it predicts the recent samples 20% better (and, for
   decode, has no negative coefficient);
 - TBT: admission multiplies the predicted step by `tbt_factor`, learned from the TBT
@@ -390,6 +392,51 @@ class CostModelRefitter:
             self.decode_refits += 1
             self._refitted("decode")
             log.info("cost_model_refit", part="decode", **info)
+
+    def fit_decode_profile(self, steps: Sequence[tuple[int, int, float]]) -> None:
+        """The decode model's shape from a start-up profile's timed steps (batch size,
+        context tokens, seconds; engine/startup_profile.py: batches of 1 to 8 short
+        prompts), after they calibrated it: the fixed and per-sequence step costs are
+        fitted with the context term held (the profile's context grows with its batch, so
+        it cannot tell the two apart), and replace the model's when that predicts the
+        profile's steps 20% better, with no negative coefficient. Calibration only scales
+        a shape: the built-in default's fixed step is 10x its per-sequence cost, which on a
+        CPU overstates batch 1 several-fold until served steps at three batch sizes refit
+        it (issue 33: the first minutes after `mooncake up` must not reject on it). Only
+        for a model of the default terms (DECODE_TERMS); a no-op without refits."""
+        if self.cost is None or not self.settings.conductor.refit_cost_model:
+            return
+        current = self.cost.decode
+        steps = [(int(b), int(c), float(t)) for b, c, t in steps if b >= 1 and t > 0]
+        if tuple(current.terms) != DECODE_TERMS or len({b for b, _, _ in steps}) < 3:
+            return
+        per_context = current.coef[2]
+        rest = [t - per_context * c for _, c, t in steps]
+        if min(rest) <= 0:
+            return
+        try:
+            fit = PolyModel.fit([b for b, _, _ in steps], [0.0] * len(steps), rest,
+                                ((0, 0), (1, 0)))
+        except ValueError:
+            return
+        fixed, per_sequence = fit.coef
+        if fixed < 0 or per_sequence < 0:
+            return
+        new = PolyModel(DECODE_TERMS, (fixed, per_sequence, per_context))
+
+        def err(m: PolyModel) -> float:
+            return statistics.fmean(abs(m(b, c) - t) / t for b, c, t in steps)
+
+        old_err, new_err = err(current), err(new)
+        if new_err >= 0.8 * old_err:
+            return
+        info = {"samples": len(steps), "mean_rel_error": round(new_err, 4),
+                "previous_mean_rel_error": round(old_err, 4), "source": STARTUP_PROFILE}
+        self.cost = dataclasses.replace(self.cost, decode=new,
+                                        meta={**self.cost.meta, "decode_refit": info})
+        self.decode_refits += 1
+        self._refitted("decode")
+        log.info("cost_model_refit", part="decode", **info)
 
     def status(self) -> dict:
         """The model's name, source and refit counts, and both prediction-error summaries."""

@@ -206,6 +206,7 @@ class ConductorService:
             self.model.observe_prefill_step(*step, source=STARTUP_PROFILE)
         for step in profile.decode_steps:
             self.model.observe_step(*step, source=STARTUP_PROFILE)
+        self.model.fit_decode_profile(profile.decode_steps)
         log.info("startup_profile_taken", node=v.node_id, **profile.summary(),
                  calibrated={k: self.model.calibrated(k) for k in ("prefill", "decode")},
                  scale=self.model.scale)
