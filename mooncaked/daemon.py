@@ -29,6 +29,7 @@ a no-op without $NOTIFY_SOCKET).
 from __future__ import annotations
 
 import asyncio
+import gc
 import socket
 
 import uvloop
@@ -99,6 +100,18 @@ async def _listen(app: web.Application, host: str, port: int) -> web.AppRunner |
     return runner
 
 
+def _freeze_startup_heap() -> int:
+    """Takes every object alive once the node has started (the model, tokenizer, modules
+    and profile: about 300,000 on the bundled model) out of the garbage collector's scans,
+    as vLLM v1 and SGLang do after their start-up (gc.freeze). A full collection scanned
+    them all: 140 ms on a 2-core AMD EPYC Zen 4, a stall of some 20 decode steps whenever
+    one ran while serving. Returns how many objects were frozen (they are never freed,
+    and none of them is garbage: a collection runs first)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 async def _serve(settings: Settings, stop: Shutdown) -> int:
 
     stop.bind()
@@ -129,8 +142,10 @@ async def _serve(settings: Settings, stop: Shutdown) -> int:
         if runner is None:
             return 1
         host, port = runner.addresses[0][:2]
+        frozen = _freeze_startup_heap()
         log.info("ready", url=_url(host, port), model=engine.model_name,
-                 role=settings.node.role, max_model_len=engine.max_model_len)
+                 role=settings.node.role, max_model_len=engine.max_model_len,
+                 gc_frozen_objects=frozen)
         _notify("READY=1")
         await stop.wait()
         _notify("STOPPING=1")
@@ -222,8 +237,9 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
         except (ClusterError, OSError) as e:
             log.error("cluster_join_failed", backend=cs.backend, error=str(e))
             return failed(1)
+        frozen = _freeze_startup_heap()
         log.info("ready", url=_url(host, port), node=node.node_id, role=role,
-                 control=control, model=node.frontend.model_name)
+                 control=control, model=node.frontend.model_name, gc_frozen_objects=frozen)
         _notify("READY=1")
         await stop.wait()
         _notify("STOPPING=1")

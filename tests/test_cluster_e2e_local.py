@@ -341,6 +341,18 @@ def test_ready_is_notified_to_systemd(env):
     assert "READY=1" in msgs
 
 
+def test_model_nodes_take_their_start_up_heap_out_of_the_gc(env):
+    """Each model node freezes what it holds once started (daemon._freeze_startup_heap):
+    its ready event counts the frozen objects, the model's modules and tensors among them
+    (about 300,000 on the bundled model; a full collection of them took 140 ms)."""
+    cluster, _ = env
+    for nid in ("p1", "d1"):
+        ready = [orjson.loads(line) for line in cluster.log_path(nid).read_bytes().splitlines()
+                 if b'"ready"' in line]
+        frozen = [e.get("gc_frozen_objects", 0) for e in ready if e.get("event") == "ready"]
+        assert frozen and min(frozen) > 100_000, (nid, frozen)
+
+
 def test_a_second_start_leaves_no_process_behind(env):
     """Starting a running node (or the running cluster) again raises and spawns nothing: a
     second process of a node would outlive stop() (a debugging script's `with
