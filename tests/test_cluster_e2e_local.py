@@ -35,6 +35,7 @@ import sys
 import time
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -594,14 +595,17 @@ def test_client_disconnect_frees_kv_on_both_sides(env):
                "the cancelled stream counted", lambda: (before, counts()))
 
 
-def test_client_disconnect_during_a_pushed_prefill_frees_both_sides(env):
-    """The client leaves while the prefill node is still pushing layers into the decode
-    node's receive buffer: the prefill is aborted and the buffer is released."""
-    cluster, _ = env
-    prompt = token_ids(1200)     # a long prefill (3 chunks), admitted alone: 2.7 s predicted
-    before = status(cluster, "p1")
+def receiving(cluster: LocalCluster) -> bool:
+    """Whether a decode node holds a receive buffer."""
+    return any(status(cluster, d)["requests"]["receiving"] for d in ("d1", "d2"))
 
-    async def start_and_drop() -> None:
+
+def drop_when(cluster: LocalCluster, prompt: list[int], ready: Callable[[], bool],
+              what: str) -> None:
+    """Streams a 20-token completion of `prompt` and drops the connection (the client goes
+    away before its first token) once ready() holds, polled every 50 ms. Asserts that it
+    held within 60 s and before any answer came."""
+    async def go() -> None:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
             # the API answers the headers with the first token: send without waiting
             req = asyncio.ensure_future(s.post(f"{cluster.api_url('c1')}/v1/completions",
@@ -609,16 +613,26 @@ def test_client_disconnect_during_a_pushed_prefill_frees_both_sides(env):
                                                                             stream=True))))
             try:
                 deadline = time.monotonic() + 60
-                while not any(status(cluster, d)["requests"]["receiving"] for d in ("d1", "d2")):
-                    assert not req.done(), f"answered before a receive buffer: {req.result()}"
-                    assert time.monotonic() < deadline, "no receive buffer within 60 s"
+                while not await asyncio.to_thread(ready):
+                    assert not req.done(), f"answered before {what}: {req.result()}"
+                    assert time.monotonic() < deadline, f"no {what} within 60 s"
                     await asyncio.sleep(0.05)   # poll interval
             finally:
-                req.cancel()         # the client goes away before the first token
+                req.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await req
 
-    asyncio.run(start_and_drop())
+    asyncio.run(go())
+
+
+def test_client_disconnect_during_a_pushed_prefill_frees_both_sides(env):
+    """The client leaves while the prefill node is still pushing layers into the decode
+    node's receive buffer: the prefill is aborted and the buffer is released."""
+    cluster, _ = env
+    prompt = token_ids(1200)     # a long prefill (3 chunks), admitted alone: 2.7 s predicted
+    before = status(cluster, "p1")
+
+    drop_when(cluster, prompt, lambda: receiving(cluster), "a receive buffer")
     wait_until(lambda: all_freed(cluster), FREED_WITHIN_S,
                "KV freed on the prefill and decode nodes", lambda: kv_held(cluster))
     # aborted, not run to its end: no push was finished and no block went to the store
@@ -635,27 +649,12 @@ def test_client_disconnect_while_the_reservation_is_answered_frees_the_buffer(en
     cluster, _ = env
     prompt = token_ids(700)
 
-    async def start_and_drop() -> None:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-            req = asyncio.ensure_future(s.post(f"{cluster.api_url('c1')}/v1/completions",
-                                               data=orjson.dumps(completion(20, prompt,
-                                                                            stream=True))))
-            try:
-                deadline = time.monotonic() + 60
-                while not (await asyncio.to_thread(_fired, cluster, "p1", "prefill.kv_reserved")
-                           and any(status(cluster, d)["requests"]["receiving"]
-                                   for d in ("d1", "d2"))):
-                    assert not req.done(), f"answered before a receive buffer: {req.result()}"
-                    assert time.monotonic() < deadline, "no reservation held within 60 s"
-                    await asyncio.sleep(0.05)   # poll interval
-            finally:
-                req.cancel()         # the client goes away while p1 holds the answer
-                with contextlib.suppress(asyncio.CancelledError):
-                    await req
-
     failpoint(cluster, "p1", "prefill.kv_reserved", "pause")
     try:
-        asyncio.run(start_and_drop())
+        # the client goes away while p1 holds the answer
+        drop_when(cluster, prompt,
+                  lambda: _fired(cluster, "p1", "prefill.kv_reserved") and receiving(cluster),
+                  "a reservation whose answer p1 holds")
         # freed while the failpoint still pauses: the cancel, not the pause's end, frees it
         wait_until(lambda: all_freed(cluster), FREED_WITHIN_S,
                    "the receive buffer freed", lambda: kv_held(cluster))
