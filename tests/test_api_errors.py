@@ -101,6 +101,15 @@ CASES = [
     # wider than 64 bits: the JSON parser gives a float; still an id out of the vocabulary
     ("token_id_wider_than_64_bits", "/v1/completions",
      b'{"prompt": [1, 123456789012345678901234567890], "max_tokens": 2}', 400, "prompt", None),
+    # the element that is wrong is named, not the list (a fresh user saw "got list")
+    ("prompt_float_token_id", "/v1/completions", comp(prompt=[1.5, 2]), 400, "prompt[0]",
+     "invalid_type"),
+    ("prompt_bool_token_id", "/v1/completions", comp(prompt=[2, True]), 400, "prompt[1]",
+     "invalid_type"),
+    ("prompt_mixed_kinds", "/v1/completions", comp(prompt=[1, "a"]), 400, "prompt",
+     "invalid_type"),
+    ("prompt_batch_float_token_id", "/v1/completions", comp(prompt=[[1], [2.5]]), 400,
+     "prompt", "invalid_type"),
     ("token_id_wider_than_64_bits_in_a_batch", "/v1/completions",
      b'{"prompt": [[1], [123456789012345678901234567890]], "max_tokens": 2}', 400, "prompt",
      None),
@@ -151,6 +160,26 @@ def test_bad_request_body(server, info, case):
             assert got == status, err
             _check_error(err, status, param, code)
             await _good_request_still_works(s, server, info)
+    asyncio.run(go())
+
+
+def test_a_wrong_prompt_element_is_named_in_the_message(server, info):
+    """The message names the element's type and place, not "got list" (a fresh user's
+    finding), and a token id wider than 64 bits is out of the vocabulary, not a float."""
+    want = {"[1.5, 2]": "'prompt[0]' must be a token id (an integer), a string, or a list "
+                        "of token ids, got float",
+            "[2, true]": "'prompt[1]' must be a token id (an integer), a string, or a list "
+                         "of token ids, got bool",
+            '[1, "a"]': "it mixes them",
+            "[[1], [2.5]]": "'prompt' must be a list of integers, got float",
+            "[123456789012345678901234567890]": "is outside the vocabulary"}
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            for prompt, text in want.items():
+                got, err = await post(s, f"{server.url}/v1/completions",
+                                      f'{{"prompt": {prompt}, "max_tokens": 2}}'.encode())
+                assert got == 400 and text in err["error"]["message"], (prompt, err)
     asyncio.run(go())
 
 

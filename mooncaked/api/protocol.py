@@ -156,8 +156,11 @@ def _stop(body: dict) -> list[str]:
 
 def token_ids(v: Any, key: str, vocab_size: int) -> list[int]:
     """`v` checked as a list of token ids in [0, vocab_size). Raises ApiError 400."""
-    if not isinstance(v, list) or not all(_is_token_id_like(t) for t in v):
+    if not isinstance(v, list):
         raise _type_error(key, "a list of integers", v)
+    wrong = next((t for t in v if not _is_token_id_like(t)), _MISSING)
+    if wrong is not _MISSING:     # name what the list holds, not the list
+        raise _type_error(key, "a list of integers", wrong)
     bad = next((t for t in v if not 0 <= t < vocab_size), None)
     if bad is not None:
         raise ApiError(400, f"token id {bad} in '{key}' is outside the vocabulary "
@@ -336,6 +339,17 @@ def _prompts(v: Any, engine: EngineInfo) -> list[Prompt]:
             return out
     if isinstance(v, list) and not v:
         raise ApiError(400, "'prompt' must not be empty", param="prompt")
+    if isinstance(v, list):
+        # name the first element that is none of the three (a float, a bool, an object),
+        # not the list itself
+        bad = next(((i, x) for i, x in enumerate(v)
+                    if not (_is_token_id_like(x) or isinstance(x, (str, list)))), None)
+        if bad is not None:
+            raise _type_error(f"prompt[{bad[0]}]", "a token id (an integer), a string, or a "
+                              "list of token ids", bad[1])
+        raise ApiError(400, "'prompt' must be a list of one kind (token ids, strings, or "
+                            "lists of token ids); it mixes them", param="prompt",
+                       code="invalid_type")
     raise _type_error("prompt", "a string, a list of token ids, or a list of either", v)
 
 
