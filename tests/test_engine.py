@@ -435,3 +435,19 @@ def test_a_decode_step_records_the_gap_its_requests_saw(engine):
     assert s1 <= first
     assert s2 >= 0.2
     assert not engine.has_work()
+
+
+def test_a_prompt_with_one_token_left_to_compute_is_a_prefill_step(engine):
+    """The same prompt again (its blocks cached, only its last token to compute): the step
+    is a 1-token prefill, not a decode. It was counted as a decode (one new token), so a
+    prefill node showed decode steps and a decode node fed them to its step model."""
+    prompt = list(range(3000, 3065))        # 4 full blocks of 16 (cached again) and 1 token
+    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
+    for rid in ("warm", "again"):
+        engine.decode_steps.clear()
+        engine.add_request(rid, prompt, params, "one-left")
+        engine.step()
+        assert not engine.has_work()
+    st = engine.last_step
+    assert (st.num_prefill_tokens, st.num_decode_seqs) == (1, 0), st
+    assert not engine.decode_steps

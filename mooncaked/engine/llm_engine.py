@@ -417,10 +417,15 @@ class LLMEngine:
         sampled, scored = self.runner.run(sched, after_layer)
         for ks in streams:
             ks.end_step()
+        # a decode: one new token past the prompt. A prompt whose prefix hit left only its
+        # last token to compute is a prefill of 1 token, not a decode (it was counted as
+        # one: prefill nodes showed decode steps, and the decode model took such steps)
+        decoding = [s.num_new_tokens == 1
+                    and s.seq.num_computed_tokens >= s.seq.num_prompt_tokens for s in batch]
         self.last_step = StepTiming(
             seconds=time.perf_counter() - t0,
-            num_decode_seqs=sum(1 for s in batch if s.num_new_tokens == 1),
-            num_prefill_tokens=sum(s.num_new_tokens for s in batch if s.num_new_tokens > 1),
+            num_decode_seqs=sum(decoding),
+            num_prefill_tokens=sum(s.num_new_tokens for s, d in zip(batch, decoding) if not d),
             context_tokens=sum(s.seq.num_computed_tokens + s.num_new_tokens for s in batch))
         st = self.last_step
         if st.num_prefill_tokens == 0 and st.num_decode_seqs:
