@@ -264,6 +264,25 @@ def test_index_from_reported_events_steers_prefix_hits():
     svc._pulls["p2"].cancel()
 
 
+def test_a_prefill_refit_never_makes_cached_tokens_cost_less_than_nothing():
+    """Solo prefills whose cached-prefix ones ran faster than their new tokens alone would
+    say (here: 0.1 s + 1 ms a new token, minus 0.25 ms a cached one, as a fresh user's
+    cluster learned) fit a negative cost per cached token, which predicts a long prefix
+    hit at 0 s. Such a fit is refused, as for decode: the model keeps a cost that grows
+    with the cached tokens."""
+    svc = service()
+    report(svc, "p1", "prefill")
+    before = svc.cost.prefill_s(14, 416)
+    done = [{"rid": f"c{i}", "seconds": 0.1 + 0.001 * n - 0.00025 * c, "new": n, "cached": c,
+             "alone": True}
+            for i, (n, c) in enumerate([(16, 0), (64, 0), (256, 0), (512, 0),
+                                        (16, 128), (32, 256), (64, 128), (128, 256)] * 2)]
+    report(svc, "p1", "prefill", done=done)
+    assert svc.refits == 0
+    assert min(svc.cost.prefill.coef) >= 0
+    assert svc.cost.prefill_s(14, 416) >= 0.5 * before > 0
+
+
 def test_prefill_model_is_refit_from_solo_requests():
     svc = service()
     report(svc, "p1", "prefill")

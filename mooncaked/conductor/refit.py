@@ -213,7 +213,12 @@ class CostModelRefitter:
         lengths = {s[0] for s in self.samples}
         if len(lengths) < 4 or max(lengths) < 4 * max(1, min(lengths)):
             return
-        new = _refit(self.cost.prefill, self.samples, ((0, 0), (1, 0), (0, 1), (1, 1)))
+        # no negative coefficient, as for decode: served prefills with long cached
+        # prefixes are few and move with their length, and a fit learned a negative cost
+        # a cached token (-0.25 ms), so a prefix hit of 400 tokens predicted 24 ms
+        # against 150 ms served and longer hits 0 (a fresh user's trial, issue 33)
+        new = _refit(self.cost.prefill, self.samples, ((0, 0), (1, 0), (0, 1), (1, 1)),
+                     nonnegative=True)
         if new is not None:
             model, info = new
             self.cost = dataclasses.replace(self.cost, prefill=model,
