@@ -17,8 +17,8 @@ model drives placement, so it must track the hardware).
   the prefill polynomial; timed decode steps refit the decode-step model, and a
   start-up profile's batches of 1 to 8 fit its fixed and per-sequence costs at once
   (`fit_decode_profile`: calibration alone keeps the default's shape); a refit
-  replaces the model only when it predicts the recent samples 20% better (and, for
-  decode, has no negative coefficient);
+  replaces the model only when it predicts the recent samples 20% better and has no
+  negative coefficient;
 - TBT: admission multiplies the predicted step by `tbt_factor`, learned from the TBT
   each finished request's stream saw (the API node's for the conductor, the decode
   node's writes for its own check) over the step predicted when it was admitted.
