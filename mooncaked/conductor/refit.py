@@ -90,6 +90,16 @@ def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = Fal
         new = PolyModel.fit(x1, x2, y, tuple(terms))
     except ValueError:
         return None
+    info = _accepted(current, new, samples, nonnegative)
+    return None if info is None else (new, info)
+
+
+def _accepted(current: PolyModel, new: PolyModel, samples: Any, nonnegative: bool
+              ) -> dict | None:
+    """`new`'s provenance when it may replace `current` (see `_refit`: 20% better on the
+    samples, positive at their largest point, no negative coefficient with nonnegative),
+    else None."""
+    x1, x2, _ = zip(*samples)
     if new(max(x1), max(x2)) <= 0 or (nonnegative and min(new.coef) < 0):
         return None
 
@@ -99,8 +109,8 @@ def _refit(current: PolyModel, samples: Any, terms: Any, nonnegative: bool = Fal
     old_err, new_err = err(current), err(new)
     if new_err >= 0.8 * old_err:
         return None
-    return new, {"samples": len(samples), "mean_rel_error": round(new_err, 4),
-                 "previous_mean_rel_error": round(old_err, 4)}
+    return {"samples": len(samples), "mean_rel_error": round(new_err, 4),
+            "previous_mean_rel_error": round(old_err, 4)}
 
 
 class CostModelRefitter:
@@ -391,12 +401,15 @@ class CostModelRefitter:
             return
         new = _refit(self.cost.decode, self.decode_samples, DECODE_TERMS, nonnegative=True)
         if new is not None:
-            model, info = new
-            self.cost = dataclasses.replace(self.cost, decode=model,
-                                            meta={**self.cost.meta, "decode_refit": info})
-            self.decode_refits += 1
-            self._refitted("decode")
-            log.info("cost_model_refit", part="decode", **info)
+            self._use_decode(*new)
+
+    def _use_decode(self, model: PolyModel, info: dict) -> None:
+        """Replaces the decode polynomial by a refit `model` (`info`: its provenance)."""
+        self.cost = dataclasses.replace(self.cost, decode=model,
+                                        meta={**self.cost.meta, "decode_refit": info})
+        self.decode_refits += 1
+        self._refitted("decode")
+        log.info("cost_model_refit", part="decode", **info)
 
     def fit_decode_profile(self, steps: Sequence[tuple[int, int, float]]) -> None:
         """The decode model's shape from a start-up profile's timed steps (batch size,
@@ -424,24 +437,10 @@ class CostModelRefitter:
                                 ((0, 0), (1, 0)))
         except ValueError:
             return
-        fixed, per_sequence = fit.coef
-        if fixed < 0 or per_sequence < 0:
-            return
-        new = PolyModel(DECODE_TERMS, (fixed, per_sequence, per_context))
-
-        def err(m: PolyModel) -> float:
-            return statistics.fmean(abs(m(b, c) - t) / t for b, c, t in steps)
-
-        old_err, new_err = err(current), err(new)
-        if new_err >= 0.8 * old_err:
-            return
-        info = {"samples": len(steps), "mean_rel_error": round(new_err, 4),
-                "previous_mean_rel_error": round(old_err, 4), "source": STARTUP_PROFILE}
-        self.cost = dataclasses.replace(self.cost, decode=new,
-                                        meta={**self.cost.meta, "decode_refit": info})
-        self.decode_refits += 1
-        self._refitted("decode")
-        log.info("cost_model_refit", part="decode", **info)
+        new = PolyModel(DECODE_TERMS, (*fit.coef, per_context))
+        info = _accepted(current, new, steps, nonnegative=True)
+        if info is not None:
+            self._use_decode(new, {**info, "source": STARTUP_PROFILE})
 
     def status(self) -> dict:
         """The model's name, source and refit counts, and both prediction-error summaries."""
