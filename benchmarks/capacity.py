@@ -53,7 +53,7 @@ from typing import Any
 import orjson
 
 from mooncaked.benchmarks.capacity_stats import (admission_figures, capacity_ratio_ci, met_slo,
-                                                  share_ci)
+                                                  refine_rate, share_ci)
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
 from mooncaked.measures import percentile
 from mooncaked.replay.runner import ReplayConfig, RequestRecord, discover_server, replay
@@ -279,9 +279,18 @@ def _ledgers(cl: LocalCluster, side: str, records: list[RequestRecord]
 
 def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[TraceRequest],
              rates: list[float], slo: dict[str, float], log: Any,
-             extra: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Starts one side, replays the slice at every rate, stops it; one result per rate.
-    `extra`: settings for every node (the coupled side's token budget)."""
+             extra: dict[str, Any] | None = None, refine_steps: int = 0,
+             prior: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Starts one side, replays the slice at every rate, then at up to `refine_steps` rates
+    that narrow its capacity (capacity_stats.refine_rate, over `prior` and these results),
+    stops it; one result per rate, a refined one marked "refined".
+
+    `extra`: settings for every node (the coupled side's token budget); `prior`: results
+    already measured on this side (their count offsets the rate index, which seeds the
+    arrivals and salts the cache, so a refined rate neither repeats a grid rate's arrivals
+    nor hits its prefixes)."""
+    prior = list(prior or [])
+    plan = [(rate, False) for rate in rates]
     settings = {**_engine_settings(args), "conductor.ttft_slo_s": slo["ttft_slo_s"],
                 "conductor.tbt_slo_s": slo["tbt_slo_s"], "store.dram_bytes": args.kv_cache_bytes,
                 "cluster.stream_idle_timeout_s": max(15.0, 3 * slo["ttft_slo_s"]),
@@ -303,7 +312,15 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
         vocab = info["vocab_size"] or 49152
         # warm-up: one request through the whole path (not counted)
         _one(url, info["model"], [1000 + i for i in range(32)], 4, f"warmup-{side}")
-        for k, rate in enumerate(rates):
+        for k in itertools.count(len(prior)):
+            if plan:
+                rate, refined = plan.pop(0)
+            else:
+                rate = _next_refined_rate(side, prior + out) if refine_steps > 0 else None
+                if rate is None:
+                    break
+                refine_steps, refined = refine_steps - 1, True
+                log(f"{side:8s} refining its capacity at {rate:.4f} req/s")
             rng = random.Random(args.seed + k)
             t, timed = 0.0, []
             for r in requests:
@@ -316,7 +333,7 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
             records, wall = asyncio.run(replay(cfg, timed))
             flags = [int(met_slo(r, slo["ttft_slo_s"], slo["tbt_slo_s"])) for r in records]
             ledgers = _ledgers(cl, side, records)
-            res = {"rate": round(rate, 4), "side": side,
+            res = {"rate": round(rate, 4), "side": side, "refined": refined,
                    **summarize_rate(records, wall, slo["ttft_slo_s"], slo["tbt_slo_s"],
                                     _median_step(cl, side)),
                    "share_within_slo_ci": share_ci(flags, seed=args.seed + k),
@@ -403,6 +420,11 @@ def parser() -> argparse.ArgumentParser:
                     help="conductor.admission and conductor.node_admission on both sides: "
                          "shadow (predict and record, admit all: false rejections and misses "
                          "are measured) or enforce (reject the predicted misses)")
+    ap.add_argument("--refine", type=int, default=2,
+                    help="steps of capacity refinement after the grid: each measures one more "
+                         "rate per side, the geometric midpoint of its bracket (last pass, "
+                         "first fail), half the lowest rate if it passed none, twice the "
+                         "highest if it passed all; 0: the grid only")
     ap.add_argument("--coupled-chunks", type=int, nargs="*", default=[128, 512],
                     help="token budgets per step (engine.max_num_batched_tokens) tried on "
                          "the coupled side; the one with the highest capacity is reported")
@@ -426,6 +448,14 @@ def _best_chunk(by_chunk: dict[int, list[dict[str, Any]]]) -> int:
         return (capacity(rs, "coupled") or 0.0,
                 statistics.fmean(r["share_within_slo"] or 0.0 for r in rs))
     return max(by_chunk, key=score)
+
+
+def _next_refined_rate(side: str, results: list[dict[str, Any]]) -> float | None:
+    """The next rate (req/s, 4 decimals) that narrows `side`'s capacity, or None when its
+    bracket is narrow enough or the rate was measured already."""
+    mine = {r["rate"]: r["share_within_slo"] or 0.0 for r in results if r["side"] == side}
+    rate = refine_rate(mine, PASS_SHARE)
+    return None if rate is None or round(rate, 4) in mine else round(rate, 4)
 
 
 def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> dict[str, Any]:
@@ -455,7 +485,8 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
     tuning: dict[str, Any] = {}
     for side in args.sides:
         if side == "pd":
-            results += run_side(side, args, work / trace.stem, requests, rates, slo, log)
+            results += run_side(side, args, work / trace.stem, requests, rates, slo, log,
+                                refine_steps=args.refine)
             continue
         by_chunk = {}
         for chunk in args.coupled_chunks or [None]:
@@ -465,10 +496,17 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
                                             requests, rates, slo, log, extra)
         best = _best_chunk(by_chunk)
         results += by_chunk[best]
+        if args.refine and _next_refined_rate(side, by_chunk[best]) is not None:
+            log(f"coupled: refining with the token budget {best or 'default'}")
+            results += run_side(side, args, work / f"{trace.stem}-{best}-refined", requests,
+                                [], slo, log, {"engine.max_num_batched_tokens": best}
+                                if best else {}, refine_steps=args.refine,
+                                prior=by_chunk[best])
         tuning = {"chosen_chunk_tokens": best or None,
                   "capacity_by_chunk": {str(c): capacity(rs, "coupled")
                                         for c, rs in by_chunk.items()},
                   "results_by_chunk": {str(c): rs for c, rs in by_chunk.items() if c != best}}
+    measured = {s: [r["rate"] for r in results if r["side"] == s] for s in args.sides}
     cap = {s: capacity(results, s) for s in args.sides}
     ratio = (cap["pd"] / cap["coupled"]) if cap.get("pd") and cap.get("coupled") else None
     both = [r["rate"] for r in results if r["side"] == "pd"
@@ -483,14 +521,16 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
                  if r["side"] == "pd" and r["rate"] <= upto)
     pd_adm = [r for r in results if r["side"] == "pd" and r["rate"] <= (upto or min(rates))]
     # a side that still passes at the highest rate swept has at least that capacity
-    censored = {s: cap.get(s) is not None and cap[s] >= max(rates) for s in args.sides}
+    censored = {s: cap.get(s) is not None and cap[s] >= max(measured[s]) for s in args.sides}
     ci = capacity_ratio_ci({(r["side"], r["rate"]): r["within_flags"] for r in results},
                            PASS_SHARE, seed=args.seed)
-    return {"trace": str(trace), "slo": slo, "rates": rates, "results": results,
-            "capacity": cap, "capacity_at_least": censored,
+    return {"trace": str(trace), "slo": slo, "rates": rates,
+            "refined_rates": {s: [r["rate"] for r in results if r["side"] == s and r["refined"]]
+                              for s in args.sides},
+            "results": results, "capacity": cap, "capacity_at_least": censored,
             "capacity_ratio": round(ratio, 3) if ratio else None,
             # coupled met the SLOs at no rate swept: its capacity is below the lowest rate
-            "capacity_ratio_lower_bound": round(cap["pd"] / min(rates), 3)
+            "capacity_ratio_lower_bound": round(cap["pd"] / min(measured["coupled"]), 3)
             if cap.get("pd") and "coupled" in cap and cap["coupled"] is None else None,
             "capacity_ratio_ci": ci, "coupled_tuning": tuning,
             "targets": {"capacity_ratio_ge_1_2": bool(ratio and ratio >= 1.2),

@@ -13,6 +13,10 @@ rejected request cannot tell whether it would have met the SLOs):
 - step_pred_mare: the same for the decode step time (the prediction of the step with
   the request admitted against the request's median inter-token gap).
 
+Refinement: a grid of rates fixes the ratio's resolution (with rates 0.5x, 1x, 2x apart
+the ratio is 1 or 2, never 1.4); `refine_rate` picks the next rate that halves a side's
+capacity bracket (on a log scale), so a few more rates resolve it.
+
 Intervals: a share within SLO is resampled per request (`share_ci`); `capacity_ratio`
 by resampling every (rate, side)'s requests together and recomputing both capacities
 (`capacity_ratio_ci`), percentile intervals.
@@ -21,6 +25,7 @@ by resampling every (rate, side)'s requests together and recomputing both capaci
 from __future__ import annotations
 
 import itertools
+import math
 import random
 import statistics
 from collections.abc import Callable, Mapping, Sequence
@@ -113,6 +118,34 @@ def capacity_of(shares: Mapping[float, float], pass_share: float) -> float | Non
     return max(ok) if ok else None
 
 
+RESOLUTION = 1.2           # a capacity bracket this narrow (next fail / last pass) is refined no more
+
+
+def refine_rate(shares: Mapping[float, float], pass_share: float) -> float | None:
+    """The next arrival rate to measure on a side to narrow its capacity, as DistServe's
+    goodput search does, but one rate a step: the geometric midpoint of its bracket (the
+    highest passing rate and the lowest failing rate above it); half the lowest rate when
+    it passes none; twice the highest when it passes them all.
+
+    Args:
+        shares: rate (req/s) -> share of requests within both SLOs, the rates measured so far.
+        pass_share: a rate passes when its share reaches this.
+    Returns: req/s, or None when the bracket is already within RESOLUTION (or no rates).
+    """
+    if not shares:
+        return None
+    rates = sorted(shares)
+    cap = capacity_of(shares, pass_share)
+    if cap is None:
+        return rates[0] / 2
+    above = [r for r in rates if r > cap]
+    if not above:
+        return rates[-1] * 2
+    if above[0] / cap <= RESOLUTION:
+        return None
+    return math.sqrt(cap * above[0])
+
+
 def ratio_of(pd: float | None, coupled: float | None, rates: Sequence[float]) -> float:
     """pd capacity / coupled capacity; a side below every rate counts as 0 (pd) or, for
     coupled, as the lowest rate (a lower bound on the ratio, as the benchmark reports)."""
@@ -150,4 +183,4 @@ def capacity_ratio_ci(flags: Mapping[tuple[str, float], Sequence[int]], pass_sha
 
 
 __all__ = ["BOOTSTRAP", "LEVEL", "admission_figures", "capacity_of", "capacity_ratio_ci",
-           "met_slo", "ratio_of", "share_ci"]
+           "met_slo", "ratio_of", "refine_rate", "share_ci"]

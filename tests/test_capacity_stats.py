@@ -7,7 +7,8 @@ import pytest
 
 from mooncaked.benchmarks.capacity import _best_chunk, overrides
 from mooncaked.benchmarks.capacity_stats import (admission_figures, capacity_of,
-                                                 capacity_ratio_ci, met_slo, ratio_of, share_ci)
+                                                 capacity_ratio_ci, met_slo, ratio_of, refine_rate,
+                                                 share_ci)
 from mooncaked.replay.runner import RequestRecord
 
 
@@ -79,6 +80,22 @@ def test_capacity_ratio_ci():
     lo, hi = capacity_ratio_ci(flags, 0.9, n=400)
     assert (lo, hi) == (2.0, 4.0)
     assert capacity_ratio_ci({("pd", 0.1): [1]}, 0.9) is None
+
+
+def test_refine_rate_halves_the_capacity_bracket_on_a_log_scale():
+    # passes 1.0, fails 2.0: the next rate is their geometric midpoint
+    assert refine_rate({0.5: 1.0, 1.0: 0.95, 2.0: 0.6}, 0.9) == pytest.approx(2 ** 0.5)
+    # then between sqrt(2) (passed) and 2 -> 2^0.75; a failed midpoint narrows from above
+    assert refine_rate({1.0: 0.95, 2 ** 0.5: 0.92, 2.0: 0.6}, 0.9) == pytest.approx(2 ** 0.75)
+    assert refine_rate({1.0: 0.95, 2 ** 0.5: 0.5, 2.0: 0.6}, 0.9) == pytest.approx(2 ** 0.25)
+    # a bracket within 1.2x is resolved; a side below every rate halves the lowest; a side
+    # passing every rate doubles the highest; nothing measured gives nothing
+    assert refine_rate({1.0: 0.95, 1.15: 0.5}, 0.9) is None
+    assert refine_rate({0.6: 0.88, 1.2: 0.4}, 0.9) == pytest.approx(0.3)
+    assert refine_rate({0.6: 1.0, 1.2: 0.95}, 0.9) == pytest.approx(2.4)
+    assert refine_rate({}, 0.9) is None
+    # a non-monotone sweep: the capacity is the highest passing rate, the bracket above it
+    assert refine_rate({0.5: 0.8, 1.0: 0.95, 4.0: 0.1}, 0.9) == pytest.approx(2.0)
 
 
 def test_best_chunk_and_overrides():
