@@ -23,6 +23,12 @@ rate's prefixes (within a rate the trace's shared prefixes hit as they would). R
 are given in requests per second, or by default as fractions of the unloaded prefill
 rate (1 / unloaded TTFT).
 
+Admission (`--admission`, default both): capacity is measured as a cluster runs by default,
+with both sides' conductors and decode/coupled nodes enforcing (a request predicted to
+miss is refused early, so it does not hold the queue); then the pd side replays its rates
+up to its capacity again in shadow mode (admission_audit), which admits everything and
+so tells which refusals were false and which admitted requests missed.
+
 Per rate and side: share within both SLOs (effective request capacity; rejected and
 failed requests are misses), rejected and failed counts, TTFT and TBT p50/p90/p99,
 output tokens/s, the longest inter-token gap, the decode nodes' median step time and
@@ -280,7 +286,8 @@ def _ledgers(cl: LocalCluster, side: str, records: list[RequestRecord]
 def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[TraceRequest],
              rates: list[float], slo: dict[str, float], log: Any,
              extra: dict[str, Any] | None = None, refine_steps: int = 0,
-             prior: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+             prior: list[dict[str, Any]] | None = None, admission: str = "enforce",
+             indices: list[int] | None = None) -> list[dict[str, Any]]:
     """Starts one side, replays the slice at every rate, then at up to `refine_steps` rates
     that narrow its capacity (capacity_stats.refine_rate, over `prior` and these results),
     stops it; one result per rate, a refined one marked "refined".
@@ -288,14 +295,16 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
     `extra`: settings for every node (the coupled side's token budget); `prior`: results
     already measured on this side (their count offsets the rate index, which seeds the
     arrivals and salts the cache, so a refined rate neither repeats a grid rate's arrivals
-    nor hits its prefixes)."""
+    nor hits its prefixes); `admission`: conductor.admission and conductor.node_admission
+    (enforce or shadow); `indices`: each rate's index instead (an audit replays a rate's
+    arrivals exactly)."""
     prior = list(prior or [])
-    plan = [(rate, False) for rate in rates]
+    plan = list(zip(rates, indices or itertools.count(len(prior)), itertools.repeat(False)))
     settings = {**_engine_settings(args), "conductor.ttft_slo_s": slo["ttft_slo_s"],
                 "conductor.tbt_slo_s": slo["tbt_slo_s"], "store.dram_bytes": args.kv_cache_bytes,
                 "cluster.stream_idle_timeout_s": max(15.0, 3 * slo["ttft_slo_s"]),
-                "conductor.admission": args.admission,
-                "conductor.node_admission": args.admission, **(extra or {}),
+                "conductor.admission": admission,
+                "conductor.node_admission": admission, **(extra or {}),
                 **overrides(args.overrides)}
     nodes = _nodes(side)
     cl = LocalCluster(work / side, nodes, settings=settings, log_level="warning")
@@ -312,14 +321,14 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
         vocab = info["vocab_size"] or 49152
         # warm-up: one request through the whole path (not counted)
         _one(url, info["model"], [1000 + i for i in range(32)], 4, f"warmup-{side}")
-        for k in itertools.count(len(prior)):
+        while True:
             if plan:
-                rate, refined = plan.pop(0)
+                rate, k, refined = plan.pop(0)
             else:
                 rate = _next_refined_rate(side, prior + out) if refine_steps > 0 else None
                 if rate is None:
                     break
-                refine_steps, refined = refine_steps - 1, True
+                k, refine_steps, refined = len(prior) + len(out), refine_steps - 1, True
                 log(f"{side:8s} refining its capacity at {rate:.4f} req/s")
             rng = random.Random(args.seed + k)
             t, timed = 0.0, []
@@ -333,7 +342,8 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
             records, wall = asyncio.run(replay(cfg, timed))
             flags = [int(met_slo(r, slo["ttft_slo_s"], slo["tbt_slo_s"])) for r in records]
             ledgers = _ledgers(cl, side, records)
-            res = {"rate": round(rate, 4), "side": side, "refined": refined,
+            res = {"rate": round(rate, 4), "side": side, "refined": refined, "index": k,
+                   "admission_mode": admission,
                    **summarize_rate(records, wall, slo["ttft_slo_s"], slo["tbt_slo_s"],
                                     _median_step(cl, side)),
                    "share_within_slo_ci": share_ci(flags, seed=args.seed + k),
@@ -343,7 +353,7 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
                    "loop": _loop_stats(cl)}
             out.append(res)
             adm = res["admission"]
-            log(f"{side:8s} rate {rate:.3f}/s: {res['share_within_slo']:.0%} within SLO "
+            log(f"{side:8s} rate {rate:.3f}/s ({admission}): {res['share_within_slo']:.0%} within SLO "
                 f"(90% CI {res['share_within_slo_ci']}), rejected {res['rejected']}, failed "
                 f"{res['failed']}, TBT p90 {res['tbt_p90_s']}, longest gap "
                 f"{res['longest_gap_s']}; admission: would reject {adm['would_reject']}, false "
@@ -353,7 +363,8 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
             if args.records:
                 with args.records.open("ab") as f:
                     for r in records:
-                        f.write(orjson.dumps({"side": side, "rate": rate, **r.to_dict(),
+                        f.write(orjson.dumps({"side": side, "rate": rate,
+                                              "admission_mode": admission, **r.to_dict(),
                                              "admission": ledgers.get(r.request_id or "", [])})
                                 + b"\n")
     finally:
@@ -416,10 +427,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--timeout", type=float, default=300.0, help="per request, s")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sides", nargs="*", choices=SIDES, default=list(SIDES))
-    ap.add_argument("--admission", choices=("shadow", "enforce"), default="shadow",
+    ap.add_argument("--admission", choices=("both", "enforce", "shadow"), default="both",
                     help="conductor.admission and conductor.node_admission on both sides: "
+                         "enforce (reject the predicted misses, as a cluster runs by default), "
                          "shadow (predict and record, admit all: false rejections and misses "
-                         "are measured) or enforce (reject the predicted misses)")
+                         "are measured), or both: capacity with enforce, then pd again in "
+                         "shadow at its rates up to its capacity (admission_audit), which the "
+                         "admission targets are judged on")
     ap.add_argument("--refine", type=int, default=2,
                     help="steps of capacity refinement after the grid: each measures one more "
                          "rate per side, the geometric midpoint of its bracket (last pass, "
@@ -483,17 +497,18 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
         f"rates {rates} req/s")
     results: list[dict[str, Any]] = []
     tuning: dict[str, Any] = {}
+    mode = "shadow" if args.admission == "shadow" else "enforce"     # what capacity runs
     for side in args.sides:
         if side == "pd":
             results += run_side(side, args, work / trace.stem, requests, rates, slo, log,
-                                refine_steps=args.refine)
+                                refine_steps=args.refine, admission=mode)
             continue
         by_chunk = {}
         for chunk in args.coupled_chunks or [None]:
             extra = {"engine.max_num_batched_tokens": chunk} if chunk else {}
             log(f"coupled: token budget {chunk or 'default'}")
             by_chunk[chunk or 0] = run_side(side, args, work / f"{trace.stem}-{chunk}",
-                                            requests, rates, slo, log, extra)
+                                            requests, rates, slo, log, extra, admission=mode)
         best = _best_chunk(by_chunk)
         results += by_chunk[best]
         if args.refine and _next_refined_rate(side, by_chunk[best]) is not None:
@@ -501,7 +516,7 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
             results += run_side(side, args, work / f"{trace.stem}-{best}-refined", requests,
                                 [], slo, log, {"engine.max_num_batched_tokens": best}
                                 if best else {}, refine_steps=args.refine,
-                                prior=by_chunk[best])
+                                prior=by_chunk[best], admission=mode)
         tuning = {"chosen_chunk_tokens": best or None,
                   "capacity_by_chunk": {str(c): capacity(rs, "coupled")
                                         for c, rs in by_chunk.items()},
@@ -520,6 +535,14 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
     stalls = sum(r["gaps_over_5x_step"] or 0 for r in results
                  if r["side"] == "pd" and r["rate"] <= upto)
     pd_adm = [r for r in results if r["side"] == "pd" and r["rate"] <= (upto or min(rates))]
+    audit: list[dict[str, Any]] = []
+    if args.admission == "both" and pd_adm:
+        # enforcing, a rejected request cannot tell whether it would have met the SLOs: the
+        # same arrivals again in shadow count the false rejections and admitted misses
+        log("pd: admission audit in shadow mode up to its capacity")
+        pd_adm = audit = run_side("pd", args, work / f"{trace.stem}-audit", requests,
+                                  [r["rate"] for r in pd_adm], slo, log, admission="shadow",
+                                  indices=[r["index"] for r in pd_adm])
     # a side that still passes at the highest rate swept has at least that capacity
     censored = {s: cap.get(s) is not None and cap[s] >= max(measured[s]) for s in args.sides}
     ci = capacity_ratio_ci({(r["side"], r["rate"]): r["within_flags"] for r in results},
@@ -527,7 +550,9 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
     return {"trace": str(trace), "slo": slo, "rates": rates,
             "refined_rates": {s: [r["rate"] for r in results if r["side"] == s and r["refined"]]
                               for s in args.sides},
-            "results": results, "capacity": cap, "capacity_at_least": censored,
+            "results": results, "admission_audit": audit,
+            "admission_mode": {"capacity": mode, "audit": "shadow" if audit else None},
+            "capacity": cap, "capacity_at_least": censored,
             "capacity_ratio": round(ratio, 3) if ratio else None,
             # coupled met the SLOs at no rate swept: its capacity is below the lowest rate
             "capacity_ratio_lower_bound": round(cap["pd"] / min(measured["coupled"]), 3)
@@ -601,8 +626,10 @@ def render(out: dict[str, Any]) -> None:
 
     def fmt(v: Any) -> str:
         return "-" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
-    for r in sorted(out["results"], key=lambda r: (r["rate"], r["side"])):
-        t.add_row(*(fmt(r.get(c)) for c in cols), fmt(r.get("share_within_slo_ci")),
+    for r in sorted(out["results"] + out.get("admission_audit", []),
+                    key=lambda r: (r["rate"], r["side"], r.get("admission_mode", ""))):
+        row = {**r, "side": f"{r['side']} ({r.get('admission_mode', '-')})"}
+        t.add_row(*(fmt(row.get(c)) for c in cols), fmt(r.get("share_within_slo_ci")),
                   *(fmt(r["admission"].get(c)) for c in acols))
     Console(width=260).print(t)
     print(f"capacity (req/s at >= 90% within SLO): {out['capacity']} (a lower bound where "

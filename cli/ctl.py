@@ -4,6 +4,7 @@ drain, undrain) over either coordination backend; rich tables, or --json for scr
 from __future__ import annotations
 
 import asyncio
+import math
 import sys
 import time
 from pathlib import Path
@@ -255,6 +256,20 @@ def _node_admission_table(v: dict) -> None:
                 "step error (median |rel|)"], rows)
 
 
+def _finite(x: object) -> bool:
+    """A number that bounds something (an SLO of inf, or null as JSON writes inf, does not)."""
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _cost_model_origin(cm: dict) -> str:
+    """The cost model's name, where it came from and its source, each said once ("built-in
+    default", not "default [default] from built-in default")."""
+    name, source = cm.get("name") or "-", cm.get("source") or ""
+    origin = (cm.get("meta") or {}).get("origin") or ""
+    text = origin if origin and name in origin else name + (f" from {origin}" if origin else "")
+    return text + (f" [{source}]" if source and source not in text else "")
+
+
 def _print_conductor(c: dict) -> None:
     """The conductor's part of `ctl status`: counters, cost model, calibration, admission,
     rejections, prediction errors (c: conductor.status, or {"error": ...})."""
@@ -275,14 +290,15 @@ def _print_conductor(c: dict) -> None:
     bw = c.get("transfer_bandwidth") or {}
     if bw.get("used_bytes_per_s"):
         src = (f"median of {bw['measured_paths']} measured paths" if bw["measured_paths"]
-               else "nothing measured yet")
+               # the meter ignores busy periods under 256 KiB (latency, not bandwidth):
+               # a small prompt's layer-wise push measures nothing
+               else "no transfer large enough to measure yet")
         paths = bw.get("fetch_paths") or {}
         typer.echo(f"transfer bandwidth in the cost model: {_rate(bw['used_bytes_per_s'])} "
                    f"({src}; configured {_rate(bw['configured_bytes_per_s'])})"
                    + ("; fetches over a measured path at its rate: " + ", ".join(
                        f"{p} {_rate(r)}" for p, r in paths.items()) if paths else ""))
-    typer.echo(f"cost model: {cm.get('name', '-')} [{cm.get('source', '-')}] from "
-               f"{(cm.get('meta') or {}).get('origin', '-')}, refits: "
+    typer.echo(f"cost model: {_cost_model_origin(cm)}, refits: "
                f"prefill {cm.get('refits', 0)}, decode {cm.get('decode_refits', 0)}")
     scale, seen = cm.get("scale") or {}, cm.get("observed_steps") or {}
     cal = cm.get("calibrated") or {}
@@ -304,7 +320,12 @@ def _print_conductor(c: dict) -> None:
         typer.echo("startup profiles: " + "; ".join(
             f"{nid} {_profile_line(p)}" for nid, p in profiles.items()))
     adm = c.get("admission") or {}
-    if adm:
+    slo = c.get("slo") or {}
+    if adm and not any(_finite(slo.get(k)) for k in ("ttft_s", "tbt_s")):
+        # no SLO to check against (conductor.ttft_slo_s / tbt_slo_s unset): it admits all
+        typer.echo(f"admission: {adm['mode']}, inactive (no TTFT or TBT SLO), admitted "
+                   f"{adm['admitted']}")
+    elif adm:
         typer.echo(f"admission: {adm['mode']}, admitted {adm['admitted']}, rejected "
                    f"{adm['rejected']}, shadow-rejected {adm['shadow_rejected']}"
                    + (" (" + ", ".join(f"{r} {n}" for r, n in

@@ -57,7 +57,9 @@ CASES = [
     ("not_an_object", "/v1/chat/completions", b'[1, 2]', 400, None, "invalid_json"),
     ("prompt_wrong_type", "/v1/completions", comp(prompt=12), 400, "prompt", "invalid_type"),
     ("prompt_missing", "/v1/completions", {"max_tokens": 2}, 400, "prompt", "missing_required"),
-    ("prompt_empty_list", "/v1/completions", comp(prompt=[]), 400, "prompt", None),
+    ("prompt_empty_list", "/v1/completions", comp(prompt=[]), 400, "prompt",
+     "invalid_value"),
+    ("prompt_empty_string", "/v1/completions", comp(prompt=""), 400, "prompt", "invalid_value"),
     ("max_tokens_string", "/v1/completions", comp(max_tokens="5"), 400, "max_tokens",
      "invalid_type"),
     ("temperature_string", "/v1/chat/completions", chat(temperature="hot"), 400, "temperature",
@@ -97,10 +99,12 @@ CASES = [
     ("top_logprobs_without_logprobs", "/v1/chat/completions", chat(top_logprobs=2), 400,
      "top_logprobs", None),
     ("n_zero", "/v1/completions", comp(n=0), 400, "n", None),
-    ("token_id_out_of_vocab", "/v1/completions", comp(prompt=[1, 10**9]), 400, "prompt", None),
+    ("token_id_out_of_vocab", "/v1/completions", comp(prompt=[1, 10**9]), 400, "prompt[1]",
+     "invalid_value"),
     # wider than 64 bits: the JSON parser gives a float; still an id out of the vocabulary
     ("token_id_wider_than_64_bits", "/v1/completions",
-     b'{"prompt": [1, 123456789012345678901234567890], "max_tokens": 2}', 400, "prompt", None),
+     b'{"prompt": [1, 123456789012345678901234567890], "max_tokens": 2}', 400, "prompt[1]",
+     "invalid_value"),
     # the element that is wrong is named, not the list (a fresh user saw "got list")
     ("prompt_float_token_id", "/v1/completions", comp(prompt=[1.5, 2]), 400, "prompt[0]",
      "invalid_type"),
@@ -109,12 +113,14 @@ CASES = [
     ("prompt_mixed_kinds", "/v1/completions", comp(prompt=[1, "a"]), 400, "prompt",
      "invalid_type"),
     ("prompt_batch_float_token_id", "/v1/completions", comp(prompt=[[1], [2.5]]), 400,
-     "prompt", "invalid_type"),
+     "prompt[1][0]", "invalid_type"),
     ("token_id_wider_than_64_bits_in_a_batch", "/v1/completions",
-     b'{"prompt": [[1], [123456789012345678901234567890]], "max_tokens": 2}', 400, "prompt",
-     None),
+     b'{"prompt": [[1], [123456789012345678901234567890]], "max_tokens": 2}', 400,
+     "prompt[1][0]", "invalid_value"),
     ("stop_token_id_out_of_vocab", "/v1/completions", comp(stop_token_ids=[-1]), 400,
-     "stop_token_ids", None),
+     "stop_token_ids[0]", "invalid_value"),
+    ("stop_token_id_wrong_type", "/v1/completions", comp(stop_token_ids=[2, "x"]), 400,
+     "stop_token_ids[1]", "invalid_type"),
     ("stream_options_without_stream", "/v1/completions",
      comp(stream_options={"include_usage": True}), 400, "stream_options", None),
     ("prompt_logprobs_whole_vocab", "/v1/completions", comp(prompt_logprobs=-1), 400,
@@ -171,8 +177,13 @@ def test_a_wrong_prompt_element_is_named_in_the_message(server, info):
             "[2, true]": "'prompt[1]' must be a token id (an integer), a string, or a list "
                          "of token ids, got bool",
             '[1, "a"]': "it mixes them",
-            "[[1], [2.5]]": "'prompt' must be a list of integers, got float",
-            "[123456789012345678901234567890]": "is outside the vocabulary"}
+            "[[1], [2.5]]": "'prompt[1][0]' must be a token id (an integer), got float",
+            "[[1], [2, 99999999]]": "'prompt[1][1]': token id 99999999 is outside the "
+                                    "vocabulary",
+            "[123456789012345678901234567890]": "'prompt[0]': token id wider than 64 bits "
+                                                "is outside the vocabulary",
+            '""': "'prompt' must not be empty",
+            "[]": "'prompt' must not be empty"}
 
     async def go():
         async with aiohttp.ClientSession() as s:

@@ -8,6 +8,8 @@ import subprocess
 import sys
 import textwrap
 
+from mooncaked.cli.ctl import _cost_model_origin, _print_conductor
+
 
 def test_piped_table_keeps_one_line_per_row_and_whole_urls():
     url = "http://very-long-host-name.example.internal.cluster.local:18000/some/long/path/v1"
@@ -48,3 +50,27 @@ def test_node_admission_table_says_when_a_node_checks_nothing():
     assert "inactive (no TBT SLO)" in d0 and "not calibrated" not in d0 and "shadow" not in d0
     assert "7.0%" in d1 and "yes" in d1 and "inactive" not in d1
     assert " p0 " not in out
+
+
+def test_conductor_lines_say_each_thing_once(capsys):
+    """The cost model's name, origin and source are not repeated ("default [default] from
+    built-in default", a fresh user's finding), and admission without an SLO says it checks
+    nothing, as the node table does."""
+    assert _cost_model_origin({"name": "default", "source": "default",
+                               "meta": {"origin": "built-in default"}}) == "built-in default"
+    assert _cost_model_origin({"name": "h100", "source": "profile",
+                               "meta": {"origin": "file /x/cost.json"}}) == \
+        "h100 from file /x/cost.json [profile]"
+    status = {"leader": "c0", "policy": "kvcache", "placed": 3, "rejected": {},
+              "indexed_keys": 0, "cost_model": {"name": "default", "source": "default",
+                                                "meta": {"origin": "built-in default"}},
+              "admission": {"mode": "enforce", "admitted": 3, "rejected": 0,
+                            "shadow_rejected": 0, "shadow_rejected_by_reason": {}},
+              "slo": {"ttft_s": None, "tbt_s": float("inf")}}
+    _print_conductor(status)
+    out = capsys.readouterr().out
+    assert "cost model: built-in default, refits: prefill 0, decode 0" in out, out
+    assert "admission: enforce, inactive (no TTFT or TBT SLO), admitted 3" in out, out
+    _print_conductor({**status, "slo": {"ttft_s": 2.0, "tbt_s": None}})
+    out = capsys.readouterr().out
+    assert "admission: enforce, admitted 3, rejected 0" in out, out

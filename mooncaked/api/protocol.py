@@ -155,16 +155,18 @@ def _stop(body: dict) -> list[str]:
 
 
 def token_ids(v: Any, key: str, vocab_size: int) -> list[int]:
-    """`v` checked as a list of token ids in [0, vocab_size). Raises ApiError 400."""
+    """`v` checked as a list of token ids in [0, vocab_size). Raises ApiError 400 that
+    names the first wrong element by place (`key[i]`) and says what it is."""
     if not isinstance(v, list):
         raise _type_error(key, "a list of integers", v)
-    wrong = next((t for t in v if not _is_token_id_like(t)), _MISSING)
-    if wrong is not _MISSING:     # name what the list holds, not the list
-        raise _type_error(key, "a list of integers", wrong)
-    bad = next((t for t in v if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ApiError(400, f"token id {bad} in '{key}' is outside the vocabulary "
-                            f"[0, {vocab_size})", param=key)
+    for i, t in enumerate(v):     # name the element, not the list
+        if not _is_token_id_like(t):
+            raise _type_error(f"{key}[{i}]", "a token id (an integer)", t)
+        if not 0 <= t < vocab_size:
+            # an id wider than 64 bits arrives as a rounded float: do not print the rounding
+            shown = t if _is_int(t) else "wider than 64 bits"
+            raise ApiError(400, f"'{key}[{i}]': token id {shown} is outside the vocabulary "
+                                f"[0, {vocab_size})", param=f"{key}[{i}]", code="invalid_value")
     return list(v)
 
 
@@ -281,7 +283,8 @@ def _check_length(p: Prompt, params: SamplingParams, engine: EngineInfo, param: 
     limit = engine.max_model_len
     n = len(p.token_ids)
     if n == 0:
-        raise ApiError(400, "the prompt is empty", param=param)
+        raise ApiError(400, f"'{param}' must not be empty (it has no tokens)", param=param,
+                       code="invalid_value")
     if n >= limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens; the "
                             f"prompt has {n} tokens, leaving no room for output", param=param,
@@ -333,12 +336,12 @@ def _prompts(v: Any, engine: EngineInfo) -> list[Prompt]:
             return [Prompt(tok.encode(s), s) for s in v]
         if all(isinstance(x, list) for x in v):
             out = []
-            for x in v:
-                ids = token_ids(x, "prompt", tok.vocab_size)
+            for j, x in enumerate(v):
+                ids = token_ids(x, f"prompt[{j}]", tok.vocab_size)
                 out.append(Prompt(ids, tok.decode(ids)))
             return out
     if isinstance(v, list) and not v:
-        raise ApiError(400, "'prompt' must not be empty", param="prompt")
+        raise ApiError(400, "'prompt' must not be empty", param="prompt", code="invalid_value")
     if isinstance(v, list):
         # name the first element that is none of the three (a float, a bool, an object),
         # not the list itself
