@@ -5,6 +5,7 @@ import pytest
 
 from mooncaked.replay import RequestRecord, summarize
 from mooncaked.replay.report import write_json, write_plots
+from mooncaked.replay.runner import is_slo_refusal
 
 
 def done(index, sent, ttft, gaps, prompt, cached, end=None):
@@ -90,3 +91,18 @@ def test_count_too_long():
     assert count_too_long(cfg, reqs, None) == 0
     cfg.max_output_tokens = 5
     assert count_too_long(cfg, reqs, 105) == 0
+
+
+def test_an_slo_refusal_is_a_rejection_not_a_failure():
+    """A 429 and a 400 slo_unattainable (over the TTFT SLO even when idle) are the
+    conductor's early rejections; any other 400 is a failure."""
+    unattainable = orjson.dumps({"error": {"message": "cannot meet the TTFT SLO", "type":
+                                           "invalid_request_error", "param": "prompt",
+                                           "code": "slo_unattainable"}})
+    other = orjson.dumps({"error": {"message": "bad", "type": "invalid_request_error",
+                                    "param": "prompt", "code": "invalid_value"}})
+    assert is_slo_refusal(429, b"busy")
+    assert is_slo_refusal(400, unattainable)
+    assert not is_slo_refusal(400, other)
+    assert not is_slo_refusal(400, b"not json") and not is_slo_refusal(400, b"[1]")
+    assert not is_slo_refusal(500, unattainable)

@@ -82,7 +82,8 @@ class RequestRecord:
     inter-token gaps (measures.tbt_s). prompt_tokens / output_tokens: from the server's
     usage when reported, else what was sent / counted. cached_tokens: usage's
     prompt_tokens_details.cached_tokens, None when the server does not report it.
-    status: HTTP status (None if no response). rejected: HTTP 429. error: why it failed,
+    status: HTTP status (None if no response). rejected: refused for the SLOs
+    (`is_slo_refusal`: HTTP 429, or 400 slo_unattainable). error: why it failed,
     None on success. retry_after: the 429's Retry-After header, recorded, not honoured.
     request_id: the server's X-Request-Id header, when it sends one (mooncaked does: its
     admission ledger is keyed by it, `bench capacity`).
@@ -129,6 +130,22 @@ class ReplayProgress:
     def ttft_mean_s(self) -> float | None:
         """Mean TTFT of the completed requests so far, seconds."""
         return self.ttft_sum_s / self.ttft_count if self.ttft_count else None
+
+
+def is_slo_refusal(status: int, body: bytes) -> bool:
+    """Whether an answer refused the request for the SLOs (an early rejection, paper
+    section 7, "Early Rejection"), not as a failure: HTTP 429 (overloaded now), or 400
+    with code `slo_unattainable` (over the TTFT SLO even on an idle cluster, so no retry
+    helps; cluster/frontend.py). `body`: the answer's bytes (an OpenAI-style error)."""
+    if status == 429:
+        return True
+    if status != 400:
+        return False
+    try:
+        err = orjson.loads(body).get("error")
+    except (orjson.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(err, dict) and err.get("code") == "slo_unattainable"
 
 
 def base_url(url: str) -> str:
@@ -206,7 +223,7 @@ async def send_request(session: aiohttp.ClientSession, cfg: ReplayConfig, payloa
     """POST one streaming request and fill `rec` in place; never raises for request failures.
 
     A token event is a stream chunk with non-empty text (chat's opening role-only chunk is
-    not a token). HTTP 429 sets rejected; any other failure (HTTP error, error event in
+    not a token). An SLO refusal (`is_slo_refusal`) sets rejected; any other failure (HTTP error, error event in
     the stream, timeout, connection loss, a stream that ends without a token) sets error.
     """
     url = f"{base_url(cfg.url)}{path}"
@@ -220,8 +237,9 @@ async def send_request(session: aiohttp.ClientSession, cfg: ReplayConfig, payloa
             rec.status = resp.status
             rec.request_id = resp.headers.get("X-Request-Id")
             if resp.status != 200:
-                body = (await resp.read())[:300].decode("utf-8", "replace")
-                if resp.status == 429:
+                raw = await resp.read()
+                body = raw[:300].decode("utf-8", "replace")
+                if is_slo_refusal(resp.status, raw):
                     rec.rejected = True
                     rec.retry_after = resp.headers.get("Retry-After")
                 rec.error = f"HTTP {resp.status}: {body}"
