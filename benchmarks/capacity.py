@@ -353,8 +353,8 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
                    "loop": _loop_stats(cl)}
             out.append(res)
             adm = res["admission"]
-            log(f"{side:8s} rate {rate:.3f}/s ({admission}): {res['share_within_slo']:.0%} within SLO "
-                f"(90% CI {res['share_within_slo_ci']}), rejected {res['rejected']}, failed "
+            log(f"{side:8s} rate {rate:.3f}/s ({admission}): {res['share_within_slo']:.0%} "
+                f"within SLO (90% CI {res['share_within_slo_ci']}), rejected {res['rejected']}, failed "
                 f"{res['failed']}, TBT p90 {res['tbt_p90_s']}, longest gap "
                 f"{res['longest_gap_s']}; admission: would reject {adm['would_reject']}, false "
                 f"rejections {adm['false_rejections']}, admitted misses "
@@ -597,7 +597,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           [str(x) for x in v] if isinstance(v, list) and v
                           and isinstance(v[0], Path) else v) for k, v in vars(args).items()},
            **{k: v for k, v in first.items() if k != "trace"},
-           "traces": {name: {k: v for k, v in r.items() if k not in ("results",)}
+           "traces": {name: {k: v for k, v in r.items() if k not in ("results",
+                                                                     "admission_audit")}
                       for name, r in per.items()},
            "wall_s": round(time.monotonic() - t_start, 1)}
     (args.out / "capacity.json").write_bytes(orjson.dumps(

@@ -118,7 +118,7 @@ def capacity_of(shares: Mapping[float, float], pass_share: float) -> float | Non
     return max(ok) if ok else None
 
 
-RESOLUTION = 1.2           # a capacity bracket this narrow (next fail / last pass) is refined no more
+RESOLUTION = 1.2           # a capacity bracket this narrow (next fail / last pass) is final
 
 
 def refine_rate(shares: Mapping[float, float], pass_share: float) -> float | None:

@@ -223,8 +223,9 @@ async def send_request(session: aiohttp.ClientSession, cfg: ReplayConfig, payloa
     """POST one streaming request and fill `rec` in place; never raises for request failures.
 
     A token event is a stream chunk with non-empty text (chat's opening role-only chunk is
-    not a token). An SLO refusal (`is_slo_refusal`) sets rejected; any other failure (HTTP error, error event in
-    the stream, timeout, connection loss, a stream that ends without a token) sets error.
+    not a token). An SLO refusal (`is_slo_refusal`) sets rejected; any other failure (HTTP
+    error, error event in the stream, timeout, connection loss, a stream that ends without
+    a token) sets error.
     """
     url = f"{base_url(cfg.url)}{path}"
     start = time.perf_counter()
