@@ -419,8 +419,8 @@ def parser() -> argparse.ArgumentParser:
                     help="TTFT SLO = this x the unloaded TTFT of the slice's median prompt")
     ap.add_argument("--tbt-mult", type=float, default=5.0,
                     help="TBT SLO = this x the unloaded decode step time")
-    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (skips calibration "
-                    "with --tbt-slo)")
+    ap.add_argument("--ttft-slo", type=float, default=None, help="seconds (with --tbt-slo: skips "
+                    "the calibration; then give --rates)")
     ap.add_argument("--tbt-slo", type=float, default=None, help="seconds")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per model node")
     ap.add_argument("--kv-cache-bytes", type=int, default=128 << 20)
@@ -462,6 +462,13 @@ def _best_chunk(by_chunk: dict[int, list[dict[str, Any]]]) -> int:
         return (capacity(rs, "coupled") or 0.0,
                 statistics.fmean(r["share_within_slo"] or 0.0 for r in rs))
     return max(by_chunk, key=score)
+
+
+def _all_within(rows: list[dict[str, Any]], share: str, bound: float = 0.05) -> bool | None:
+    """Whether every row's admission `share` is within `bound`; None when no row measured
+    it (no rows, or a share unknown because the check refused instead of shadowing)."""
+    known = [r["admission"][share] for r in rows if r["admission"][share] is not None]
+    return all(x <= bound for x in known) if known else None
 
 
 def _next_refined_rate(side: str, results: list[dict[str, Any]]) -> float | None:
@@ -530,19 +537,24 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
                     for c in results if c["side"] == "coupled")]
     tbt_ok = all((p["tbt_p90_s"] or 0) <= (c["tbt_p90_s"] or 0)
                  for p in results if p["side"] == "pd" and p["rate"] in both
-                 for c in results if c["side"] == "coupled" and c["rate"] == p["rate"])
+                 for c in results if c["side"] == "coupled" and c["rate"] == p["rate"]
+                 ) if both else None        # no rate where both passed: nothing to compare
     upto = cap.get("pd") or 0
+    # up to P/D's capacity: unmeasured (None) without a P/D side or a rate it passed
     stalls = sum(r["gaps_over_5x_step"] or 0 for r in results
-                 if r["side"] == "pd" and r["rate"] <= upto)
+                 if r["side"] == "pd" and r["rate"] <= upto) if upto else None
     pd_adm = [r for r in results if r["side"] == "pd" and r["rate"] <= (upto or min(rates))]
     audit: list[dict[str, Any]] = []
     if args.admission == "both" and pd_adm:
         # enforcing, a rejected request cannot tell whether it would have met the SLOs: the
         # same arrivals again in shadow count the false rejections and admitted misses
-        log("pd: admission audit in shadow mode up to its capacity")
-        pd_adm = audit = run_side("pd", args, work / f"{trace.stem}-audit", requests,
-                                  [r["rate"] for r in pd_adm], slo, log, admission="shadow",
-                                  indices=[r["index"] for r in pd_adm])
+        log("pd: admission audit in shadow mode " + (
+            "up to its capacity" if upto else "at the lowest rate (it passed none)"))
+        audit = run_side("pd", args, work / f"{trace.stem}-audit", requests,
+                         [r["rate"] for r in pd_adm], slo, log, admission="shadow",
+                         indices=[r["index"] for r in pd_adm])
+        pd_adm = [{**a, "refined": r["refined"]} for a, r in zip(audit, pd_adm)]
+        audit = pd_adm
     # a side that still passes at the highest rate swept has at least that capacity
     censored = {s: cap.get(s) is not None and cap[s] >= max(measured[s]) for s in args.sides}
     ci = capacity_ratio_ci({(r["side"], r["rate"]): r["within_flags"] for r in results},
@@ -560,12 +572,11 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
             "capacity_ratio_ci": ci, "coupled_tuning": tuning,
             "targets": {"capacity_ratio_ge_1_2": bool(ratio and ratio >= 1.2),
                         "capacity_ratio_ci_low_gt_1": bool(ci and ci[0] > 1.0),
-                        "pd_false_rejections_le_5pct_up_to_capacity": all(
-                            (r["admission"]["false_rejection_share"] or 0) <= 0.05
-                            for r in pd_adm),
-                        "pd_admitted_misses_le_5pct_up_to_capacity": all(
-                            (r["admission"]["admitted_miss_share"] or 0) <= 0.05
-                            for r in pd_adm),
+                        # None where not measured: no P/D side, or only refusals
+                        "pd_false_rejections_le_5pct_up_to_capacity": _all_within(
+                            pd_adm, "false_rejection_share"),
+                        "pd_admitted_misses_le_5pct_up_to_capacity": _all_within(
+                            pd_adm, "admitted_miss_share"),
                         "pd_gaps_over_5x_step_up_to_capacity": stalls,
                         "pd_tbt_p90_le_coupled_where_both_pass": tbt_ok,
                         "nothing_hangs": all(r["completed"] + r["rejected"] + r["failed"]
@@ -643,9 +654,26 @@ def render(out: dict[str, Any]) -> None:
               f"{tr['capacity_ratio_ci']}, lower bound {tr['capacity_ratio_lower_bound']})")
 
 
+def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses, before any node starts, what would fail later (argparse's one-line error,
+    exit 2): a trace that is not a file, an empty slice, and both SLOs given without
+    --rates (the default rates are fractions of the unloaded TTFT that the calibration
+    measures, and both SLOs skip it)."""
+    for t in [*(args.traces or []), *([args.trace] if args.trace else [])]:
+        if not t.is_file():
+            ap.error(f"{t}: no such trace file")
+    if args.limit < 1:
+        ap.error(f"--limit {args.limit}: the slice needs at least one request")
+    if args.ttft_slo and args.tbt_slo and not args.rates:
+        ap.error("--ttft-slo and --tbt-slo skip the calibration the default rates come "
+                 "from (fractions of the unloaded TTFT): give --rates in requests/s")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code."""
-    args = parser().parse_args(argv)
+    ap = parser()
+    args = ap.parse_args(argv)
+    _check_args(ap, args)
     out = run(args)
     if args.json:
         sys.stdout.write(orjson.dumps(out).decode() + "\n")

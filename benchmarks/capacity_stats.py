@@ -6,12 +6,15 @@ Admission, per rate, from a run whose checks were in shadow mode (or enforcing: 
 rejected request cannot tell whether it would have met the SLOs):
 
 - would_reject: requests a check rejected or would have rejected (shadow);
-- false_rejections: of those, the ones that ran and met both SLOs;
+- refused_unknown: of those, the ones refused (enforce), whose outcome is unknown;
+- false_rejections: of those that ran (shadow), the ones that met both SLOs (None
+  when none ran: every would-be rejection was refused);
 - admitted_misses: requests every check admitted that missed an SLO (or failed);
 - ttft_pred_mare: median |predicted - observed| / observed TTFT (the conductor's
   prediction at placement against the client's TTFT);
 - step_pred_mare: the same for the decode step time (the prediction of the step with
-  the request admitted against the request's median inter-token gap).
+  the request admitted against the request's median inter-token gap after the first,
+  over requests with at least MIN_STEADY_GAPS such gaps).
 
 Refinement: a grid of rates fixes the ratio's resolution (with rates 0.5x, 1x, 2x apart
 the ratio is 1 or 2, never 1.4); `refine_rate` picks the next rate that halves a side's
@@ -43,9 +46,16 @@ def met_slo(r: RequestRecord, ttft_slo: float, tbt_slo: float) -> bool:
                 and (r.tbt_s is None or r.tbt_s <= tbt_slo))
 
 
+MIN_STEADY_GAPS = 2         # gaps after the first a request needs for a step-error sample
+
+
 def _median_gap(r: RequestRecord) -> float | None:
-    gaps = [b - a for a, b in itertools.pairwise(r.token_times_s)]
-    return statistics.median(gaps) if gaps else None
+    """The median of a request's gaps after its first (the first is the hand-over, which
+    can be a whole queue wait or, when the first two tokens arrive in one read, about 0:
+    a 2-token request once gave a step error of 270x); None with fewer than
+    MIN_STEADY_GAPS of them."""
+    gaps = [b - a for a, b in itertools.pairwise(r.token_times_s)][1:]
+    return statistics.median(gaps) if len(gaps) >= MIN_STEADY_GAPS else None
 
 
 def _mare(pairs: list[tuple[float, float]]) -> float | None:
@@ -65,7 +75,7 @@ def admission_figures(records: Sequence[RequestRecord],
             "predicted_tbt_s", ...} (None predictions allowed).
         ttft_slo, tbt_slo: seconds.
     """
-    would, false_rej, misses, known = 0, 0, 0, 0
+    would, false_rej, misses, known, refused = 0, 0, 0, 0, 0
     ttft_pairs, step_pairs = [], []
     for r in records:
         ds = decisions.get(r.request_id or "", ())
@@ -77,6 +87,7 @@ def admission_figures(records: Sequence[RequestRecord],
         if rejecting:
             would += 1
             false_rej += ok
+            refused += r.rejected      # never ran: whether it would have met is unknown
         elif not ok:
             misses += 1
         ttft = next((d["predicted_ttft_s"] for d in ds if d.get("predicted_ttft_s")), None)
@@ -87,8 +98,13 @@ def admission_figures(records: Sequence[RequestRecord],
         if step is not None and gap:
             step_pairs.append((step, gap))
     n = len(records)
-    return {"with_decision": known, "would_reject": would, "false_rejections": false_rej,
-            "false_rejection_share": round(false_rej / n, 4) if n else None,
+    # a check that refused (enforce) leaves its rejections' outcomes unknown: the count
+    # is over the would-be rejections that ran (shadow), None when none of them ran
+    judged = would - refused
+    return {"with_decision": known, "would_reject": would, "refused_unknown": refused,
+            "false_rejections": false_rej if judged or not would else None,
+            "false_rejection_share": round(false_rej / n, 4) if n and (judged or not would)
+            else None,
             "admitted_misses": misses,
             "admitted_miss_share": round(misses / n, 4) if n else None,
             "ttft_pred_mare": _mare(ttft_pairs), "ttft_pred_pairs": len(ttft_pairs),

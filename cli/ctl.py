@@ -266,6 +266,8 @@ def _cost_model_origin(cm: dict) -> str:
     default", not "default [default] from built-in default")."""
     name, source = cm.get("name") or "-", cm.get("source") or ""
     origin = (cm.get("meta") or {}).get("origin") or ""
+    if origin == "built-in default":          # "default CPU estimate (built-in)"
+        return origin if name == "default" else f"{name} (built-in)"
     text = origin if origin and name in origin else name + (f" from {origin}" if origin else "")
     return text + (f" [{source}]" if source and source not in text else "")
 
@@ -289,7 +291,8 @@ def _print_conductor(c: dict) -> None:
                f"{rep.get('failed', 0)} failed)")
     bw = c.get("transfer_bandwidth") or {}
     if bw.get("used_bytes_per_s"):
-        src = (f"median of {bw['measured_paths']} measured paths" if bw["measured_paths"]
+        n = bw["measured_paths"]
+        src = (f"median of {n} measured path{'' if n == 1 else 's'}" if n
                # the meter ignores busy periods under 256 KiB (latency, not bandwidth):
                # a small prompt's layer-wise push measures nothing
                else "no transfer large enough to measure yet")
@@ -344,9 +347,9 @@ def _print_conductor(c: dict) -> None:
     if e2e.get("samples"):
         comp = c.get("ttft_e2e_prediction_compute_only") or {}
         typer.echo(f"TTFT as clients saw it (median |rel| over {e2e['samples']} requests): "
-                   f"{_rel(e2e.get('median_abs_rel_error'))} with the learned overhead "
-                   f"{c.get('ttft_overhead_s', 0):.3f} s, "
-                   f"{_rel(comp.get('median_abs_rel_error'))} without it")
+                   f"{_rel(e2e.get('median_abs_rel_error'))} with the overhead learned by "
+                   f"each placement (now {c.get('ttft_overhead_s', 0):.3f} s), "
+                   f"{_rel(comp.get('median_abs_rel_error'))} without any")
 
 
 def _profile_line(p: dict) -> str:

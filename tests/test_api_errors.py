@@ -183,7 +183,9 @@ def test_a_wrong_prompt_element_is_named_in_the_message(server, info):
             "[123456789012345678901234567890]": "'prompt[0]': token id wider than 64 bits "
                                                 "is outside the vocabulary",
             '""': "'prompt' must not be empty",
-            "[]": "'prompt' must not be empty"}
+            "[]": "'prompt' must not be empty",
+            "[[1], []]": "'prompt[1]' must not be empty",
+            '["hi", ""]': "'prompt[1]' must not be empty"}
 
     async def go():
         async with aiohttp.ClientSession() as s:

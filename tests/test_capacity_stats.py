@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import pytest
 
-from mooncaked.benchmarks.capacity import _best_chunk, overrides
+from mooncaked.benchmarks.capacity import _all_within, _best_chunk, main, overrides
 from mooncaked.benchmarks.capacity_stats import (admission_figures, capacity_of,
                                                  capacity_ratio_ci, met_slo, ratio_of, refine_rate,
                                                  share_ci)
 from mooncaked.replay.runner import RequestRecord
 
 
-def rec(rid: str, ttft: float | None, tbt: float | None, gaps: tuple[float, ...] = (0.1, 0.1),
+def rec(rid: str, ttft: float | None, tbt: float | None,
+        gaps: tuple[float, ...] = (0.1, 0.1, 0.1),
         ok: bool = True, rejected: bool = False) -> RequestRecord:
     times = [ttft or 0.0]
     for g in gaps:
@@ -34,7 +35,7 @@ def test_admission_figures_count_false_rejections_and_misses():
                rec("b", 1.5, 0.25),             # shadow-rejected but met: false rejection
                rec("c", 5.0, 0.2),              # shadow-rejected and missed: right call
                rec("d", 4.0, 0.2),              # admitted and missed (TTFT): a miss
-               rec("e", 1.0, 0.2, gaps=(0.2, 0.2)),   # the node's check shadow-rejected it
+               rec("e", 1.0, 0.2, gaps=(0.2, 0.2, 0.2)),   # the node's check shadow-rejected it
                rec("f", None, None, ok=False, rejected=True)]    # rejected for real
     decisions = {
         "a": [{"verdict": "admit", "predicted_ttft_s": 2.0, "predicted_tbt_s": 0.1}],
@@ -46,6 +47,7 @@ def test_admission_figures_count_false_rejections_and_misses():
     f = admission_figures(records, decisions, ttft_slo=2.0, tbt_slo=0.3)
     assert f["with_decision"] == 6
     assert f["would_reject"] == 4                   # b, c, e (shadow) and f (rejected)
+    assert f["refused_unknown"] == 1                # f never ran
     assert f["false_rejections"] == 2               # b and e met both SLOs
     assert f["admitted_misses"] == 1                # d
     assert f["false_rejection_share"] == pytest.approx(2 / 6, abs=1e-4)
@@ -54,6 +56,23 @@ def test_admission_figures_count_false_rejections_and_misses():
     # step: the first decision with a prediction against the median gap: a 0, b 0, c 0.5,
     # d 0, e |0.1 - 0.2| / 0.2 = 0.5 -> median 0
     assert f["step_pred_mare"] == 0.0 and f["step_pred_pairs"] == 5
+
+
+def test_refusals_leave_false_rejections_unknown_and_short_requests_no_step_error():
+    """Enforcing, a refused request never ran: its outcome, so the false rejections, is
+    unknown (None, not 0). A request's first gap (the hand-over) is not a step: a 2-token
+    request whose tokens arrived in one read once gave a step error of 270x."""
+    records = [rec("a", 1.0, 0.2), rec("f", None, None, ok=False, rejected=True),
+               rec("g", 1.0, 0.0, gaps=(0.00001,)), rec("h", 1.0, 0.1, gaps=(0.3, 0.1, 0.1))]
+    decisions = {r: [{"verdict": "admit", "predicted_ttft_s": 1.0, "predicted_tbt_s": 0.1}]
+                 for r in ("a", "g", "h")}
+    f = admission_figures(records, decisions, ttft_slo=2.0, tbt_slo=0.3)
+    assert f["would_reject"] == 1 and f["refused_unknown"] == 1
+    assert f["false_rejections"] is None and f["false_rejection_share"] is None
+    assert f["step_pred_pairs"] == 2 and f["step_pred_mare"] == 0.0     # a and h, not g
+    # nothing refused or shadowed: no false rejection, known
+    f = admission_figures(records[:1], decisions, ttft_slo=2.0, tbt_slo=0.3)
+    assert f["false_rejections"] == 0 and f["false_rejection_share"] == 0.0
 
 
 def test_share_ci_brackets_the_share_and_narrows_with_more_requests():
@@ -108,3 +127,21 @@ def test_best_chunk_and_overrides():
         "conductor.refit_cost_model": False, "x.y": 2, "z": "abc"}
     with pytest.raises(ValueError, match="KEY=VALUE"):
         overrides(["nope"])
+
+
+def test_targets_not_measured_are_none_and_bad_arguments_fail_before_any_node(tmp_path, capsys):
+    """A target with nothing to judge it on is None, not True; a missing trace, an empty
+    slice, or both SLOs without --rates stop at once with argparse's one-line error."""
+    adm = {"false_rejection_share": None, "admitted_miss_share": 0.02}
+    assert _all_within([], "false_rejection_share") is None
+    assert _all_within([{"admission": adm}], "false_rejection_share") is None
+    assert _all_within([{"admission": adm}], "admitted_miss_share") is True
+    assert _all_within([{"admission": {**adm, "admitted_miss_share": 0.1}}],
+                       "admitted_miss_share") is False
+    for argv, says in ((["--traces", str(tmp_path / "none.jsonl")], "no such trace file"),
+                       (["--limit", "0"], "at least one request"),
+                       (["--ttft-slo", "2", "--tbt-slo", "0.05"], "give --rates")):
+        with pytest.raises(SystemExit) as e:
+            main([*argv, "--out", str(tmp_path / "out")])
+        assert e.value.code == 2 and says in capsys.readouterr().err
+        assert not (tmp_path / "out").exists()          # nothing created

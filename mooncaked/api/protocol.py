@@ -267,9 +267,13 @@ def _common(body: dict, kind: str, engine: EngineInfo, prompts: list[Prompt],
         if kind == "chat" and e.param == "logprobs":
             param = "top_logprobs"
         raise ApiError(400, str(e).replace(e.param or "", param or "", 1), param=param) from None
-    for p in prompts:
-        _check_length(p, params, engine, "messages" if kind == "chat" else "prompt",
-                      max_tokens_key)
+    v = body.get("prompt")
+    # a batch of prompts (strings or token lists) names the one at fault by place
+    batch = kind != "chat" and isinstance(v, list) and bool(v) and all(
+        isinstance(x, (str, list)) for x in v)
+    for i, p in enumerate(prompts):
+        _check_length(p, params, engine, "messages" if kind == "chat" else
+                      f"prompt[{i}]" if batch else "prompt", max_tokens_key)
     return GenerationRequest(
         kind=kind, model=engine.model_name, prompts=prompts, params=params, n=n, stream=stream,
         include_usage=include_usage, logprobs=logprobs, cache_salt=cache_salt,
