@@ -550,11 +550,10 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
         # same arrivals again in shadow count the false rejections and admitted misses
         log("pd: admission audit in shadow mode " + (
             "up to its capacity" if upto else "at the lowest rate (it passed none)"))
-        audit = run_side("pd", args, work / f"{trace.stem}-audit", requests,
-                         [r["rate"] for r in pd_adm], slo, log, admission="shadow",
-                         indices=[r["index"] for r in pd_adm])
-        pd_adm = [{**a, "refined": r["refined"]} for a, r in zip(audit, pd_adm)]
-        audit = pd_adm
+        shadow = run_side("pd", args, work / f"{trace.stem}-audit", requests,
+                          [r["rate"] for r in pd_adm], slo, log, admission="shadow",
+                          indices=[r["index"] for r in pd_adm])
+        pd_adm = audit = [{**a, "refined": r["refined"]} for a, r in zip(shadow, pd_adm)]
     # a side that still passes at the highest rate swept has at least that capacity
     censored = {s: cap.get(s) is not None and cap[s] >= max(measured[s]) for s in args.sides}
     ci = capacity_ratio_ci({(r["side"], r["rate"]): r["within_flags"] for r in results},

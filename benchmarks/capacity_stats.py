@@ -100,11 +100,10 @@ def admission_figures(records: Sequence[RequestRecord],
     n = len(records)
     # a check that refused (enforce) leaves its rejections' outcomes unknown: the count
     # is over the would-be rejections that ran (shadow), None when none of them ran
-    judged = would - refused
+    judged = would > refused or not would       # some would-be rejection ran, or none
     return {"with_decision": known, "would_reject": would, "refused_unknown": refused,
-            "false_rejections": false_rej if judged or not would else None,
-            "false_rejection_share": round(false_rej / n, 4) if n and (judged or not would)
-            else None,
+            "false_rejections": false_rej if judged else None,
+            "false_rejection_share": round(false_rej / n, 4) if n and judged else None,
             "admitted_misses": misses,
             "admitted_miss_share": round(misses / n, 4) if n else None,
             "ttft_pred_mare": _mare(ttft_pairs), "ttft_pred_pairs": len(ttft_pairs),
