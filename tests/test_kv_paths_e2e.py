@@ -109,7 +109,10 @@ def env(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("kvpaths")
     cost = tmp / "cost_model.json"
     TEST_COST.save(cost)
-    settings = {"cluster.lease_ttl_s": 2.0, "cluster.heartbeat_interval_s": 0.5,
+    # a lease of 4 s (8 heartbeats): with 2 s a node starved of CPU for 2 s on a loaded
+    # 2-core CI machine (beside a restarting node) lost its lease and the conductor's
+    # leadership mid-test, and the new conductor's per-term counters ("placed") restarted
+    settings = {"cluster.lease_ttl_s": 4.0, "cluster.heartbeat_interval_s": 0.5,
                 "cluster.poll_interval_s": 0.1, "cluster.stream_idle_timeout_s": 10.0,
                 "cluster.drain_timeout_s": 5.0, "conductor.cost_model": str(cost),
                 "conductor.refit_cost_model": False, "conductor.ttft_slo_s": 1000.0,
