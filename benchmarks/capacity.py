@@ -60,7 +60,8 @@ import orjson
 
 from mooncaked.benchmarks.capacity_stats import (admission_figures, capacity_ratio_ci, met_slo,
                                                   refine_rate, share_ci)
-from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
+from mooncaked.ports import free_port
 from mooncaked.measures import percentile
 from mooncaked.replay.runner import ReplayConfig, RequestRecord, discover_server, replay
 from mooncaked.replay.trace import TraceRequest, load_trace, shared_trace_path

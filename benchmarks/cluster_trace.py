@@ -36,7 +36,8 @@ from typing import Any
 
 import orjson
 
-from mooncaked.cluster.launcher import LocalCluster, NodeSpec, free_port
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec
+from mooncaked.ports import free_port
 from mooncaked.replay.runner import ReplayConfig, discover_server, replay
 from mooncaked.replay.summary import summarize
 from mooncaked.replay.trace import load_trace

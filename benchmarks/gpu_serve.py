@@ -39,7 +39,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -52,6 +51,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from mooncaked.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 CONFIG_8B = HERE / "configs" / "llama3_8b.json"
@@ -324,15 +325,9 @@ def correctness(plan: Plan, source: dict) -> dict:
     return res
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def http_check(plan: Plan, source: dict, tokenizer: str, expected_text: str) -> dict:
     """`mooncaked serve` on the device in a subprocess; one greedy chat completion."""
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-c", "from mooncaked.cli.daemon import main; main()", "serve", "--role", "all", "--port", str(port),
            "--device", plan.device, "--dtype", "float32", "--model", source["path"],
            "--load-format", "dummy" if source["kind"] == "dummy" else "auto",

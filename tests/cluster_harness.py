@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from mooncaked.coord.etcd_server import EtcdServer, etcd_binary
 from mooncaked.cluster.launcher import control_call
 from mooncaked.pdeathsig import die_with_parent
+from mooncaked.ports import free_port
 from mooncaked.wire.messages import NodeReport, PlaceRequest
 
 BIN = Path(sys.executable).parent
@@ -55,13 +55,6 @@ T = TypeVar("T")
 __all__ = ["BIN", "CONSTRAINED_LOGPROBS", "READY_TIMEOUT_S", "Server", "apost", "etcd_binary", "etcd_prefix", "free_port",
            "healthy", "http", "logprob_values", "metrics", "node_status", "post", "run_etcd", "run_server",
            "stop_process", "stream", "wait_until"]
-
-
-def free_port() -> int:
-    """A TCP port the OS just handed out on 127.0.0.1 (bind port 0, read it, close)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_until(pred: Callable[[], T], timeout_s: float, what: str,

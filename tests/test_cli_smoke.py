@@ -30,7 +30,7 @@ import numpy as np
 import orjson
 import pytest
 
-from mooncaked.cluster.launcher import free_port
+from mooncaked.ports import free_port
 from mooncaked.kernels import cpu_isa
 
 BIN = Path(sys.executable).parent

@@ -22,7 +22,8 @@ import pytest
 from mooncaked.coord.coordinator import MemberEvent
 from mooncaked.coord.factory import make_coordinator
 from mooncaked.wire.errors import CoordinationError
-from mooncaked.coord.etcd_server import EtcdServer, etcd_binary, free_port
+from mooncaked.coord.etcd_server import EtcdServer, etcd_binary
+from mooncaked.ports import free_port
 from cluster_probe import ProbeProcess
 from mooncaked.config import ClusterSettings, ConfigError
 

@@ -48,7 +48,8 @@ from cluster_harness import CONSTRAINED_LOGPROBS, logprob_values
 from cluster_harness import metrics as api_metrics
 from cluster_harness import stream as sse_stream
 
-from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
+from mooncaked.ports import free_port
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 
 BIN = Path(sys.executable).parent

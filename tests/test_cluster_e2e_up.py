@@ -22,7 +22,7 @@ from pathlib import Path
 
 import orjson
 
-from mooncaked.cluster.launcher import free_port
+from mooncaked.ports import free_port
 
 BIN = Path(sys.executable).parent
 READY_TIMEOUT_S = 300.0

@@ -19,7 +19,8 @@ import orjson
 import pytest
 from cluster_harness import wait_until
 
-from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
+from mooncaked.ports import free_port
 from mooncaked.kernels import cpu_isa
 
 BIN = Path(sys.executable).parent

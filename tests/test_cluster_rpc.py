@@ -15,7 +15,7 @@ from aiohttp import web
 
 from mooncaked.wire.errors import BadReply, NotConnected, PeerUnavailable, RpcError, RpcTimeout
 from mooncaked.wire.rpc import ControlClient, ControlServer
-from mooncaked.coord.etcd_server import free_port
+from mooncaked.ports import free_port
 from cluster_probe import ProbeProcess
 
 

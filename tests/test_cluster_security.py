@@ -21,7 +21,7 @@ from mooncaked.wire.errors import CoordinationError
 from mooncaked.coord.etcd import EtcdCoordinator
 from mooncaked.coord.etcd_server import etcd_binary
 from mooncaked.cluster.health import node_health
-from mooncaked.cluster.launcher import free_port
+from mooncaked.ports import free_port
 from mooncaked.config import ClusterSettings, ConfigError
 
 

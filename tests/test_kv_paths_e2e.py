@@ -46,7 +46,8 @@ import pytest
 from cluster_harness import stream, wait_until
 from cluster_harness import node_status as status
 
-from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call, free_port
+from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
+from mooncaked.ports import free_port
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 
 BIN = Path(sys.executable).parent

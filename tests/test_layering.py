@@ -36,7 +36,7 @@ APP_MODULES = {"mooncaked.daemon", "mooncaked.profile"}
 # unit -> the units it may import (besides itself), bottom to top.
 FLOORS: dict[str, set[str]] = {
     "base": set(),                     # config, log, lograte, utils, measures, failpoints,
-                                       # roles, shutdown, stall_metrics, pdeathsig
+                                       # roles, shutdown, stall_metrics, pdeathsig, ports
     "types": {"base"},
     "kernels": {"base"},
     "model": {"base", "types", "kernels"},

@@ -2,7 +2,8 @@
 tests and the cluster benchmark start.
 
 Each node is a separate process with its own role, node id and API port (free
-loopback ports taken from the OS), sharing one coordination backend: the `local`
+loopback ports below the ephemeral range, ports.py; a restart keeps them), sharing one
+coordination backend: the `local`
 backend in a directory of the work dir, or a single-member etcd the launcher
 starts on loopback (`backend="etcd"`). With `hosts=True` each node (and etcd) runs in a
 host of its own instead (hosts.py: a network namespace with its own address on a private
@@ -21,14 +22,12 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import tomllib
 import urllib.error
 import urllib.request
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +37,7 @@ import orjson
 from mooncaked.log import get_logger
 
 from mooncaked.pdeathsig import die_with_parent
+from mooncaked.ports import free_port
 from mooncaked.wire.auth import auth_headers
 from mooncaked.wire.auth import write_token_file
 from mooncaked.coord.etcd_server import EtcdServer
@@ -96,20 +96,6 @@ def host_settings(address: str) -> dict[str, Any]:
     the public API, the control plane and the transfer engine's data server listen there
     and peers dial it (docs/cluster.md, multi-host)."""
     return {"server.host": address, "cluster.rpc_host": address, "transfer.host": address}
-
-
-def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
-    """A TCP port the OS reports free right now (bind port 0, read it, close), not one of
-    `exclude` (ports handed out already but not bound yet: the OS may hand one out again,
-    which once gave a node the same API and control port). Raises OSError when 100 tries
-    all land in `exclude`."""
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind((host, 0))
-            port = s.getsockname()[1]
-        if port not in exclude:
-            return port
-    raise OSError(f"no free port outside {len(exclude)} excluded ones")
 
 
 def _toml_value(v: Any) -> str:
@@ -477,7 +463,7 @@ class LocalCluster:
 
 
 __all__ = ["ClusterStartError", "LocalCluster", "NodeSpec", "cluster_specs", "control_call",
-           "free_port", "host_settings", "write_toml"]
+           "host_settings", "write_toml"]
 
 
 def default_ctl_config_path() -> Path:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 import urllib.error
@@ -20,6 +19,7 @@ import orjson
 
 from ..log import get_logger
 from ..pdeathsig import die_with_parent
+from ..ports import free_port
 from mooncaked.wire.errors import CoordinationError
 
 log = get_logger(__name__)
@@ -34,13 +34,6 @@ def etcd_binary() -> str | None:
         if os.access(p, os.X_OK):
             return p
     return None
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port the OS reports free right now (bind to port 0, read it, close)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class EtcdServer:
@@ -91,7 +84,8 @@ class EtcdServer:
         for attempt in range(1 if fixed else 3):   # a picked port may be taken meanwhile
             if not fixed:
                 pick = "127.0.0.1" if self.prefix else self.host
-                self.client_port, self.peer_port = free_port(pick), free_port(pick)
+                self.client_port = free_port(pick)
+                self.peer_port = free_port(pick, exclude={self.client_port})
             if self._try_start(timeout_s):
                 return self
             log.warning("etcd_start_retry", attempt=attempt + 1, log=str(self.log_path))
@@ -153,4 +147,4 @@ class EtcdServer:
         self.stop()
 
 
-__all__ = ["EtcdServer", "etcd_binary", "free_port"]
+__all__ = ["EtcdServer", "etcd_binary"]
