@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,6 +108,27 @@ def test_config_example_is_example_toml_byte_for_byte():
     assert cp.stdout == text               # what the file's header says generated it
     cp = run_cli(["mooncaked", "config", "--check", str(REPO / "config.example.toml")], 60)
     assert cp.returncode == 0 and cp.stdout.strip().endswith(": ok"), cp.stderr
+
+
+# ---------------------------------------------------------------------- warm
+
+
+def test_warm_leaves_the_kernels_in_the_cache_a_later_start_loads():
+    """scripts/setup.sh runs `mooncaked warm`: a later process compiles nothing (a venv set
+    up before setup ran it compiles on the first call here, then not on the second)."""
+    line = re.compile(r"mooncaked warm: SmolLM2-135M-Instruct\.Q4_1 \(float32, decode \S+, "
+                      r"prefill \S+\) loaded in [\d.]+ s; (\d+) kernel compilations")
+    for _ in range(2):
+        cp = run_cli(["mooncaked", "warm"], 300)
+        assert cp.returncode == 0, cp.stderr[-3000:]
+        m = line.match(cp.stdout.strip())
+        assert m, cp.stdout
+        if m.group(1) == "0":
+            break
+    assert m.group(1) == "0" and "all from the cache" in cp.stdout, cp.stdout
+    cp = run_cli(["mooncaked", "warm", "--set", "model.path=/nonexistent/model.gguf"], 120)
+    assert cp.returncode == 1 and "cannot load the model" in cp.stderr, cp.stderr[-2000:]
+    assert "/nonexistent/model.gguf" in cp.stderr
 
 
 # ---------------------------------------------------------------------- profile

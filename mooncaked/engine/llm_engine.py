@@ -148,7 +148,7 @@ class LLMEngine:
         self.kernel_paths = kernel_paths(self.model)
         # Compile (or load from Numba's disk cache) every CPU kernel now, before the node
         # reports ready, instead of on the first request.
-        warm = self.runner.warm_up()
+        warm = self.kernels_warm = self.runner.warm_up()
         log.info("numerics", dtype=self.numerics.dtype, requested_dtype=ms.dtype,
                  weight_format=self.numerics.weight_format, reason=self.numerics.reason,
                  prompt_matmul_why=self.model.prompt_matmul_why, **self.kernel_paths.to_json())
