@@ -40,5 +40,5 @@ fi
 # What a first `mooncaked serve` would build, built once here: the tokenizer converted
 # from the GGUF file and the CPU kernels compiled for this CPU (about 33 s of CPU on a
 # 2-core AMD EPYC Zen 3, which every node of a first `mooncake up` paid at once).
-.venv/bin/mooncaked warm
+.venv/bin/mooncaked warm || { echo "setup: everything is installed, but 'mooncaked warm' (above) could not build the engine" >&2; exit 1; }
 echo "setup: done ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -151,9 +151,10 @@ def test_drain_names_the_node_and_undrain_restores_it(cluster):
 
 def test_duplicate_node_id_is_refused_while_the_first_holds_it(cluster):
     pid = cluster.procs["c1"].pid
+    port = free_port()
     cmd = [str(BIN / "mooncaked"), "serve", "--config", str(cluster.workdir / "c1.toml"),
-           "--role", "cache", "--node-id", "c1", "--port", str(free_port()),
-           "--set", f"cluster.rpc_port={free_port()}"]
+           "--role", "cache", "--node-id", "c1", "--port", str(port),
+           "--set", f"cluster.rpc_port={free_port(exclude={port})}"]
     t0 = time.monotonic()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1, out.stderr[-2000:]

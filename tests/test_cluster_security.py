@@ -49,7 +49,8 @@ def tls_etcd(tmp_path_factory):
         pytest.skip("needs etcd (mooncaked/coord/install_etcd.sh) and openssl")
     d = tmp_path_factory.mktemp("pki")
     make_pki(d)
-    cport, pport = free_port(), free_port()
+    cport = free_port()
+    pport = free_port(exclude={cport})
     client, peer = f"https://127.0.0.1:{cport}", f"http://127.0.0.1:{pport}"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ETCD_")}
     log = (d / "etcd.log").open("wb")

@@ -307,7 +307,9 @@ class LocalCluster:
         if old is not None and old.poll() is None:
             raise RuntimeError(f"node {node_id} still runs (pid {old.pid}): restart_node() or kill() it first")
         spec = self.nodes[node_id]
-        taken = {*self.ports.values(), *self.rpc_ports.values()}
+        # every port handed out, and every node's fixed API port (not started yet, maybe)
+        taken = {*self.ports.values(), *self.rpc_ports.values(),
+                 *(n.port for n in self.nodes.values() if n.port)}
         port = self.ports.get(node_id) or spec.port or free_port(exclude=taken)
         self.ports[node_id] = port
         rpc_port = self.rpc_ports.get(node_id) or free_port(exclude=taken | {port})
