@@ -41,11 +41,6 @@ def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
         return DEFAULT_EPHEMERAL_RANGE
 
 
-def ephemeral_low(path: Path = EPHEMERAL_RANGE_FILE) -> int:
-    """The lowest port of the kernel's ephemeral range (see ephemeral_range)."""
-    return ephemeral_range(path)[0]
-
-
 def candidate_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int] | None:
     """The ports free_port draws from, [start, stop): below the ephemeral range from
     LOWEST_PORT, else above it, whichever gap holds MIN_GAP ports first; None when
@@ -97,4 +92,4 @@ def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
     raise OSError(f"no free port on {host} in {TRIES} tries ({len(exclude)} excluded)")
 
 
-__all__ = ["candidate_range", "ephemeral_low", "ephemeral_range", "free_port"]
+__all__ = ["candidate_range", "ephemeral_range", "free_port"]
