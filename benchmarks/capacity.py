@@ -26,8 +26,13 @@ rate (1 / unloaded TTFT).
 Admission (`--admission`, default both): capacity is measured as a cluster runs by default,
 with both sides' conductors and decode/coupled nodes enforcing (a request predicted to
 miss is refused early, so it does not hold the queue); then the pd side replays its rates
-up to its capacity again in shadow mode (admission_audit), which admits everything and
-so tells which refusals were false and which admitted requests missed.
+up to its capacity again (admission_audit) to tell which refusals were false and which
+admitted requests missed. `--audit holdout` (the default) replays them enforcing but
+admitting `--holdout-share` of the predicted misses at random (conductor.admission_holdout),
+which are judged at the load the enforcing cluster runs at; `--audit shadow` admits every
+predicted miss, so all are judged, but in a cluster that also serves what enforcing turned
+away, busier than the one it audits. Either way the capacity run bounds its own false
+rejections: at most its refusals (`false_rejection_share_at_most`).
 
 Per rate and side: share within both SLOs (effective request capacity; rejected and
 failed requests are misses), rejected and failed counts, TTFT and TBT p50/p90/p99,
@@ -288,7 +293,7 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
              rates: list[float], slo: dict[str, float], log: Any,
              extra: dict[str, Any] | None = None, refine_steps: int = 0,
              prior: list[dict[str, Any]] | None = None, admission: str = "enforce",
-             indices: list[int] | None = None) -> list[dict[str, Any]]:
+             indices: list[int] | None = None, holdout: float = 0.0) -> list[dict[str, Any]]:
     """Starts one side, replays the slice at every rate, then at up to `refine_steps` rates
     that narrow its capacity (capacity_stats.refine_rate, over `prior` and these results),
     stops it; one result per rate, a refined one marked "refined".
@@ -297,16 +302,19 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
     already measured on this side (their count offsets the rate index, which seeds the
     arrivals and salts the cache, so a refined rate neither repeats a grid rate's arrivals
     nor hits its prefixes); `admission`: conductor.admission and conductor.node_admission
-    (enforce or shadow); `indices`: each rate's index instead (an audit replays a rate's
-    arrivals exactly)."""
+    (enforce or shadow); `holdout`: conductor.admission_holdout (enforcing, the share of
+    predicted misses admitted as shadow); `indices`: each rate's index instead (an audit
+    replays a rate's arrivals exactly)."""
     prior = list(prior or [])
     plan = list(zip(rates, indices or itertools.count(len(prior)), itertools.repeat(False)))
     settings = {**_engine_settings(args), "conductor.ttft_slo_s": slo["ttft_slo_s"],
                 "conductor.tbt_slo_s": slo["tbt_slo_s"], "store.dram_bytes": args.kv_cache_bytes,
                 "cluster.stream_idle_timeout_s": max(15.0, 3 * slo["ttft_slo_s"]),
                 "conductor.admission": admission,
-                "conductor.node_admission": admission, **(extra or {}),
+                "conductor.node_admission": admission,
+                "conductor.admission_holdout": holdout, **(extra or {}),
                 **overrides(args.overrides)}
+    label = f"{admission}, holdout {holdout:g}" if holdout else admission
     nodes = _nodes(side)
     cl = LocalCluster(work / side, nodes, settings=settings, log_level="warning")
     out = []
@@ -344,7 +352,7 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
             flags = [int(met_slo(r, slo["ttft_slo_s"], slo["tbt_slo_s"])) for r in records]
             ledgers = _ledgers(cl, side, records)
             res = {"rate": round(rate, 4), "side": side, "refined": refined, "index": k,
-                   "admission_mode": admission,
+                   "admission_mode": label,
                    **summarize_rate(records, wall, slo["ttft_slo_s"], slo["tbt_slo_s"],
                                     _median_step(cl, side)),
                    "share_within_slo_ci": share_ci(flags, seed=args.seed + k),
@@ -354,18 +362,19 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
                    "loop": _loop_stats(cl)}
             out.append(res)
             adm = res["admission"]
-            log(f"{side:8s} rate {rate:.3f}/s ({admission}): {res['share_within_slo']:.0%} "
+            log(f"{side:8s} rate {rate:.3f}/s ({label}): {res['share_within_slo']:.0%} "
                 f"within SLO (90% CI {res['share_within_slo_ci']}), rejected {res['rejected']}, failed "
                 f"{res['failed']}, TBT p90 {res['tbt_p90_s']}, longest gap "
                 f"{res['longest_gap_s']}; admission: would reject {adm['would_reject']}, false "
-                f"rejections {adm['false_rejections']}, admitted misses "
+                f"rejections {adm['false_rejections']} (share {adm['false_rejection_share']}, "
+                f"at most {adm['false_rejection_share_at_most']}), admitted misses "
                 f"{adm['admitted_misses']}, TTFT/step prediction error "
                 f"{adm['ttft_pred_mare']}/{adm['step_pred_mare']}")
             if args.records:
                 with args.records.open("ab") as f:
                     for r in records:
                         f.write(orjson.dumps({"side": side, "rate": rate,
-                                              "admission_mode": admission, **r.to_dict(),
+                                              "admission_mode": label, **r.to_dict(),
                                              "admission": ledgers.get(r.request_id or "", [])})
                                 + b"\n")
     finally:
@@ -432,9 +441,17 @@ def parser() -> argparse.ArgumentParser:
                     help="conductor.admission and conductor.node_admission on both sides: "
                          "enforce (reject the predicted misses, as a cluster runs by default), "
                          "shadow (predict and record, admit all: false rejections and misses "
-                         "are measured), or both: capacity with enforce, then pd again in "
-                         "shadow at its rates up to its capacity (admission_audit), which the "
-                         "admission targets are judged on")
+                         "are measured), or both: capacity with enforce, then pd again "
+                         "(--audit) at its rates up to its capacity (admission_audit), which "
+                         "the admission targets are judged on")
+    ap.add_argument("--audit", choices=("shadow", "holdout"), default="holdout",
+                    help="how --admission both audits pd: shadow (admit every predicted "
+                         "miss: all are judged, but the cluster runs busier than an "
+                         "enforcing one), or holdout (enforce, admitting --holdout-share of "
+                         "the predicted misses at random: judged at the enforcing load, "
+                         "on fewer of them)")
+    ap.add_argument("--holdout-share", type=float, default=0.5,
+                    help="conductor.admission_holdout of the holdout audit (0 < x <= 1)")
     ap.add_argument("--refine", type=int, default=2,
                     help="steps of capacity refinement after the grid: each measures one more "
                          "rate per side, the geometric midpoint of its bracket (last pass, "
@@ -546,15 +563,19 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
                  if r["side"] == "pd" and r["rate"] <= upto) if upto else None
     pd_adm = [r for r in results if r["side"] == "pd" and r["rate"] <= (upto or min(rates))]
     audit: list[dict[str, Any]] = []
+    enforced = pd_adm
     if args.admission == "both" and pd_adm:
         # enforcing, a rejected request cannot tell whether it would have met the SLOs: the
-        # same arrivals again in shadow count the false rejections and admitted misses
-        log("pd: admission audit in shadow mode " + (
+        # same arrivals again in shadow (or enforcing with a holdout) count the false
+        # rejections and admitted misses
+        log(f"pd: admission audit ({args.audit}) " + (
             "up to its capacity" if upto else "at the lowest rate (it passed none)"))
-        shadow = run_side("pd", args, work / f"{trace.stem}-audit", requests,
-                          [r["rate"] for r in pd_adm], slo, log, admission="shadow",
-                          indices=[r["index"] for r in pd_adm])
-        pd_adm = audit = [{**a, "refined": r["refined"]} for a, r in zip(shadow, pd_adm)]
+        again = run_side("pd", args, work / f"{trace.stem}-audit", requests,
+                         [r["rate"] for r in pd_adm], slo, log,
+                         admission="shadow" if args.audit == "shadow" else "enforce",
+                         indices=[r["index"] for r in pd_adm],
+                         holdout=args.holdout_share if args.audit == "holdout" else 0.0)
+        pd_adm = audit = [{**a, "refined": r["refined"]} for a, r in zip(again, pd_adm)]
     # a side that still passes at the highest rate swept has at least that capacity
     censored = {s: cap.get(s) is not None and cap[s] >= max(measured[s]) for s in args.sides}
     ci = capacity_ratio_ci({(r["side"], r["rate"]): r["within_flags"] for r in results},
@@ -563,7 +584,8 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
             "refined_rates": {s: [r["rate"] for r in results if r["side"] == s and r["refined"]]
                               for s in args.sides},
             "results": results, "admission_audit": audit,
-            "admission_mode": {"capacity": mode, "audit": "shadow" if audit else None},
+            "admission_mode": {"capacity": mode, "audit": audit[0]["admission_mode"]
+                               if audit else None},
             "capacity": cap, "capacity_at_least": censored,
             "capacity_ratio": round(ratio, 3) if ratio else None,
             # coupled met the SLOs at no rate swept: its capacity is below the lowest rate
@@ -575,6 +597,10 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
                         # None where not measured: no P/D side, or only refusals
                         "pd_false_rejections_le_5pct_up_to_capacity": _all_within(
                             pd_adm, "false_rejection_share"),
+                        # the capacity run itself: every refusal counted false (a bound)
+                        "pd_false_rejections_at_most_5pct_up_to_capacity_enforcing":
+                            _all_within(enforced, "false_rejection_share_at_most")
+                            if mode == "enforce" else None,
                         "pd_admitted_misses_le_5pct_up_to_capacity": _all_within(
                             pd_adm, "admitted_miss_share"),
                         "pd_gaps_over_5x_step_up_to_capacity": stalls,
@@ -629,7 +655,8 @@ def render(out: dict[str, Any]) -> None:
     cols = ("rate", "side", "share_within_slo", "rejected", "failed", "ttft_p50_s", "ttft_p90_s",
             "tbt_p50_s", "tbt_p90_s", "output_tok_s", "longest_gap_s", "median_step_s",
             "gaps_over_5x_step")
-    acols = ("would_reject", "false_rejections", "admitted_misses", "ttft_pred_mare",
+    acols = ("would_reject", "false_rejections", "false_rejection_share",
+             "false_rejection_share_at_most", "admitted_misses", "ttft_pred_mare",
              "step_pred_mare")
     t = Table(title=f"effective request capacity: TTFT <= {out['slo']['ttft_slo_s']:.2f} s, "
                     f"TBT <= {out['slo']['tbt_slo_s']:.3f} s")
@@ -664,6 +691,8 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"{t}: no such trace file")
     if args.limit < 1:
         ap.error(f"--limit {args.limit}: the slice needs at least one request")
+    if not 0 < args.holdout_share <= 1:
+        ap.error(f"--holdout-share {args.holdout_share}: a share in (0, 1]")
     if args.ttft_slo and args.tbt_slo and not args.rates:
         ap.error("--ttft-slo and --tbt-slo skip the calibration the default rates come "
                  "from (fractions of the unloaded TTFT): give --rates in requests/s")

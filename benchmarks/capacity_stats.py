@@ -7,8 +7,14 @@ rejected request cannot tell whether it would have met the SLOs):
 
 - would_reject: requests a check rejected or would have rejected (shadow);
 - refused_unknown: of those, the ones refused (enforce), whose outcome is unknown;
-- false_rejections: of those that ran (shadow), the ones that met both SLOs (None
-  when none ran: every would-be rejection was refused);
+- false_rejections: of those that ran (shadow, or held out while enforcing), the ones
+  that met both SLOs (None when none ran: every would-be rejection was refused);
+- false_rejection_share: the share of the rate's requests a check that refused every
+  would-be rejection would have refused falsely: false_rejections / ran x would_reject
+  / requests (in shadow mode, where all ran, false_rejections / requests; with a
+  holdout, the ones held out stand for the ones refused); None when none ran;
+- false_rejection_share_at_most: (false_rejections + refused_unknown) / requests, a bound
+  that holds whatever the refused would have done (every refusal counted false);
 - admitted_misses: requests every check admitted that missed an SLO (or failed);
 - ttft_pred_mare: median |predicted - observed| / observed TTFT (the conductor's
   prediction at placement against the client's TTFT);
@@ -99,11 +105,15 @@ def admission_figures(records: Sequence[RequestRecord],
             step_pairs.append((step, gap))
     n = len(records)
     # a check that refused (enforce) leaves its rejections' outcomes unknown: the count
-    # is over the would-be rejections that ran (shadow), None when none of them ran
-    judged = would > refused or not would       # some would-be rejection ran, or none
+    # is over the would-be rejections that ran (shadow or holdout), None when none of
+    # them ran; the share scales their false ones up to every would-be rejection
+    ran = would - refused
+    judged = ran > 0 or not would               # some would-be rejection ran, or none
+    share = false_rej / ran * would / n if n and ran else 0.0
     return {"with_decision": known, "would_reject": would, "refused_unknown": refused,
             "false_rejections": false_rej if judged else None,
-            "false_rejection_share": round(false_rej / n, 4) if n and judged else None,
+            "false_rejection_share": round(share, 4) if n and judged else None,
+            "false_rejection_share_at_most": round((false_rej + refused) / n, 4) if n else None,
             "admitted_misses": misses,
             "admitted_miss_share": round(misses / n, 4) if n else None,
             "ttft_pred_mare": _mare(ttft_pairs), "ttft_pred_pairs": len(ttft_pairs),

@@ -318,6 +318,12 @@ class ConductorSettings:
     node_admission: str = opt("enforce", "The decode (or coupled) node's TBT check: enforce | "
                                          "shadow | off, as admission.",
                               choices=("enforce", "shadow", "off"))
+    admission_holdout: float = opt(0.0, "Enforcing, the share of the predicted misses admitted "
+                                        "anyway, at random, and counted as shadow rejections "
+                                        "(a holdout): whether they meet the SLOs measures the "
+                                        "false rejections at the load the enforcing cluster "
+                                        "runs at; 0: none (enforce rejects them all).",
+                                   min=0.0, max=1.0)
     admission_warmup: int = opt(8, "An enforcing check decides as shadow while its cost model is "
                                    "the built-in default and has been calibrated from fewer "
                                    "than this many served prefill steps (TTFT) or decode steps "

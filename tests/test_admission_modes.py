@@ -10,13 +10,14 @@ DecodeAdmission.
 from __future__ import annotations
 
 import math
+import random
 
 import pytest
 
 from mooncaked.cluster.admission import START_DELAY_MIN_SAMPLES, DecodeAdmission, still_decoding
 from cluster_harness import place, report
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
-                                                  Decision, decide)
+                                                  Decision, decide, held_out)
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 from mooncaked.conductor.refit import CALIBRATE_EVERY, TBT_MAX_AGE_S, TBT_MIN_SAMPLES
 from mooncaked.conductor.cost_store import default_cost_model
@@ -49,6 +50,44 @@ def test_decide_covers_every_mode():
     assert decide("off", "tbt_slo", True) == ADMIT
     with pytest.raises(ValueError, match="unknown admission mode"):
         decide("sometimes", None, True)
+    # a miss drawn for the holdout is admitted and counted, as shadow
+    assert decide("enforce", "ttft_slo", True, held_out=True) == SHADOW
+    assert decide("enforce", None, True, held_out=True) == ADMIT
+
+
+def test_holdout_draws_its_share_and_none_at_zero():
+    rng = random.Random(7)
+    state = rng.getstate()
+    assert not any(held_out(0.0, rng) for _ in range(100))
+    assert rng.getstate() == state                      # no draw: placement unchanged
+    assert all(held_out(1.0, rng) for _ in range(100))
+    rng = random.Random(3)
+    assert 400 <= sum(held_out(0.25, rng) for _ in range(2000)) <= 600
+
+
+def test_enforce_with_a_holdout_admits_the_predicted_miss_as_shadow():
+    """conductor.admission_holdout = 1: enforcing, every predicted miss is admitted and
+    recorded as a shadow rejection, at the conductor and at the decode node."""
+    s = settings("enforce")
+    s.conductor.admission_holdout = 1.0
+    svc = ConductorService("c1", None, None, s, cost=COST)
+    report(svc, "p1", "prefill")
+    report(svc, "d1", "decode")
+    a, b, c = (place(svc, r) for r in ("a", "b", "c"))
+    assert a["ok"] and b["ok"] and c["ok"] and abs(c["predicted_ttft_s"] - 3.3) < 1e-9
+    assert svc.status()["rejected"] == {}
+    assert svc.admissions(["c"])["decisions"]["c"]["verdict"] == "shadow"
+    adm = DecodeAdmission(s, 1000)
+    adm.model.cost = COST
+    adm.model.observe_step(1, 100, COST.decode_step_s(1, 100))    # not the default: calibrated
+    assert adm.model.calibrated("decode")
+    assert adm.check(199, 0, 0, "r1") is None and adm.refused == 0   # 2.06 s > 1 s, held out
+    assert adm.ledger_view(["r1"])["decisions"]["r1"]["verdict"] == "shadow"
+    s.conductor.admission_holdout = 0.0
+    adm = DecodeAdmission(s, 1000)
+    adm.model.cost = COST
+    adm.model.observe_step(1, 100, COST.decode_step_s(1, 100))
+    assert adm.check(199, 0, 0, "r2") is not None and adm.refused == 1
 
 
 def test_ledger_counts_and_keeps_the_newest():

@@ -50,7 +50,9 @@ def test_admission_figures_count_false_rejections_and_misses():
     assert f["refused_unknown"] == 1                # f never ran
     assert f["false_rejections"] == 2               # b and e met both SLOs
     assert f["admitted_misses"] == 1                # d
-    assert f["false_rejection_share"] == pytest.approx(2 / 6, abs=1e-4)
+    # 2 of the 3 that ran were false: the 4 would-be rejections hold 8/3 false ones
+    assert f["false_rejection_share"] == pytest.approx(2 / 3 * 4 / 6, abs=1e-4)
+    assert f["false_rejection_share_at_most"] == pytest.approx(3 / 6, abs=1e-4)   # f too
     # TTFT errors |p - o| / o: a 1.0, b 1.0, c 0.0, d 0.75, e 0.0 -> median 0.75
     assert f["ttft_pred_mare"] == 0.75 and f["ttft_pred_pairs"] == 5
     # step: the first decision with a prediction against the median gap: a 0, b 0, c 0.5,
@@ -69,6 +71,7 @@ def test_refusals_leave_false_rejections_unknown_and_short_requests_no_step_erro
     f = admission_figures(records, decisions, ttft_slo=2.0, tbt_slo=0.3)
     assert f["would_reject"] == 1 and f["refused_unknown"] == 1
     assert f["false_rejections"] is None and f["false_rejection_share"] is None
+    assert f["false_rejection_share_at_most"] == 0.25       # the refusal, counted false
     assert f["step_pred_pairs"] == 2 and f["step_pred_mare"] == 0.0     # a and h, not g
     # nothing refused or shadowed: no false rejection, known
     f = admission_figures(records[:1], decisions, ttft_slo=2.0, tbt_slo=0.3)
@@ -140,6 +143,7 @@ def test_targets_not_measured_are_none_and_bad_arguments_fail_before_any_node(tm
                        "admitted_miss_share") is False
     for argv, says in ((["--traces", str(tmp_path / "none.jsonl")], "no such trace file"),
                        (["--limit", "0"], "at least one request"),
+                       (["--audit", "holdout", "--holdout-share", "0"], "a share in (0, 1]"),
                        (["--ttft-slo", "2", "--tbt-slo", "0.05"], "give --rates")):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--out", str(tmp_path / "out")])

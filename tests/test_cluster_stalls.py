@@ -181,6 +181,11 @@ def test_decode_node_at_its_tbt_budget_refuses_with_429(clusters):
     assert "tbt_slo" in body["error"]["message"]
     assert "predicted TBT 1.200 s" in body["error"]["message"]
     assert prefilled[1] == prefilled[0] > 0        # the refused request cost p1 no prefill
+    # the refusal names its request, whose decision d1's ledger holds (bench capacity joins
+    # them so to attribute each refusal to its check)
+    rid = {k.lower(): v for k, v in headers.items()}["x-request-id"]
+    led = control_call(pd.control("d1"), "admission.ledger", {"rids": [f"{rid}-0"]})
+    assert led["node_check"]["decisions"][f"{rid}-0"]["verdict"] == "reject"
     after = control_call(pd.control("d1"), "node.status")["requests"]
     assert after["refused"] == before + 1
     # the refusal is in d1's admission ledger with its prediction (admission.ledger RPC)

@@ -311,6 +311,7 @@ class ApiServer:
         req = (parse_chat if kind == "chat" else parse_completion)(body, self.engine)
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid = f"{prefix}-{uuid.uuid4().hex}"
+        request[REQUEST_ID_KEY] = rid       # an error reply names it too (_errors)
         log.debug("request", request_id=rid, kind=kind, prompts=len(req.prompts), n=req.n,
                   stream=req.stream, prompt_tokens=sum(len(p.token_ids) for p in req.prompts),
                   user=req.user)
@@ -503,6 +504,7 @@ class ApiServer:
 # whose client went away (its engine requests count as finish_reason "abort").
 CLIENT_CLOSED = 499
 CLIENT_CLOSED_KEY = "mooncaked.client_closed"
+REQUEST_ID_KEY = "mooncaked.request_id"
 
 
 def _route_label(request: web.Request) -> str:
@@ -515,7 +517,8 @@ def _route_label(request: web.Request) -> str:
 
 @web.middleware
 async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
-    """Turns every failure into OpenAI's error body and counts requests by route/status."""
+    """Turns every failure into OpenAI's error body (with the X-Request-Id of a generation
+    request that had one) and counts requests by route/status."""
     server: ApiServer = request.app[SERVER_KEY]
     try:
         resp = await handler(request)
@@ -536,6 +539,11 @@ async def _errors(request: web.Request, handler: Any) -> web.StreamResponse:
         log.error("request_failed", exc_info=True, path=request.path, error=repr(e))
         resp = json_response(error_body(f"internal error: {type(e).__name__}", "server_error"),
                              status=500)
+    rid = request.get(REQUEST_ID_KEY)
+    if rid and resp.status >= 400 and not resp.prepared:
+        # a refusal (429) names the request as a reply does, so a client or benchmark can
+        # find its admission decisions (`admission.ledger`) and log lines
+        resp.headers.setdefault("X-Request-Id", rid)
     status = CLIENT_CLOSED if request.get(CLIENT_CLOSED_KEY) else resp.status
     server.metrics.http.labels(_route_label(request), str(status)).inc()
     return resp

@@ -17,20 +17,24 @@ conductor's refit also sees the other nodes' steps.
 
 `conductor.node_admission` (enforce | shadow | off) sets what a predicted miss does
 (conductor/admission_ledger.py `decide`): with enforce, the built-in default model
-decides as shadow until `conductor.admission_warmup` timed steps calibrated it. Every
-decision is kept in an AdmissionLedger by request id (`admission.ledger` RPC).
+decides as shadow until `conductor.admission_warmup` timed steps calibrated it, and
+`conductor.admission_holdout` of the predicted misses, drawn here as at the conductor,
+are admitted as shadow too. Every decision is kept in an AdmissionLedger by request id
+(`admission.ledger` RPC).
 """
 
 from __future__ import annotations
 
 import math
+import random
 import statistics
 import time
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
-from mooncaked.conductor.admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
+from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, AdmissionLedger, Decision,
+                                                  decide, held_out)
 from mooncaked.conductor.cost_model import CostModel, step_with_request_s
 from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.conductor.refit import SERVED, STARTUP_PROFILE, CostModelRefitter
@@ -78,6 +82,8 @@ class DecodeAdmission:
         self._settings, self._kvb = settings, kv_bytes_per_token
         self.model = CostModelRefitter(settings, None)
         self.mode = settings.conductor.node_admission
+        self.holdout = settings.conductor.admission_holdout
+        self._holdout_rng = random.Random()
         self.refused = 0
         self.ledger = AdmissionLedger()
         # seconds per prompt token from admission to arrival (the prefill and hand-over)
@@ -130,7 +136,8 @@ class DecodeAdmission:
         calibrated = self.model.calibrated("decode")
         factor = self.model.tbt_factor()
         over = tbt * factor > self.slo_s     # its longest gaps, not the step
-        verdict = decide(self.mode, "tbt_slo" if over else None, calibrated)
+        verdict = decide(self.mode, "tbt_slo" if over else None, calibrated,
+                         over and held_out(self.holdout, self._holdout_rng))
         if rid:
             self.ledger.record(rid, Decision(verdict, "" if verdict == ADMIT else "tbt_slo",
                                              math.nan, tbt, calibrated))

@@ -552,8 +552,8 @@ class ClusterNode:
 
     async def _h_admission_ledger(self, payload: Any) -> dict:
         """`admission.ledger` {"rids": [...] | absent}: this node's admission decisions by
-        request id (conductor/admission_ledger.py): "conductor" when it leads, "node" for
-        its decode or coupled TBT check; each null where it has none."""
+        request id (conductor/admission_ledger.py): "conductor" when it leads, "node_check"
+        for its decode or coupled TBT check; each null where it has none."""
         rids = payload.get("rids") if isinstance(payload, dict) else None
         if rids is not None and not (isinstance(rids, list)
                                      and all(isinstance(r, str) for r in rids)):

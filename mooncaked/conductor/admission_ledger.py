@@ -7,7 +7,11 @@ whether the request would miss an SLO. `decide` turns that prediction into what 
 - mode ``enforce``: reject, unless the cost model the prediction came from is not
   calibrated yet (the built-in default with fewer than `conductor.admission_warmup`
   served steps behind it): then ``shadow``, as a new machine must not reject on a model
-  from another CPU;
+  from another CPU; or unless the request is held out (`held_out`, drawn by the check
+  with probability `conductor.admission_holdout`): then ``shadow`` too, so whether it
+  meets the SLOs tells whether the rejection would have been false, at the load the
+  enforcing cluster runs at (a shadow mode admits every predicted miss and so runs
+  busier);
 - mode ``shadow``: ``shadow`` (counted, logged, admitted);
 - mode ``off``: ``admit``.
 
@@ -20,6 +24,7 @@ requests that did not). Pure data, no I/O.
 from __future__ import annotations
 
 import math
+import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -29,19 +34,26 @@ ADMIT, REJECT, SHADOW = "admit", "reject", "shadow"
 LEDGER_SIZE = 4096
 
 
-def decide(mode: str, miss_reason: str | None, calibrated: bool) -> str:
+def decide(mode: str, miss_reason: str | None, calibrated: bool, held_out: bool = False) -> str:
     """What happens to a request a check predicted would miss for `miss_reason` (None: it
     would not): ADMIT, REJECT or SHADOW (admitted, but counted as a rejection the
-    enforcing check would have made). See the module doc.
+    enforcing check would have made). `held_out`: the check drew this request for its
+    holdout (enforce admits it as SHADOW). See the module doc.
 
     Raises: ValueError on an unknown mode."""
     if mode not in MODES:
         raise ValueError(f"unknown admission mode {mode!r}; choose one of {', '.join(MODES)}")
     if miss_reason is None or mode == "off":
         return ADMIT
-    if mode == "enforce" and calibrated:
+    if mode == "enforce" and calibrated and not held_out:
         return REJECT
     return SHADOW
+
+
+def held_out(share: float, rng: random.Random) -> bool:
+    """Whether a predicted miss goes to the holdout: True with probability `share`
+    (`conductor.admission_holdout`, 0..1); no draw from `rng` when share is 0."""
+    return share > 0 and rng.random() < share
 
 
 @dataclass(frozen=True)
@@ -102,4 +114,4 @@ class AdmissionLedger:
 
 
 __all__ = ["ADMIT", "AdmissionLedger", "Decision", "LEDGER_SIZE", "MODES", "REJECT", "SHADOW",
-           "decide"]
+           "decide", "held_out"]

@@ -46,7 +46,7 @@ from mooncaked.store.keys import slice_key
 from mooncaked.store.types import Inventory
 
 from . import calibration_cache, cost_store
-from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide
+from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide, held_out
 from .attainable import longest_attainable, unattainable
 from .cost_model import CostModel, step_with_request_s, with_measured_bandwidth
 from .index import BlockEvent, PrefixIndex
@@ -90,6 +90,7 @@ class ConductorService:
         self.nodes: dict[str, NodeView] = {}
         self.stale_s = max(3.0, 8 * settings.cluster.report_interval_s)
         self.rng = random.Random(0)
+        self.holdout_rng = random.Random()     # conductor.admission_holdout's draws
         self.started_at = time.time()
         self._started_mono = time.monotonic()
         self.placed = 0
@@ -593,15 +594,19 @@ class ConductorService:
 
     def _verdict(self, rid: str, miss: Rejection, decode_only: bool) -> str:
         """What `conductor.admission` makes of a predicted miss (admission_ledger.decide):
-        REJECT, or SHADOW (recorded; the request is placed without the SLO checks). A
+        REJECT, or SHADOW (recorded; the request is placed without the SLO checks; also a
+        miss drawn for `conductor.admission_holdout`). A
         TTFT miss needs a calibrated prefill model, a TBT or KV-room miss a calibrated
         decode model (`CostModelRefitter.calibrated`)."""
         kind = "prefill" if miss.reason == "ttft_slo" else "decode"
         calibrated = self.model.calibrated(kind)
-        verdict = decide(self.settings.conductor.admission, miss.reason, calibrated)
+        cs = self.settings.conductor
+        drawn = held_out(cs.admission_holdout, self.holdout_rng)
+        verdict = decide(cs.admission, miss.reason, calibrated, drawn)
         if verdict != REJECT:
             log.info("placement_shadow_rejected", request_id=rid, reason=miss.reason,
-                     calibrated=calibrated, predicted_ttft_s=miss.predicted_ttft_s,
+                     calibrated=calibrated, held_out=drawn,
+                     predicted_ttft_s=miss.predicted_ttft_s,
                      predicted_tbt_s=miss.predicted_tbt_s)
         if not decode_only:
             self.admission.record(rid, Decision(verdict, miss.reason,
