@@ -28,11 +28,13 @@ with both sides' conductors and decode/coupled nodes enforcing (a request predic
 miss is refused early, so it does not hold the queue); then the pd side replays its rates
 up to its capacity again (admission_audit) to tell which refusals were false and which
 admitted requests missed. `--audit holdout` (the default) replays them enforcing but
-admitting `--holdout-share` of the predicted misses at random (conductor.admission_holdout),
-which are judged at the load the enforcing cluster runs at; `--audit shadow` admits every
-predicted miss, so all are judged, but in a cluster that also serves what enforcing turned
-away, busier than the one it audits. Either way the capacity run bounds its own false
-rejections: at most its refusals (`false_rejection_share_at_most`).
+admitting the predicted misses of `--holdout-share` of the requests, drawn by request id
+(conductor.admission_holdout), which are judged near the load an enforcing cluster runs
+at (the smaller the share, the nearer, and the fewer judged); `--audit shadow` admits
+every predicted miss, so all are judged, but in a cluster that also serves what
+enforcing turned away, busier than the one it audits. Either way the capacity run
+bounds its own false rejections: at most its refusals (`false_rejection_share_at_most`,
+target `pd_false_rejection_bound_le_5pct_up_to_capacity`).
 
 Per rate and side: share within both SLOs (effective request capacity; rejected and
 failed requests are misses), rejected and failed counts, TTFT and TBT p50/p90/p99,
@@ -314,7 +316,8 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
                 "conductor.node_admission": admission,
                 "conductor.admission_holdout": holdout, **(extra or {}),
                 **overrides(args.overrides)}
-    label = f"{admission}, holdout {holdout:g}" if holdout else admission
+    share = settings["conductor.admission_holdout"]        # a --set may have changed it
+    label = f"{admission}, holdout {share:g}" if share and admission == "enforce" else admission
     nodes = _nodes(side)
     cl = LocalCluster(work / side, nodes, settings=settings, log_level="warning")
     out = []
@@ -365,7 +368,8 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
             log(f"{side:8s} rate {rate:.3f}/s ({label}): {res['share_within_slo']:.0%} "
                 f"within SLO (90% CI {res['share_within_slo_ci']}), rejected {res['rejected']}, failed "
                 f"{res['failed']}, TBT p90 {res['tbt_p90_s']}, longest gap "
-                f"{res['longest_gap_s']}; admission: would reject {adm['would_reject']}, false "
+                f"{res['longest_gap_s']}; admission: would reject {adm['would_reject']} "
+                f"({adm['rejections_judged']} ran), false "
                 f"rejections {adm['false_rejections']} (share {adm['false_rejection_share']}, "
                 f"at most {adm['false_rejection_share_at_most']}), admitted misses "
                 f"{adm['admitted_misses']}, TTFT/step prediction error "
@@ -445,13 +449,14 @@ def parser() -> argparse.ArgumentParser:
                          "(--audit) at its rates up to its capacity (admission_audit), which "
                          "the admission targets are judged on")
     ap.add_argument("--audit", choices=("shadow", "holdout"), default="holdout",
-                    help="how --admission both audits pd: shadow (admit every predicted "
-                         "miss: all are judged, but the cluster runs busier than an "
-                         "enforcing one), or holdout (enforce, admitting --holdout-share of "
-                         "the predicted misses at random: judged at the enforcing load, "
-                         "on fewer of them)")
+                    help="with --admission both, how pd is audited: holdout (enforce, but "
+                         "admit the predicted misses of --holdout-share of the requests: "
+                         "judged near the enforcing load, fewer of them) or shadow (admit "
+                         "every predicted miss: all judged, in a busier cluster than an "
+                         "enforcing one); default %(default)s")
     ap.add_argument("--holdout-share", type=float, default=0.5,
-                    help="conductor.admission_holdout of the holdout audit (0 < x <= 1)")
+                    help="conductor.admission_holdout of the holdout audit, in (0, 1]; "
+                         "default %(default)s")
     ap.add_argument("--refine", type=int, default=2,
                     help="steps of capacity refinement after the grid: each measures one more "
                          "rate per side, the geometric midpoint of its bracket (last pass, "
@@ -598,7 +603,7 @@ def run_trace(args: argparse.Namespace, trace: Path, work: Path, log: Any) -> di
                         "pd_false_rejections_le_5pct_up_to_capacity": _all_within(
                             pd_adm, "false_rejection_share"),
                         # the capacity run itself: every refusal counted false (a bound)
-                        "pd_false_rejections_at_most_5pct_up_to_capacity_enforcing":
+                        "pd_false_rejection_bound_le_5pct_up_to_capacity":
                             _all_within(enforced, "false_rejection_share_at_most")
                             if mode == "enforce" else None,
                         "pd_admitted_misses_le_5pct_up_to_capacity": _all_within(
@@ -655,7 +660,7 @@ def render(out: dict[str, Any]) -> None:
     cols = ("rate", "side", "share_within_slo", "rejected", "failed", "ttft_p50_s", "ttft_p90_s",
             "tbt_p50_s", "tbt_p90_s", "output_tok_s", "longest_gap_s", "median_step_s",
             "gaps_over_5x_step")
-    acols = ("would_reject", "false_rejections", "false_rejection_share",
+    acols = ("would_reject", "rejections_judged", "false_rejections", "false_rejection_share",
              "false_rejection_share_at_most", "admitted_misses", "ttft_pred_mare",
              "step_pred_mare")
     t = Table(title=f"effective request capacity: TTFT <= {out['slo']['ttft_slo_s']:.2f} s, "
@@ -691,7 +696,7 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"{t}: no such trace file")
     if args.limit < 1:
         ap.error(f"--limit {args.limit}: the slice needs at least one request")
-    if not 0 < args.holdout_share <= 1:
+    if args.audit == "holdout" and not 0 < args.holdout_share <= 1:
         ap.error(f"--holdout-share {args.holdout_share}: a share in (0, 1]")
     if args.ttft_slo and args.tbt_slo and not args.rates:
         ap.error("--ttft-slo and --tbt-slo skip the calibration the default rates come "

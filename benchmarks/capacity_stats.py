@@ -5,16 +5,21 @@ records and the nodes' admission ledgers (conductor/admission_ledger.py); no I/O
 Admission, per rate, from a run whose checks were in shadow mode (or enforcing: then a
 rejected request cannot tell whether it would have met the SLOs):
 
-- would_reject: requests a check rejected or would have rejected (shadow);
+- would_reject: requests a check rejected or would have rejected (shadow); a refusal
+  no check decided (a 429 for full receive buffers: the ledgers admitted it) is an
+  admitted miss instead; one without any decision on record (no request id) counts;
 - refused_unknown: of those, the ones refused (enforce), whose outcome is unknown;
+- rejections_judged: of those, the ones that ran (shadow, or held out while enforcing);
 - false_rejections: of those that ran (shadow, or held out while enforcing), the ones
   that met both SLOs (None when none ran: every would-be rejection was refused);
 - false_rejection_share: the share of the rate's requests a check that refused every
   would-be rejection would have refused falsely: false_rejections / ran x would_reject
   / requests (in shadow mode, where all ran, false_rejections / requests; with a
   holdout, the ones held out stand for the ones refused); None when none ran;
-- false_rejection_share_at_most: (false_rejections + refused_unknown) / requests, a bound
-  that holds whatever the refused would have done (every refusal counted false);
+- false_rejection_share_at_most: (false_rejections + refused_unknown) / requests: the
+  most a check refusing every would-be rejection could refuse falsely, whatever the
+  refused would have done (each counted false); in an enforcing run without a holdout,
+  about its refusals / requests;
 - admitted_misses: requests every check admitted that missed an SLO (or failed);
 - ttft_pred_mare: median |predicted - observed| / observed TTFT (the conductor's
   prediction at placement against the client's TTFT);
@@ -88,7 +93,11 @@ def admission_figures(records: Sequence[RequestRecord],
         if not ds and not r.rejected:
             continue
         known += 1
-        rejecting = r.rejected or any(d.get("verdict") in ("reject", "shadow") for d in ds)
+        # a refusal counts when a check decided it, or when no decision is on record
+        refused_by_check = r.rejected and (not ds or any(d.get("verdict") == "reject"
+                                                         for d in ds))
+        rejecting = refused_by_check or any(d.get("verdict") in ("reject", "shadow")
+                                            for d in ds)
         ok = met_slo(r, ttft_slo, tbt_slo)
         if rejecting:
             would += 1
@@ -111,6 +120,7 @@ def admission_figures(records: Sequence[RequestRecord],
     judged = ran > 0 or not would               # some would-be rejection ran, or none
     share = false_rej / ran * would / n if n and ran else 0.0
     return {"with_decision": known, "would_reject": would, "refused_unknown": refused,
+            "rejections_judged": ran,
             "false_rejections": false_rej if judged else None,
             "false_rejection_share": round(share, 4) if n and judged else None,
             "false_rejection_share_at_most": round((false_rej + refused) / n, 4) if n else None,

@@ -318,11 +318,13 @@ class ConductorSettings:
     node_admission: str = opt("enforce", "The decode (or coupled) node's TBT check: enforce | "
                                          "shadow | off, as admission.",
                               choices=("enforce", "shadow", "off"))
-    admission_holdout: float = opt(0.0, "Enforcing, the share of the predicted misses admitted "
-                                        "anyway, at random, and counted as shadow rejections "
-                                        "(a holdout): whether they meet the SLOs measures the "
-                                        "false rejections at the load the enforcing cluster "
-                                        "runs at; 0: none (enforce rejects them all).",
+    admission_holdout: float = opt(0.0, "Enforcing, the share of requests (by a hash of the "
+                                        "request id, the same at every check) whose predicted "
+                                        "misses are admitted anyway and counted as shadow "
+                                        "rejections (a holdout): whether they meet the SLOs "
+                                        "measures the false rejections near the load an "
+                                        "enforcing cluster runs at; 0: none (enforce rejects "
+                                        "them all).",
                                    min=0.0, max=1.0)
     admission_warmup: int = opt(8, "An enforcing check decides as shadow while its cost model is "
                                    "the built-in default and has been calibrated from fewer "
@@ -559,9 +561,9 @@ def load_settings(path: str | Path | None = None, overrides: dict[str, Any] | No
         try:
             data = tomllib.loads(Path(path).read_text())
         except OSError as e:
-            raise ConfigError(where, "-", f"cannot read: {e.strerror or e}") from e
+            raise ConfigError(where, "", f"cannot read: {e.strerror or e}") from e
         except tomllib.TOMLDecodeError as e:
-            raise ConfigError(where, "-", f"invalid TOML: {e}") from e
+            raise ConfigError(where, "", f"invalid TOML: {e}") from e
         _apply(where, settings, data, "")
     for dotted, value in (overrides or {}).items():
         if value is None:

@@ -6,6 +6,7 @@ here so that config.py imports this module and not the other way round."""
 
 from __future__ import annotations
 
+import re
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
@@ -13,22 +14,26 @@ if TYPE_CHECKING:  # annotations only: config.py imports this module
     from mooncaked.config import Settings
 
 CLUSTER_ROLES = ("prefill", "decode", "cache")
+DEVICE = re.compile(r"cpu|cuda(:\d+)?")      # the torch devices the engine runs on
 
 
 class ConfigError(ValueError):
     """A setting is unknown, of the wrong type or out of range.
 
     Attributes: `path` (the file, or "<flags>"), `key` (dotted, e.g.
-    "engine.block_size") and `reason`.
+    "engine.block_size"; "" for the whole file: unreadable, not TOML) and `reason`.
     """
 
     def __init__(self, path: str, key: str, reason: str):
-        super().__init__(f"{path}: {key}: {reason}")
+        super().__init__(f"{path}: {key}: {reason}" if key else f"{path}: {reason}")
         self.path, self.key, self.reason = path, key, reason
 
 
 def check_settings(settings: Settings, where: str) -> None:
     """Raises ConfigError(where, key, reason) for the first cross-field problem."""
+    if not DEVICE.fullmatch(settings.model.device):
+        raise ConfigError(where, "model.device",
+                          f"{settings.model.device!r}: expected cpu, cuda or cuda:N")
     cs = settings.cluster
     if cs.heartbeat_interval_s * 2 > cs.lease_ttl_s:
         raise ConfigError(where, "cluster.heartbeat_interval_s",

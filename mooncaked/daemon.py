@@ -31,6 +31,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import socket
+from collections.abc import Callable
+from typing import TypeVar
 
 import uvloop
 from aiohttp import web
@@ -51,6 +53,8 @@ from mooncaked.cluster.node_metrics import label_registry
 from mooncaked.model.tokenizer import Tokenizer
 from mooncaked.model.weights import resolve_model_path
 from mooncaked.roles import unused_settings
+
+T = TypeVar("T")
 
 log = get_logger(__name__)
 
@@ -112,14 +116,23 @@ def _freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+def _build(settings: Settings, build: Callable[[], T]) -> T | None:
+    """build() (the engine, or a front end's tokenizer), or None after logging why the
+    model did not load (model_load_failed: a missing or corrupt file, a bad setting such
+    as model.device=cuda on a CPU-only torch)."""
+    try:
+        return build()
+    except (ModelLoadError, OSError, ValueError) as e:
+        log.error("model_load_failed", path=settings.model.path or "<bundled>", error=str(e))
+    return None
+
+
 async def _serve(settings: Settings, stop: Shutdown) -> int:
 
     stop.bind()
     # Loading takes seconds and blocks the loop; a signal meanwhile is handled right after.
-    try:
-        engine = AsyncLLM.from_settings(settings)
-    except (ModelLoadError, OSError, ValueError) as e:
-        log.error("model_load_failed", path=settings.model.path or "<bundled>", error=str(e))
+    engine = _build(settings, lambda: AsyncLLM.from_settings(settings))
+    if engine is None:
         return 1
     # The node's KV store, as configured: finished requests' blocks (prompt and output)
     # go to DRAM and, with store.ssd_bytes, to the SSD tier, which outlives a restart.
@@ -167,17 +180,18 @@ async def _serve_cluster(settings: Settings, stop: Shutdown) -> int:
     stop.bind()
     role = settings.node.role
     engine = None
-    try:
-        # all: a coupled node (cluster.coupled); a CPP stage (cpp.group) loads only its
-        # layers itself (cluster/cpp/cpp_node.py), so it starts like a cache node here
-        if role in ("prefill", "decode", "all") and not (role == "prefill" and settings.cpp.group):
-            engine = AsyncLLM.from_settings(settings)
-            tokenizer = engine.tokenizer
-        else:   # cache, CPP stage: the API front end needs the tokenizer only
-            tokenizer = Tokenizer(resolve_model_path(settings.model.path), [])
-    except (ModelLoadError, OSError, ValueError) as e:
-        log.error("model_load_failed", path=settings.model.path or "<bundled>", error=str(e))
-        return 1
+    # all: a coupled node (cluster.coupled); a CPP stage (cpp.group) loads only its
+    # layers itself (cluster/cpp/cpp_node.py), so it starts like a cache node here
+    if role in ("prefill", "decode", "all") and not (role == "prefill" and settings.cpp.group):
+        engine = _build(settings, lambda: AsyncLLM.from_settings(settings))
+        if engine is None:
+            return 1
+        tokenizer = engine.tokenizer
+    else:   # cache, CPP stage: the API front end needs the tokenizer only
+        tokenizer = _build(settings, lambda: Tokenizer(resolve_model_path(settings.model.path),
+                                                       []))
+        if tokenizer is None:
+            return 1
     if (engine is not None and settings.engine.startup_profile_s > 0
             and settings.conductor.refit_cost_model):
         # before the node registers (so before /health is 200): the cost model's first

@@ -10,14 +10,13 @@ DecodeAdmission.
 from __future__ import annotations
 
 import math
-import random
 
 import pytest
 
 from mooncaked.cluster.admission import START_DELAY_MIN_SAMPLES, DecodeAdmission, still_decoding
 from cluster_harness import place, report
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, SHADOW, AdmissionLedger,
-                                                  Decision, decide, held_out)
+                                                  Decision, decide, in_holdout)
 from mooncaked.conductor.cost_model import CostModel, PolyModel, TransferModel
 from mooncaked.conductor.refit import CALIBRATE_EVERY, TBT_MAX_AGE_S, TBT_MIN_SAMPLES
 from mooncaked.conductor.cost_store import default_cost_model
@@ -50,19 +49,19 @@ def test_decide_covers_every_mode():
     assert decide("off", "tbt_slo", True) == ADMIT
     with pytest.raises(ValueError, match="unknown admission mode"):
         decide("sometimes", None, True)
-    # a miss drawn for the holdout is admitted and counted, as shadow
-    assert decide("enforce", "ttft_slo", True, held_out=True) == SHADOW
-    assert decide("enforce", None, True, held_out=True) == ADMIT
+    # a request in the holdout is admitted and counted, as shadow
+    assert decide("enforce", "ttft_slo", True, holdout=True) == SHADOW
+    assert decide("enforce", None, True, holdout=True) == ADMIT
 
 
-def test_holdout_draws_its_share_and_none_at_zero():
-    rng = random.Random(7)
-    state = rng.getstate()
-    assert not any(held_out(0.0, rng) for _ in range(100))
-    assert rng.getstate() == state                      # no draw: placement unchanged
-    assert all(held_out(1.0, rng) for _ in range(100))
-    rng = random.Random(3)
-    assert 400 <= sum(held_out(0.25, rng) for _ in range(2000)) <= 600
+def test_the_holdout_holds_its_share_of_request_ids_the_same_at_every_check():
+    rids = [f"cmpl-{i:032x}-0" for i in range(2000)]
+    assert not any(in_holdout(0.0, r) for r in rids)
+    assert all(in_holdout(1.0, r) for r in rids)
+    quarter = {r for r in rids if in_holdout(0.25, r)}
+    assert 400 <= len(quarter) <= 600                   # binomial sd 19: a wide bound
+    assert quarter == {r for r in rids if in_holdout(0.25, r)}     # a hash, not a draw
+    assert quarter <= {r for r in rids if in_holdout(0.5, r)}      # nested by share
 
 
 def test_enforce_with_a_holdout_admits_the_predicted_miss_as_shadow():
@@ -76,13 +75,22 @@ def test_enforce_with_a_holdout_admits_the_predicted_miss_as_shadow():
     a, b, c = (place(svc, r) for r in ("a", "b", "c"))
     assert a["ok"] and b["ok"] and c["ok"] and abs(c["predicted_ttft_s"] - 3.3) < 1e-9
     assert svc.status()["rejected"] == {}
-    assert svc.admissions(["c"])["decisions"]["c"]["verdict"] == "shadow"
+    c_led = svc.admissions(["c"])
+    assert c_led["decisions"]["c"]["verdict"] == "shadow" and c_led["decisions"]["c"]["held_out"]
+    assert c_led["held_out"] == 1
+    # a prompt over the TTFT SLO on an idle cluster too (0.1 + 400 x 10 ms = 4.1 s > 3 s) is
+    # not held out: no load explains it, and admitting it would hold p1 for seconds
+    big = place(svc, "big", n=400)
+    assert not big["ok"] and big["reason"] == "ttft_slo_unattainable"
+    assert svc.admissions(["big"])["decisions"]["big"]["verdict"] == "reject"
     adm = DecodeAdmission(s, 1000)
     adm.model.cost = COST
     adm.model.observe_step(1, 100, COST.decode_step_s(1, 100))    # not the default: calibrated
     assert adm.model.calibrated("decode")
     assert adm.check(199, 0, 0, "r1") is None and adm.refused == 0   # 2.06 s > 1 s, held out
-    assert adm.ledger_view(["r1"])["decisions"]["r1"]["verdict"] == "shadow"
+    r1 = adm.ledger_view(["r1"])
+    assert r1["decisions"]["r1"]["verdict"] == "shadow" and r1["decisions"]["r1"]["held_out"]
+    assert r1["held_out"] == 1 and r1["holdout_share"] == 1.0
     s.conductor.admission_holdout = 0.0
     adm = DecodeAdmission(s, 1000)
     adm.model.cost = COST
@@ -95,13 +103,13 @@ def test_ledger_counts_and_keeps_the_newest():
     led.record("a", Decision(ADMIT, "", 1.0, 0.1, True))
     led.record("b", Decision(SHADOW, "ttft_slo", 9.0, math.nan, False))
     led.record("c", Decision(REJECT, "tbt_slo", 1.0, 2.0, True))
-    assert led.status() == {"admitted": 1, "rejected": 1, "shadow_rejected": 1,
+    assert led.status() == {"admitted": 1, "rejected": 1, "shadow_rejected": 1, "held_out": 0,
                             "rejected_by_reason": {"tbt_slo": 1},
                             "shadow_rejected_by_reason": {"ttft_slo": 1}}
     assert set(led.entries()) == {"b", "c"}                   # "a" fell out
     assert led.entries(["b", "zz"]) == {"b": {"verdict": "shadow", "reason": "ttft_slo",
                                               "predicted_ttft_s": 9.0, "predicted_tbt_s": None,
-                                              "calibrated": False}}
+                                              "calibrated": False, "held_out": False}}
 
 
 def _queue_three(mode: str) -> tuple[ConductorService, list[dict]]:

@@ -48,6 +48,7 @@ def test_admission_figures_count_false_rejections_and_misses():
     assert f["with_decision"] == 6
     assert f["would_reject"] == 4                   # b, c, e (shadow) and f (rejected)
     assert f["refused_unknown"] == 1                # f never ran
+    assert f["rejections_judged"] == 3
     assert f["false_rejections"] == 2               # b and e met both SLOs
     assert f["admitted_misses"] == 1                # d
     # 2 of the 3 that ran were false: the 4 would-be rejections hold 8/3 false ones
@@ -72,6 +73,11 @@ def test_refusals_leave_false_rejections_unknown_and_short_requests_no_step_erro
     assert f["would_reject"] == 1 and f["refused_unknown"] == 1
     assert f["false_rejections"] is None and f["false_rejection_share"] is None
     assert f["false_rejection_share_at_most"] == 0.25       # the refusal, counted false
+    # a refusal that every check on record admitted (a full receive buffer's 429) is no
+    # admission rejection: an admitted miss
+    i = rec("i", None, None, ok=False, rejected=True)
+    f = admission_figures([*records, i], {**decisions, "i": decisions["a"]}, 2.0, 0.3)
+    assert f["would_reject"] == 1 and f["admitted_misses"] == 1
     assert f["step_pred_pairs"] == 2 and f["step_pred_mare"] == 0.0     # a and h, not g
     # nothing refused or shadowed: no false rejection, known
     f = admission_figures(records[:1], decisions, ttft_slo=2.0, tbt_slo=0.3)
@@ -143,7 +149,7 @@ def test_targets_not_measured_are_none_and_bad_arguments_fail_before_any_node(tm
                        "admitted_miss_share") is False
     for argv, says in ((["--traces", str(tmp_path / "none.jsonl")], "no such trace file"),
                        (["--limit", "0"], "at least one request"),
-                       (["--audit", "holdout", "--holdout-share", "0"], "a share in (0, 1]"),
+                       (["--holdout-share", "0"], "a share in (0, 1]"),
                        (["--ttft-slo", "2", "--tbt-slo", "0.05"], "give --rates")):
         with pytest.raises(SystemExit) as e:
             main([*argv, "--out", str(tmp_path / "out")])

@@ -8,6 +8,7 @@ change a node's state put it back before they return.
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import sys
 import time
@@ -17,9 +18,13 @@ from pathlib import Path
 
 import orjson
 import pytest
+import torch
 from cluster_harness import wait_until
 
 from mooncaked.cluster.launcher import LocalCluster, NodeSpec, control_call
+from mooncaked.config import Settings
+from mooncaked.daemon import _build
+from mooncaked.engine.llm_engine import LLMEngine
 from mooncaked.ports import free_port
 from mooncaked.kernels import cpu_isa
 
@@ -182,6 +187,32 @@ def test_config_check_runs_cross_field_checks_and_serve_prints_one_line(tmp_path
     out = subprocess.run([str(BIN / "mooncaked"), "config", "--check", str(etcd)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "cluster.token_file" in out.stderr
+    gpu = tmp_path / "gpu.toml"
+    gpu.write_text('[model]\ndevice = "gpu"\n')
+    out = subprocess.run([str(BIN / "mooncaked"), "config", "--check", str(gpu)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "model.device: 'gpu': expected cpu, cuda or cuda:N" in out.stderr
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\n")
+    out = subprocess.run([str(BIN / "mooncaked"), "config", "--check", str(broken)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and f"{broken}: invalid TOML" in out.stderr     # no key
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")
+def test_cuda_without_a_gpu_is_one_log_line_before_the_weights_load(caplog):
+    """model.device=cuda passes the config check but not a CPU-only torch: the engine
+    refuses it before loading weights, and serve logs model_load_failed and exits 1
+    (daemon._build returns None) instead of a traceback."""
+    settings = Settings()
+    settings.model.device = "cuda"
+    with caplog.at_level(logging.ERROR):
+        assert _build(settings, lambda: LLMEngine(settings)) is None
+    rec = next(r for r in caplog.records if r.getMessage() == "model_load_failed")
+    assert "model.device='cuda', but torch.cuda.is_available() is false" in rec.fields["error"]
+    assert not rec.exc_info                               # one line, no traceback
+    assert _build(settings, lambda: 7) == 7
 
 
 def test_ctl_without_a_cluster_exits_nonzero(tmp_path):

@@ -18,15 +18,14 @@ conductor's refit also sees the other nodes' steps.
 `conductor.node_admission` (enforce | shadow | off) sets what a predicted miss does
 (conductor/admission_ledger.py `decide`): with enforce, the built-in default model
 decides as shadow until `conductor.admission_warmup` timed steps calibrated it, and
-`conductor.admission_holdout` of the predicted misses, drawn here as at the conductor,
-are admitted as shadow too. Every decision is kept in an AdmissionLedger by request id
-(`admission.ledger` RPC).
+the requests in the holdout (`conductor.admission_holdout`, the same requests as at
+the conductor) are admitted as shadow too. Every decision is kept in an AdmissionLedger
+by request id (`admission.ledger` RPC).
 """
 
 from __future__ import annotations
 
 import math
-import random
 import statistics
 import time
 from collections import deque
@@ -34,7 +33,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from mooncaked.conductor.admission_ledger import (ADMIT, REJECT, AdmissionLedger, Decision,
-                                                  decide, held_out)
+                                                  decide, in_holdout)
 from mooncaked.conductor.cost_model import CostModel, step_with_request_s
 from mooncaked.conductor.cost_store import load_cost_model
 from mooncaked.conductor.refit import SERVED, STARTUP_PROFILE, CostModelRefitter
@@ -82,8 +81,7 @@ class DecodeAdmission:
         self._settings, self._kvb = settings, kv_bytes_per_token
         self.model = CostModelRefitter(settings, None)
         self.mode = settings.conductor.node_admission
-        self.holdout = settings.conductor.admission_holdout
-        self._holdout_rng = random.Random()
+        self.holdout_share = settings.conductor.admission_holdout
         self.refused = 0
         self.ledger = AdmissionLedger()
         # seconds per prompt token from admission to arrival (the prefill and hand-over)
@@ -136,11 +134,12 @@ class DecodeAdmission:
         calibrated = self.model.calibrated("decode")
         factor = self.model.tbt_factor()
         over = tbt * factor > self.slo_s     # its longest gaps, not the step
-        verdict = decide(self.mode, "tbt_slo" if over else None, calibrated,
-                         over and held_out(self.holdout, self._holdout_rng))
+        drawn = (over and self.mode == "enforce" and calibrated
+                 and in_holdout(self.holdout_share, rid))
+        verdict = decide(self.mode, "tbt_slo" if over else None, calibrated, drawn)
         if rid:
             self.ledger.record(rid, Decision(verdict, "" if verdict == ADMIT else "tbt_slo",
-                                             math.nan, tbt, calibrated))
+                                             math.nan, tbt, calibrated, drawn))
         if verdict != REJECT:
             if rid:
                 self.model.predicted_tbt(rid, tbt, time.monotonic())
@@ -167,7 +166,8 @@ class DecodeAdmission:
     def status(self) -> dict[str, Any]:
         """node.status "admission": mode, counts, and the model's step-prediction error."""
         m = self.model.status()
-        return {"mode": self.mode, **self.ledger.status(),
+        return {"mode": self.mode, "holdout_share": self.holdout_share,
+                **self.ledger.status(),
                 # whether it checks anything: a TBT SLO set and the mode not off
                 "active": math.isfinite(self.slo_s) and self.mode != "off",
                 "calibrated": self.model.calibrated("decode"),

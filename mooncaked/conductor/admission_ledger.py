@@ -7,11 +7,11 @@ whether the request would miss an SLO. `decide` turns that prediction into what 
 - mode ``enforce``: reject, unless the cost model the prediction came from is not
   calibrated yet (the built-in default with fewer than `conductor.admission_warmup`
   served steps behind it): then ``shadow``, as a new machine must not reject on a model
-  from another CPU; or unless the request is held out (`held_out`, drawn by the check
-  with probability `conductor.admission_holdout`): then ``shadow`` too, so whether it
-  meets the SLOs tells whether the rejection would have been false, at the load the
-  enforcing cluster runs at (a shadow mode admits every predicted miss and so runs
-  busier);
+  from another CPU; or unless the request is in the holdout (`in_holdout`: a share
+  `conductor.admission_holdout` of the requests, by a hash of the request id, so every
+  check agrees): then ``shadow`` too, so whether it meets the SLOs tells whether the
+  rejection would have been false, near the load an enforcing cluster runs at (shadow
+  mode admits every predicted miss and so runs busier);
 - mode ``shadow``: ``shadow`` (counted, logged, admitted);
 - mode ``off``: ``admit``.
 
@@ -23,8 +23,8 @@ requests that did not). Pure data, no I/O.
 
 from __future__ import annotations
 
+import hashlib
 import math
-import random
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -34,39 +34,48 @@ ADMIT, REJECT, SHADOW = "admit", "reject", "shadow"
 LEDGER_SIZE = 4096
 
 
-def decide(mode: str, miss_reason: str | None, calibrated: bool, held_out: bool = False) -> str:
+def decide(mode: str, miss_reason: str | None, calibrated: bool, holdout: bool = False) -> str:
     """What happens to a request a check predicted would miss for `miss_reason` (None: it
     would not): ADMIT, REJECT or SHADOW (admitted, but counted as a rejection the
-    enforcing check would have made). `held_out`: the check drew this request for its
-    holdout (enforce admits it as SHADOW). See the module doc.
+    enforcing check would have made). `holdout`: the request is in the holdout
+    (`in_holdout`; enforce admits it as SHADOW). See the module doc.
 
     Raises: ValueError on an unknown mode."""
     if mode not in MODES:
         raise ValueError(f"unknown admission mode {mode!r}; choose one of {', '.join(MODES)}")
     if miss_reason is None or mode == "off":
         return ADMIT
-    if mode == "enforce" and calibrated and not held_out:
+    if mode == "enforce" and calibrated and not holdout:
         return REJECT
     return SHADOW
 
 
-def held_out(share: float, rng: random.Random) -> bool:
-    """Whether a predicted miss goes to the holdout: True with probability `share`
-    (`conductor.admission_holdout`, 0..1); no draw from `rng` when share is 0."""
-    return share > 0 and rng.random() < share
+def in_holdout(share: float, rid: str) -> bool:
+    """Whether request `rid` is in the holdout of an enforcing check: a hash of rid
+    (BLAKE2b, 64 bits) read as a number in [0, 1) is below `share`
+    (`conductor.admission_holdout`, 0..1). The same rid gives the same answer at the
+    conductor and at the decode node, so a request held out by one is not refused by the
+    other: each would-be rejection runs with probability `share`, whichever checks
+    predicted its miss (what the benchmark's estimate of false rejections assumes)."""
+    if share <= 0:
+        return False
+    digest = hashlib.blake2b(rid.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0 ** 64 < share
 
 
 @dataclass(frozen=True)
 class Decision:
     """One request's admission: its verdict (ADMIT, REJECT, SHADOW), the reason a miss was
-    predicted ("" when none), the predictions (seconds, NaN when not predicted) and whether
-    the cost model was calibrated."""
+    predicted ("" when none), the predictions (seconds, NaN when not predicted), whether
+    the cost model was calibrated and whether an enforcing check admitted the predicted
+    miss because the request is in its holdout."""
 
     verdict: str
     reason: str
     predicted_ttft_s: float
     predicted_tbt_s: float
     calibrated: bool
+    held_out: bool = False
 
     def to_json(self) -> dict[str, Any]:
         """JSON-ready form (NaN predictions as None)."""
@@ -74,24 +83,27 @@ class Decision:
             return None if math.isnan(x) else round(x, 5)
         return {"verdict": self.verdict, "reason": self.reason,
                 "predicted_ttft_s": f(self.predicted_ttft_s),
-                "predicted_tbt_s": f(self.predicted_tbt_s), "calibrated": self.calibrated}
+                "predicted_tbt_s": f(self.predicted_tbt_s), "calibrated": self.calibrated,
+                "held_out": self.held_out}
 
 
 class AdmissionLedger:
     """Counts of verdicts and the newest LEDGER_SIZE decisions by request id.
 
     Attributes: counts {"admit", "reject", "shadow"} -> int; by_reason {verdict: {reason:
-    int}} for reject and shadow."""
+    int}} for reject and shadow; held_out (the shadow verdicts of the holdout)."""
 
     def __init__(self, size: int = LEDGER_SIZE):
         self.size = size
         self.counts = {ADMIT: 0, REJECT: 0, SHADOW: 0}
+        self.held_out = 0
         self.by_reason: dict[str, dict[str, int]] = {REJECT: {}, SHADOW: {}}
         self._entries: OrderedDict[str, Decision] = OrderedDict()
 
     def record(self, rid: str, d: Decision) -> None:
         """Counts d and keeps it under rid (a re-placement of rid replaces the entry)."""
         self.counts[d.verdict] += 1
+        self.held_out += d.held_out
         if d.verdict != ADMIT:
             r = self.by_reason[d.verdict]
             r[d.reason] = r.get(d.reason, 0) + 1
@@ -108,10 +120,10 @@ class AdmissionLedger:
     def status(self) -> dict[str, Any]:
         """The counts, for `ctl status` and /metrics."""
         return {"admitted": self.counts[ADMIT], "rejected": self.counts[REJECT],
-                "shadow_rejected": self.counts[SHADOW],
+                "shadow_rejected": self.counts[SHADOW], "held_out": self.held_out,
                 "rejected_by_reason": dict(self.by_reason[REJECT]),
                 "shadow_rejected_by_reason": dict(self.by_reason[SHADOW])}
 
 
 __all__ = ["ADMIT", "AdmissionLedger", "Decision", "LEDGER_SIZE", "MODES", "REJECT", "SHADOW",
-           "decide", "held_out"]
+           "decide", "in_holdout"]

@@ -34,7 +34,7 @@ import dataclasses
 import math
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from mooncaked.wire.messages import (FetchPlan, NodeRef, NodeReport, PlaceRejected, PlaceReply,
@@ -46,7 +46,7 @@ from mooncaked.store.keys import slice_key
 from mooncaked.store.types import Inventory
 
 from . import calibration_cache, cost_store
-from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide, held_out
+from .admission_ledger import ADMIT, REJECT, AdmissionLedger, Decision, decide, in_holdout
 from .attainable import longest_attainable, unattainable
 from .cost_model import CostModel, step_with_request_s, with_measured_bandwidth
 from .index import BlockEvent, PrefixIndex
@@ -90,7 +90,6 @@ class ConductorService:
         self.nodes: dict[str, NodeView] = {}
         self.stale_s = max(3.0, 8 * settings.cluster.report_interval_s)
         self.rng = random.Random(0)
-        self.holdout_rng = random.Random()     # conductor.admission_holdout's draws
         self.started_at = time.time()
         self._started_mono = time.monotonic()
         self.placed = 0
@@ -504,14 +503,15 @@ class ConductorService:
         result = placement(cfg)
         miss = result if isinstance(result, Rejection) else None
         if miss is not None:
-            if self._verdict(rid, miss, decode_only) == REJECT:
-                if miss.reason == "ttft_slo":
-                    # Over the SLO even with every queue empty: retrying cannot help.
-                    def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection | None:
-                        return placement(dataclasses.replace(cfg, tbt_slo_s=math.inf), r, s,
-                                         lambda v, c: 0.0)
-                    if unattainable(idle, preq, snap):
-                        return self._unattainable(miss, longest_attainable(idle, preq, snap, bs))
+            def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection | None:
+                return placement(dataclasses.replace(cfg, tbt_slo_s=math.inf), r, s,
+                                 lambda v, c: 0.0)
+
+            def hopeless() -> bool:    # over the TTFT SLO even with every queue empty
+                return miss.reason == "ttft_slo" and unattainable(idle, preq, snap)
+            if self._verdict(rid, miss, decode_only, hopeless) == REJECT:
+                if hopeless():         # retrying cannot help
+                    return self._unattainable(miss, longest_attainable(idle, preq, snap, bs))
                 return self._reject(miss)
             # shadow (or a model not calibrated yet): the placement without the SLO checks
             result = placement(dataclasses.replace(cfg, ttft_slo_s=math.inf,
@@ -555,13 +555,16 @@ class ConductorService:
         preq = PlacementRequest(keys, n, max_new)
         result = place(preq, snap, cost, cfg, self.rng)
         if isinstance(result, Rejection):
-            if cs.admission == "off" or self._verdict(req.rid, result, False) == REJECT:
-                if result.reason == "ttft_slo":       # retrying cannot help when idle too
-                    def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection:
-                        return place(r, s, cost, cfg, self.rng)
-                    if unattainable(idle, preq, snap):
-                        return self._unattainable(result, longest_attainable(
-                            idle, preq, snap, cfg.block_size))
+            def idle(r: PlacementRequest, s: Snapshot) -> Placement | Rejection:
+                return place(r, s, cost, cfg, self.rng)
+
+            def hopeless() -> bool:   # over the TTFT SLO even with every queue empty
+                return result.reason == "ttft_slo" and unattainable(idle, preq, snap)
+            if cs.admission == "off" or self._verdict(req.rid, result, False,
+                                                      hopeless) == REJECT:
+                if hopeless():                    # retrying cannot help when idle too
+                    return self._unattainable(result, longest_attainable(
+                        idle, preq, snap, cfg.block_size))
                 return self._reject(result)   # off: the TTFT SLO is inf, nothing is rejected
             result = place(preq, snap, cost, dataclasses.replace(cfg, ttft_slo_s=math.inf),
                            self.rng)
@@ -592,16 +595,21 @@ class ConductorService:
         predicted to see (what the ledger, replies and rejections say; NaN stays NaN)."""
         return predicted_ttft_s + self.model.ttft_overhead_s()
 
-    def _verdict(self, rid: str, miss: Rejection, decode_only: bool) -> str:
+    def _verdict(self, rid: str, miss: Rejection, decode_only: bool,
+                 hopeless: Callable[[], bool] | None = None) -> str:
         """What `conductor.admission` makes of a predicted miss (admission_ledger.decide):
         REJECT, or SHADOW (recorded; the request is placed without the SLO checks; also a
-        miss drawn for `conductor.admission_holdout`). A
-        TTFT miss needs a calibrated prefill model, a TBT or KV-room miss a calibrated
-        decode model (`CostModelRefitter.calibrated`)."""
+        request in the holdout, `conductor.admission_holdout`). A TTFT miss needs a
+        calibrated prefill model, a TBT or KV-room miss a calibrated decode model
+        (`CostModelRefitter.calibrated`). `hopeless()`: whether the miss holds on an idle
+        cluster too (attainable.py); such a request is not held out, as no load explains
+        its rejection and admitting it would hold a prefill node for seconds."""
         kind = "prefill" if miss.reason == "ttft_slo" else "decode"
         calibrated = self.model.calibrated(kind)
         cs = self.settings.conductor
-        drawn = held_out(cs.admission_holdout, self.holdout_rng)
+        drawn = bool(cs.admission == "enforce" and calibrated
+                     and in_holdout(cs.admission_holdout, rid)
+                     and not (hopeless is not None and hopeless()))
         verdict = decide(cs.admission, miss.reason, calibrated, drawn)
         if verdict != REJECT:
             log.info("placement_shadow_rejected", request_id=rid, reason=miss.reason,
@@ -611,7 +619,7 @@ class ConductorService:
         if not decode_only:
             self.admission.record(rid, Decision(verdict, miss.reason,
                                                 self._e2e_ttft(miss.predicted_ttft_s),
-                                                miss.predicted_tbt_s, calibrated))
+                                                miss.predicted_tbt_s, calibrated, drawn))
         return verdict
 
     def _record(self, rid: str, verdict: str, reason: str, p: Any) -> None:
@@ -624,8 +632,9 @@ class ConductorService:
     def admissions(self, rids: list[str] | None = None) -> dict[str, Any]:
         """`conductor.admissions`: the ledger's decisions for `rids` (all it holds when
         None) and its counts (admission_ledger.AdmissionLedger)."""
-        return {"mode": self.settings.conductor.admission, **self.admission.status(),
-                "decisions": self.admission.entries(rids)}
+        return {"mode": self.settings.conductor.admission,
+                "holdout_share": self.settings.conductor.admission_holdout,
+                **self.admission.status(), "decisions": self.admission.entries(rids)}
 
     def _block_size(self, v: NodeView) -> int:
         m = v.info.get("model") or {}

@@ -68,6 +68,10 @@ class LLMEngine:
         self.settings = settings
         t0 = time.monotonic()
         device = torch.device(ms.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            # before the weights load: torch would fail later, deep in a .to(), with a traceback
+            raise ValueError(f"model.device={ms.device!r}, but torch.cuda.is_available() is "
+                             f"false (a CPU-only torch build, or no GPU visible)")
         # model.dtype = auto resolved once, here (model/numerics.py): the dtype of the pages,
         # of the block-key salt and of every KV handover
         self.numerics = resolve_numerics(ms.dtype, ms.weight_format, device.type, cpu_isa.isa_level())
