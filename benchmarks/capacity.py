@@ -454,7 +454,7 @@ def parser() -> argparse.ArgumentParser:
                          "judged near the enforcing load, fewer of them) or shadow (admit "
                          "every predicted miss: all judged, in a busier cluster than an "
                          "enforcing one); default %(default)s")
-    ap.add_argument("--holdout-share", type=float, default=0.5,
+    ap.add_argument("--holdout-share", type=float, default=0.25,
                     help="conductor.admission_holdout of the holdout audit, in (0, 1]; "
                          "default %(default)s")
     ap.add_argument("--refine", type=int, default=2,
