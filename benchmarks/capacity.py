@@ -317,9 +317,11 @@ def run_side(side: str, args: argparse.Namespace, work: Path, requests: list[Tra
                 "conductor.admission_holdout": holdout, **(extra or {}),
                 **overrides(args.overrides)}
     share = settings["conductor.admission_holdout"]        # a --set may have changed it
-    label = f"{admission}, holdout {share:g}" if share and admission == "enforce" else admission
+    label = f"{admission}, holdout {share}" if share and admission == "enforce" else admission
     nodes = _nodes(side)
-    cl = LocalCluster(work / side, nodes, settings=settings, log_level="warning")
+    # die_with_parent: a benchmark killed mid-run takes its nodes with it
+    cl = LocalCluster(work / side, nodes, settings=settings, log_level="warning",
+                      die_with_parent=True)
     out = []
     try:
         cl.start_backend()
@@ -450,7 +452,8 @@ def parser() -> argparse.ArgumentParser:
                          "the admission targets are judged on")
     ap.add_argument("--audit", choices=("shadow", "holdout"), default="holdout",
                     help="with --admission both, how pd is audited: holdout (enforce, but "
-                         "admit the predicted misses of --holdout-share of the requests: "
+                         "admit the predicted misses of --holdout-share of the requests, "
+                         "except a prompt over the TTFT SLO even on an idle cluster (400): "
                          "judged near the enforcing load, fewer of them) or shadow (admit "
                          "every predicted miss: all judged, in a busier cluster than an "
                          "enforcing one); default %(default)s")
@@ -696,7 +699,8 @@ def _check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> None:
             ap.error(f"{t}: no such trace file")
     if args.limit < 1:
         ap.error(f"--limit {args.limit}: the slice needs at least one request")
-    if args.audit == "holdout" and not 0 < args.holdout_share <= 1:
+    if (args.admission == "both" and args.audit == "holdout"
+            and not 0 < args.holdout_share <= 1):
         ap.error(f"--holdout-share {args.holdout_share}: a share in (0, 1]")
     if args.ttft_slo and args.tbt_slo and not args.rates:
         ap.error("--ttft-slo and --tbt-slo skip the calibration the default rates come "

@@ -9,13 +9,16 @@ rejected request cannot tell whether it would have met the SLOs):
   no check decided (a 429 for full receive buffers: the ledgers admitted it) is an
   admitted miss instead; one without any decision on record (no request id) counts;
 - refused_unknown: of those, the ones refused (enforce), whose outcome is unknown;
+- refused_unattainable: of those, the 400s slo_unattainable (a prompt over the TTFT SLO
+  even on an idle cluster), which no holdout admits;
 - rejections_judged: of those, the ones that ran (shadow, or held out while enforcing);
 - false_rejections: of those that ran (shadow, or held out while enforcing), the ones
   that met both SLOs (None when none ran: every would-be rejection was refused);
 - false_rejection_share: the share of the rate's requests a check that refused every
-  would-be rejection would have refused falsely: false_rejections / ran x would_reject
-  / requests (in shadow mode, where all ran, false_rejections / requests; with a
-  holdout, the ones held out stand for the ones refused); None when none ran;
+  would-be rejection would have refused falsely: false_rejections / ran x (would_reject
+  - refused_unattainable) / requests (in shadow mode, where all ran, false_rejections /
+  requests; with a holdout, the ones held out stand for the ones refused that a holdout
+  could have admitted); None when none ran;
 - false_rejection_share_at_most: (false_rejections + refused_unknown) / requests: the
   most a check refusing every would-be rejection could refuse falsely, whatever the
   refused would have done (each counted false); in an enforcing run without a holdout,
@@ -86,7 +89,7 @@ def admission_figures(records: Sequence[RequestRecord],
             "predicted_tbt_s", ...} (None predictions allowed).
         ttft_slo, tbt_slo: seconds.
     """
-    would, false_rej, misses, known, refused = 0, 0, 0, 0, 0
+    would, false_rej, misses, known, refused, hopeless = 0, 0, 0, 0, 0, 0
     ttft_pairs, step_pairs = [], []
     for r in records:
         ds = decisions.get(r.request_id or "", ())
@@ -103,6 +106,7 @@ def admission_figures(records: Sequence[RequestRecord],
             would += 1
             false_rej += ok
             refused += r.rejected      # never ran: whether it would have met is unknown
+            hopeless += r.rejected and r.status == 400      # slo_unattainable: no holdout
         elif not ok:
             misses += 1
         ttft = next((d["predicted_ttft_s"] for d in ds if d.get("predicted_ttft_s")), None)
@@ -118,9 +122,9 @@ def admission_figures(records: Sequence[RequestRecord],
     # them ran; the share scales their false ones up to every would-be rejection
     ran = would - refused
     judged = ran > 0 or not would               # some would-be rejection ran, or none
-    share = false_rej / ran * would / n if n and ran else 0.0
+    share = false_rej / ran * (would - hopeless) / n if n and ran else 0.0
     return {"with_decision": known, "would_reject": would, "refused_unknown": refused,
-            "rejections_judged": ran,
+            "refused_unattainable": hopeless, "rejections_judged": ran,
             "false_rejections": false_rej if judged else None,
             "false_rejection_share": round(share, 4) if n and judged else None,
             "false_rejection_share_at_most": round((false_rej + refused) / n, 4) if n else None,

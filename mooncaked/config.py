@@ -10,6 +10,7 @@ config.example.toml from the same dataclasses, so the example cannot drift.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -323,8 +324,9 @@ class ConductorSettings:
                                         "misses are admitted anyway and counted as shadow "
                                         "rejections (a holdout): whether they meet the SLOs "
                                         "measures the false rejections near the load an "
-                                        "enforcing cluster runs at; 0: none (enforce rejects "
-                                        "them all).",
+                                        "enforcing cluster runs at. A prompt over the TTFT "
+                                        "SLO even on an idle cluster is never held out (400). "
+                                        "0: none (enforce rejects them all).",
                                    min=0.0, max=1.0)
     admission_warmup: int = opt(8, "An enforcing check decides as shadow while its cost model is "
                                    "the built-in default and has been calibrated from fewer "
@@ -465,6 +467,9 @@ def _check_value(where: str, key: str, f: dataclasses.Field, tp: Any, value: Any
     meta = f.metadata
     if meta.get("choices") and value not in meta["choices"]:
         raise ConfigError(where, key, f"{value!r} is not one of {', '.join(map(str, meta['choices']))}")
+    ranged = meta.get("min") is not None or meta.get("max") is not None
+    if ranged and isinstance(value, float) and math.isnan(value):   # passes both comparisons
+        raise ConfigError(where, key, "nan is not a number in its range")
     if meta.get("min") is not None and value < meta["min"]:
         raise ConfigError(where, key, f"{value} is below the minimum {meta['min']}")
     if meta.get("max") is not None and value > meta["max"]:

@@ -3,6 +3,8 @@ issue 33) on constructed records and ledgers, and its helpers that need no clust
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from mooncaked.benchmarks.capacity import _all_within, _best_chunk, main, overrides
@@ -73,15 +75,37 @@ def test_refusals_leave_false_rejections_unknown_and_short_requests_no_step_erro
     assert f["would_reject"] == 1 and f["refused_unknown"] == 1
     assert f["false_rejections"] is None and f["false_rejection_share"] is None
     assert f["false_rejection_share_at_most"] == 0.25       # the refusal, counted false
+    assert f["step_pred_pairs"] == 2 and f["step_pred_mare"] == 0.0     # a and h, not g
     # a refusal that every check on record admitted (a full receive buffer's 429) is no
     # admission rejection: an admitted miss
     i = rec("i", None, None, ok=False, rejected=True)
     f = admission_figures([*records, i], {**decisions, "i": decisions["a"]}, 2.0, 0.3)
     assert f["would_reject"] == 1 and f["admitted_misses"] == 1
-    assert f["step_pred_pairs"] == 2 and f["step_pred_mare"] == 0.0     # a and h, not g
     # nothing refused or shadowed: no false rejection, known
     f = admission_figures(records[:1], decisions, ttft_slo=2.0, tbt_slo=0.3)
     assert f["false_rejections"] == 0 and f["false_rejection_share"] == 0.0
+
+
+def test_a_holdout_stands_for_the_refusals_it_could_have_admitted():
+    """Held out while enforcing: 1 of 2 judged met the SLOs; 2 more were refused with 429
+    and 1 with a 400 slo_unattainable, which no holdout admits: 1/2 x (5 - 1) = 2 of 10
+    requests would have been refused falsely, at most 1 + 3."""
+    shadow = [{"verdict": "shadow", "predicted_ttft_s": 3.0, "predicted_tbt_s": 0.1,
+               "held_out": True}]
+    reject = [{"verdict": "reject", "predicted_ttft_s": 3.0, "predicted_tbt_s": 0.1}]
+    records = [rec("h1", 1.0, 0.2), rec("h2", 5.0, 0.2),
+               rec("r1", None, None, ok=False, rejected=True),
+               rec("r2", None, None, ok=False, rejected=True),
+               dataclasses.replace(rec("u", None, None, ok=False, rejected=True), status=400),
+               *(rec(f"a{k}", 1.0, 0.2) for k in range(5))]
+    decisions = {"h1": shadow, "h2": shadow, "r1": reject, "r2": reject, "u": reject,
+                 **{f"a{k}": [{"verdict": "admit", "predicted_ttft_s": 1.0,
+                               "predicted_tbt_s": 0.1}] for k in range(5)}}
+    f = admission_figures(records, decisions, ttft_slo=2.0, tbt_slo=0.3)
+    assert (f["would_reject"], f["refused_unknown"], f["refused_unattainable"],
+            f["rejections_judged"], f["false_rejections"]) == (5, 3, 1, 2, 1)
+    assert f["false_rejection_share"] == pytest.approx(0.2)
+    assert f["false_rejection_share_at_most"] == pytest.approx(0.4)
 
 
 def test_share_ci_brackets_the_share_and_narrows_with_more_requests():

@@ -198,6 +198,11 @@ def test_config_check_runs_cross_field_checks_and_serve_prints_one_line(tmp_path
     out = subprocess.run([str(BIN / "mooncaked"), "config", "--check", str(broken)],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and f"{broken}: invalid TOML" in out.stderr     # no key
+    nan = tmp_path / "nan.toml"
+    nan.write_text("[conductor]\nadmission_holdout = nan\n")       # passes < and > alike
+    out = subprocess.run([str(BIN / "mooncaked"), "config", "--check", str(nan)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "admission_holdout: nan is not a number" in out.stderr
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is present")

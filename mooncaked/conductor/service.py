@@ -713,6 +713,7 @@ class ConductorService:
             "rejected": dict(self.rejected), "indexed_keys": len(self.index), "nodes": nodes,
             "admission": {"mode": self.settings.conductor.admission,
                           "warmup_steps": self.settings.conductor.admission_warmup,
+                          "holdout_share": self.settings.conductor.admission_holdout,
                           **self.admission.status()},
             "policy": self.settings.conductor.policy,
             # a fetch over a measured path into a prefill node is predicted at that path's
